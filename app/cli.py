@@ -1,0 +1,93 @@
+"""tandem serve | models | bench — the one entry point (`tandem` console script)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from importlib import resources
+from pathlib import Path
+
+
+def embedded_default() -> Path:
+    """The embedded default config, shipped with the code (deploy/embedded.toml)."""
+    return Path(str(resources.files("deploy") / "embedded.toml"))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.config import ConfigError, load_settings
+    from app.gateway import create_gateway
+    from deploy.models import ModelError
+
+    try:
+        settings = load_settings(args.config or embedded_default())
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    gw = settings.gateway
+    host = args.host or gw.host
+    port = gw.port if args.port is None else args.port
+    logging.basicConfig(level=gw.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = create_gateway(settings)
+    except ModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"Tandem gateway on http://{host}:{port}/v1 (models load in the background; GET /health/ready says when)",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(app, host=host, port=port, log_level=gw.log_level, access_log=False, timeout_graceful_shutdown=5)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from deploy import models
+
+    if args.action == "list":
+        for name, m in models.MODELS.items():
+            state = "verified" if models.is_verified(name) else "not fetched"
+            print(f"{name:32s} {m.size / 1e6:8.1f} MB  {state:12s} {models.model_path(name)}")
+        return 0
+    return models.main([args.action, *args.names])
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "gateway":
+        from tests.bench.bench_gateway import main
+    elif args.what == "disco":
+        from app.disco_sim import main
+    else:  # pragma: no cover - argparse restricts choices
+        raise AssertionError(args.what)
+    return main(args.rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem", description="Device-cloud LLM serving gateway")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway")
+    serve.add_argument("--config", help="TOML settings file (default: the embedded default)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.set_defaults(func=_serve)
+
+    mod = sub.add_parser("models", help="list, fetch or locate the bundled model weights")
+    mod.add_argument("action", choices=["list", "fetch", "path"])
+    mod.add_argument("names", nargs="*")
+    mod.set_defaults(func=_models)
+
+    bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
+    bench.add_argument("what", choices=["gateway", "disco"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_bench)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

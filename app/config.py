@@ -1,0 +1,163 @@
+"""One settings tree: a TOML file, overridden by TANDEM_* environment variables.
+
+Nested fields use `__` in variable names, e.g. `TANDEM_GATEWAY__PORT=9000` or
+`TANDEM_CLOUDS__CLOUD__API_KEY=sk-...`. Everything is validated at start-up;
+`load_settings` raises `ConfigError` with one line per bad field, named by its
+dotted path, so a typo fails fast instead of at the first request.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+# Plain routing policies of the foundation; DiSCo adds its own names.
+BASIC_POLICIES = ("device", "cloud")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GatewaySettings(_Strict):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    model_name: str = "tandem"
+    api_keys: list[SecretStr] = []
+    policy: str = "device"
+    cloud: str = "cloud"  # which entry of [clouds] the "cloud" policy and fallbacks use
+    # Before the first token, try the other endpoint when the chosen one fails.
+    fallback: bool = True
+    default_max_tokens: Annotated[int, Field(gt=0)] = 512
+    ping_seconds: Annotated[float, Field(gt=0)] = 15.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in BASIC_POLICIES:
+            raise ValueError(f"unknown policy {value!r}; expected one of {', '.join(BASIC_POLICIES)}")
+        return value
+
+
+class DeviceSettings(_Strict):
+    kind: Literal["llamacpp", "torch"] = "llamacpp"
+    name: str = "device"
+    # A bundled model name (see `tandem models`) or a path to a GGUF file.
+    model: str = "qwen2.5-coder-0.5b-instruct"
+    n_ctx: Annotated[int, Field(gt=0)] = 4096
+    n_threads: Annotated[int, Field(gt=0)] = 2
+
+
+class EmbeddedServerSettings(_Strict):
+    """A real OpenAI-compatible server (llama-cpp-python's) that the gateway starts on
+    loopback and stops with itself: the stand-in for a remote provider."""
+
+    model: str = "qwen2.5-coder-1.5b-instruct"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8001
+    n_ctx: Annotated[int, Field(gt=0)] = 4096
+    n_threads: Annotated[int, Field(gt=0)] = 2
+    startup_timeout: Annotated[float, Field(gt=0)] = 120.0
+
+
+class CloudSettings(_Strict):
+    kind: Literal["openai"] = "openai"
+    base_url: str = "http://127.0.0.1:8001/v1"
+    api_key: SecretStr | None = None
+    model: str = "qwen2.5-coder-1.5b-instruct"
+    # "device": the upstream model shares the device model's tokenizer (the bundled
+    # Qwen pair does), so prompts and continuations go as token IDs and usage is exact.
+    # "tiktoken": unknown tokenizer; text continuation, usage estimated with cl100k_base.
+    tokenizer: Literal["device", "tiktoken"] = "tiktoken"
+    # How to continue an answer from a delivered prefix:
+    # "completions": raw /v1/completions with the chat template applied in the gateway;
+    # "chat": /v1/chat/completions only (no continuation; fresh answers only).
+    continuation: Literal["completions", "chat"] = "chat"
+    # Upstream accepts `prompt` as a list of token IDs (vLLM does; llama.cpp's Python
+    # server does not, so continuations to it go as text and it re-tokenises them).
+    token_id_prompts: bool = False
+    connect_timeout: Annotated[float, Field(gt=0)] = 3.0
+    read_timeout: Annotated[float, Field(gt=0)] = 60.0  # max gap between two streamed chunks
+    write_timeout: Annotated[float, Field(gt=0)] = 10.0
+    pool_timeout: Annotated[float, Field(gt=0)] = 5.0
+    max_connections: Annotated[int, Field(gt=0)] = 64
+    embedded: EmbeddedServerSettings | None = None
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"must start with http:// or https://, got {value!r}")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _completions_needs_template(self) -> CloudSettings:
+        if self.continuation == "completions" and self.tokenizer != "device":
+            raise ValueError(
+                "continuation='completions' needs the gateway to know the upstream chat template; "
+                "set tokenizer='device' (upstream shares the device model's tokenizer) or continuation='chat'"
+            )
+        return self
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", env_nested_delimiter="__", extra="forbid")
+
+    gateway: GatewaySettings = GatewaySettings()
+    device: DeviceSettings = DeviceSettings()
+    clouds: dict[str, CloudSettings] = {}
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The TOML file arrives as init kwargs; the environment must win over it.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _cloud_exists(self) -> Settings:
+        if self.gateway.cloud not in self.clouds and (self.gateway.policy == "cloud" or self.clouds):
+            known = ", ".join(self.clouds) or "none configured"
+            raise ValueError(f"gateway.cloud names {self.gateway.cloud!r}, which is not in [clouds] ({known})")
+        return self
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}: {msg}" + (f" (got {e['input']!r})" if e["type"] != "missing" and _short(e) else ""))
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _short(e: dict) -> bool:
+    return isinstance(e.get("input"), str | int | float | bool) and len(repr(e["input"])) < 80
+
+
+def load_settings(path: str | Path | None = None) -> Settings:
+    data: dict = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None

@@ -1,0 +1,225 @@
+"""The gateway process: settings → backends → orchestrator → FastAPI app.
+
+Models load in the background after the server starts listening, so `/health`
+answers at once and `/health/ready` says 503 until every backend can serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from app.config import Settings
+from app.embedded import EmbeddedServer
+from app.metrics import Metrics
+from app.orchestrator import Job, Orchestrator
+from clients.base import Backend, GenerationRequest
+from clients.openai_compat import OpenAICompatBackend
+from deploy import models as bundled
+from endpoints.errors import ApiError, install_error_handlers
+from endpoints.schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model(spec: str) -> Path:
+    """A bundled model name (fetched and verified on demand) or a path to a GGUF file."""
+    if spec in bundled.MODELS:
+        return bundled.fetch(spec) if not bundled.is_verified(spec) else bundled.model_path(spec)
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise bundled.ModelError(f"model {spec!r} is neither a bundled model ({', '.join(bundled.MODELS)}) nor a file")
+    return path
+
+
+def _device_backend(settings: Settings) -> Backend:
+    dev = settings.device
+    path = resolve_model(dev.model)
+    model_id = dev.model if dev.model in bundled.MODELS else path.stem
+    if dev.kind == "torch":
+        from clients.torch_local import TorchBackend
+
+        return TorchBackend(name=dev.name, gguf_path=path, model_id=model_id)
+    from clients.llamacpp import LlamaCppBackend
+
+    return LlamaCppBackend(dev.name, path, model_id, n_ctx=dev.n_ctx, n_threads=dev.n_threads)
+
+
+class Gateway:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.device = _device_backend(settings)
+        self.backends: dict[str, Backend] = {self.device.name: self.device}
+        self.embedded: list[EmbeddedServer] = []
+        for name, cloud in settings.clouds.items():
+            if cloud.embedded is not None:
+                server = EmbeddedServer(cloud.embedded, resolve_model(cloud.embedded.model), alias=cloud.model)
+                cloud = cloud.model_copy(update={"base_url": server.base_url})
+                self.embedded.append(server)
+            self.backends[name] = OpenAICompatBackend(name, cloud, count_exact=self._count_device)
+        for name, backend in self.backends.items():
+            self.metrics.backend_active.labels(backend=name).set_function(lambda b=backend: b.active)
+        cloud = settings.gateway.cloud if settings.gateway.cloud in self.backends else None
+        self.orchestrator = Orchestrator(
+            self.backends, self.device.name, cloud, settings.gateway.fallback, self.metrics
+        )
+        self.loaded = asyncio.Event()
+        self.startup_error: str | None = None
+        self.created = int(time.time())
+
+    def _count_device(self, text: str) -> int:
+        return self.device.count_tokens(text)[0]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        try:
+            for server in self.embedded:
+                server.start()
+            await asyncio.gather(*(b.start() for b in self.backends.values()), *(s.wait_ready() for s in self.embedded))
+            self.loaded.set()
+            log.info("gateway ready: %s", ", ".join(f"{n} ({b.model_id})" for n, b in self.backends.items()))
+        except Exception as exc:
+            self.startup_error = str(exc)
+            log.error("start-up failed: %s", exc)
+            raise
+
+    async def close(self) -> None:
+        for backend in self.backends.values():
+            await backend.close()
+        for server in self.embedded:
+            server.stop()
+
+    async def readiness(self) -> dict[str, bool]:
+        if not self.loaded.is_set():
+            return {name: False for name in self.backends}
+        names = list(self.backends)
+        states = await asyncio.gather(*(self.backends[n].ready() for n in names))
+        return dict(zip(names, states, strict=True))
+
+    # -- requests ----------------------------------------------------------------------------
+    def model_ids(self) -> list[str]:
+        ids = [self.settings.gateway.model_name]
+        for backend in self.backends.values():
+            ids += [backend.name, backend.model_id]
+        return list(dict.fromkeys(ids))
+
+    def _route(self, model: str, policy: str | None) -> tuple[str | None, str]:
+        pinned = None
+        if model != self.settings.gateway.model_name:
+            pinned = next((n for n, b in self.backends.items() if model in (n, b.model_id)), None)
+            if pinned is None:
+                raise ApiError(
+                    404,
+                    f"The model '{model}' does not exist. Available: {', '.join(self.model_ids())}.",
+                    param="model",
+                    code="model_not_found",
+                )
+        chosen = policy or self.settings.gateway.policy
+        if chosen not in ("device", "cloud"):
+            raise ApiError(400, f"Unknown routing policy '{chosen}'; expected device or cloud.", param="tandem.policy")
+        if chosen == "cloud" and self.orchestrator.cloud is None:
+            raise ApiError(400, "Policy 'cloud' needs a cloud backend, and none is configured.", param="tandem.policy")
+        return pinned, chosen
+
+    def _require_loaded(self) -> None:
+        if not self.loaded.is_set():
+            detail = f" (start-up failed: {self.startup_error})" if self.startup_error else "; retry shortly"
+            raise ApiError(
+                503, "Tandem is still loading its models" + detail, code="not_ready", headers={"Retry-After": "2"}
+            )
+
+    def _job(self, prefix: str, gen: GenerationRequest, prompt_tokens: int, pinned, policy) -> Job:
+        return Job(
+            id=f"{prefix}-{uuid.uuid4().hex[:24]}", gen=gen, prompt_tokens=prompt_tokens, policy=policy, pinned=pinned
+        )
+
+    def _limits(self, body, prompt_tokens: int) -> int:
+        limit = body.token_limit or self.settings.gateway.default_max_tokens
+        n_ctx = self.settings.device.n_ctx
+        if prompt_tokens >= n_ctx:
+            raise ApiError(
+                400,
+                f"This prompt is {prompt_tokens} tokens, more than the context window of {n_ctx} tokens.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return limit
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> Job:
+        pinned, policy = self._route(body.model, body.tandem.policy if body.tandem else None)
+        self._require_loaded()
+        messages = tuple(
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+        )
+        prompt_text = self.device.render_chat(messages)
+        prompt_ids = tuple(self.device.tokenize_prompt(prompt_text))
+        gen = GenerationRequest(
+            prompt_text=prompt_text,
+            prompt_ids=prompt_ids,
+            messages=messages,
+            max_tokens=self._limits(body, len(prompt_ids)),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            stop=body.stop_sequences,
+            seed=body.seed,
+        )
+        return self._job("chatcmpl", gen, len(prompt_ids), pinned, policy)
+
+    def prepare_completion(self, body: CompletionRequest) -> Job:
+        pinned, policy = self._route(body.model, body.tandem.policy if body.tandem else None)
+        self._require_loaded()
+        if isinstance(body.prompt, str):
+            prompt_text = body.prompt
+            prompt_ids = tuple(self.device.tokenize_prompt(prompt_text))
+        else:
+            prompt_ids = tuple(body.prompt)
+            vocab = self.device.vocab_size
+            if max(prompt_ids) >= vocab:
+                raise ApiError(
+                    400,
+                    f"Token ID {max(prompt_ids)} is out of range for a vocabulary of {vocab}.",
+                    param="prompt",
+                    code="invalid_value",
+                )
+            prompt_text = self.device.detokenize(prompt_ids)
+        gen = GenerationRequest(
+            prompt_text=prompt_text,
+            prompt_ids=prompt_ids,
+            max_tokens=self._limits(body, len(prompt_ids)),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            stop=body.stop_sequences,
+            seed=body.seed,
+        )
+        return self._job("cmpl", gen, len(prompt_ids), pinned, policy)
+
+
+def create_gateway(settings: Settings) -> FastAPI:
+    gateway = Gateway(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(gateway.start())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            await gateway.close()
+
+    app = FastAPI(title="Tandem gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.gateway = gateway
+    install_error_handlers(app)
+    from endpoints import openai, ops
+
+    app.include_router(openai.router)
+    app.include_router(ops.router)
+    return app

@@ -1,0 +1,94 @@
+"""The one interface every source of tokens implements.
+
+A backend turns a `GenerationRequest` into an async stream of `TokenEvent`s.
+Every backend can continue from a prefix (prompt + tokens already delivered to
+the client), which is what failover and migration build on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate. The prompt is already rendered (chat template applied).
+
+    `prompt_ids` is set when the gateway tokenised the prompt with a tokenizer
+    the backend shares; a backend with another vocabulary uses `prompt_text`.
+    `prefix_ids` / `prefix_text` are the tokens already delivered to the client
+    (empty for a fresh answer): the backend must continue right after them and
+    must not emit them again.
+    """
+
+    prompt_text: str
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[dict, ...] | None = None
+    prefix_text: str = ""
+    prefix_ids: tuple[int, ...] | None = None
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    exact: bool = True  # False when counted with an estimating tokenizer
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token (or a text piece when the backend does not expose ids).
+
+    The last event of a stream has `finish_reason` set ("stop" or "length") and
+    may carry empty text.
+    """
+
+    text: str
+    token_id: int | None = None
+    t: float = field(default_factory=time.monotonic)
+    finish_reason: str | None = None
+    usage: Usage | None = None  # only on the last event, when the backend knows it (e.g. upstream usage)
+
+
+class BackendError(Exception):
+    """A backend failed. `status` is the HTTP status the gateway should answer with
+    when no token has been delivered yet (502 bad upstream answer, 503 unreachable,
+    504 timed out)."""
+
+    def __init__(self, message: str, status: int = 502, backend: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.backend = backend
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    model_id: str  # the model this backend serves, as reported by /v1/models
+
+    async def start(self) -> None:
+        """Load or connect; may take long. Called once by the gateway's lifespan."""
+
+    async def close(self) -> None: ...
+
+    async def ready(self) -> bool:
+        """True when the backend can serve now (model loaded / upstream reachable)."""
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Generate. Closing the iterator (aclose or task cancellation) must stop the
+        backend's work promptly: llama.cpp within one token, upstream HTTP closed."""
+
+    def count_tokens(self, text: str) -> tuple[int, bool]:
+        """Token count of `text` and whether it is exact for this backend's model."""

@@ -1,0 +1,191 @@
+"""Device backend on llama-cpp-python.
+
+All model calls run on one dedicated thread per model, never on the event loop.
+Requests queue on that thread (a llama.cpp context is not safe to share), and
+each checks a cancel flag between tokens, so closing a stream stops generation
+within one token. Continuation from a delivered prefix is native: the prompt
+token IDs plus the prefix token IDs are fed to `generate`, which also reuses
+the KV cache for the longest common prefix with the previous request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import logging
+import random
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from clients.base import BackendError, GenerationRequest, TokenEvent
+from clients.chat_template import render_chat
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+class LlamaCppBackend:
+    def __init__(self, name: str, model_path: Path, model_id: str, n_ctx: int = 4096, n_threads: int = 2):
+        self.name = name
+        self.model_id = model_id
+        self.model_path = Path(model_path)
+        self.n_ctx = n_ctx
+        self.n_threads = n_threads
+        self._llm = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"llama-{name}")
+        # Generation jobs that are running or queued; the disconnect tests count them.
+        self.active = 0
+        self._count_lock = threading.Lock()
+        self.tokens_generated = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._load)
+
+    def _load(self) -> None:
+        from llama_cpp import Llama
+
+        self._llm = Llama(
+            model_path=str(self.model_path),
+            n_ctx=self.n_ctx,
+            n_threads=self.n_threads,
+            n_threads_batch=self.n_threads,
+            verbose=False,
+        )
+        meta = self._llm.metadata
+        self.chat_template = meta.get("tokenizer.chat_template")
+        vocab = self._llm._model.vocab
+        import llama_cpp
+
+        self._is_eog = lambda tok: bool(llama_cpp.llama_vocab_is_eog(vocab, tok))
+        self._bos = self._token_text(self._llm.token_bos())
+        self._eos = self._token_text(self._llm.token_eos())
+        log.info("device model %s loaded (%s)", self.model_id, self.model_path.name)
+
+    def _token_text(self, tok: int) -> str:
+        if tok is None or tok < 0:
+            return ""
+        return self._llm.detokenize([tok], special=True).decode("utf-8", errors="replace")
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def ready(self) -> bool:
+        return self._llm is not None
+
+    # -- tokenizer ---------------------------------------------------------------------------
+    def render_chat(self, messages) -> str:
+        if not self.chat_template:
+            raise BackendError(f"model {self.model_id} has no chat template", status=400, backend=self.name)
+        return render_chat(self.chat_template, messages, bos_token=self._bos, eos_token=self._eos)
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """Tokenise a rendered prompt: special tokens in it (e.g. <|im_start|>) are honoured."""
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Tokenise generated text: no BOS, special-token text stays plain text."""
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._llm.n_vocab()
+
+    def detokenize(self, ids) -> str:
+        return self._llm.detokenize(list(ids)).decode("utf-8", errors="replace")
+
+    def count_tokens(self, text: str) -> tuple[int, bool]:
+        return len(self.tokenize(text)), True
+
+    # -- generation --------------------------------------------------------------------------
+    def _input_ids(self, request: GenerationRequest) -> list[int]:
+        prompt = (
+            list(request.prompt_ids) if request.prompt_ids is not None else self.tokenize_prompt(request.prompt_text)
+        )
+        if request.prefix_ids is not None:
+            prefix = list(request.prefix_ids)
+        elif request.prefix_text:
+            prefix = self.tokenize(request.prefix_text)
+        else:
+            prefix = []
+        return prompt + prefix
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if self._llm is None:
+            raise BackendError(f"device model {self.model_id} is not loaded yet", status=503, backend=self.name)
+        ids = self._input_ids(request)
+        room = self.n_ctx - len(ids)
+        if room <= 0:
+            raise BackendError(
+                f"prompt is {len(ids)} tokens but the device model's context is {self.n_ctx}",
+                status=400,
+                backend=self.name,
+            )
+        max_tokens = min(request.max_tokens, room)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(item) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def run() -> None:
+            try:
+                if not cancel.is_set():
+                    self._generate(ids, request, max_tokens, cancel, emit)
+            except BaseException as exc:
+                emit(exc)
+            finally:
+                with self._count_lock:
+                    self.active -= 1
+                emit(_END)
+
+        with self._count_lock:
+            self.active += 1
+        self._executor.submit(run)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise BackendError(f"device model failed: {item}", status=500, backend=self.name) from item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            cancel.set()
+
+    def _generate(self, ids, request: GenerationRequest, max_tokens: int, cancel: threading.Event, emit) -> None:
+        llm = self._llm
+        seed = request.seed if request.seed is not None else random.getrandbits(31)
+        llm.set_seed(seed)
+        greedy = request.temperature <= 0
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        produced = 0
+        for token in llm.generate(
+            ids,
+            temp=0.0 if greedy else request.temperature,
+            top_p=1.0 if greedy else request.top_p,
+            top_k=0,
+            min_p=0.0,
+            repeat_penalty=1.0,
+        ):
+            if cancel.is_set():
+                return
+            if self._is_eog(token):
+                emit(TokenEvent(text=decoder.decode(b"", final=True), finish_reason="stop"))
+                return
+            produced += 1
+            self.tokens_generated += 1
+            text = decoder.decode(llm.detokenize([token]))
+            last = produced >= max_tokens
+            if last:
+                text += decoder.decode(b"", final=True)
+            emit(TokenEvent(text=text, token_id=token, finish_reason="length" if last else None))
+            if last:
+                return

@@ -1,0 +1,178 @@
+"""Cloud backend on any OpenAI-compatible server (vLLM, SGLang, llama.cpp server, a provider).
+
+One shared `httpx.AsyncClient` per backend with explicit connect / read (the
+longest gap between two streamed chunks) / write / pool timeouts. Each stream
+owns its upstream response inside `async with`, so the response is closed when
+the consumer closes the iterator, is cancelled, or the client disconnects —
+an unclosed streaming response would pin a pool connection for good.
+
+Continuation from a delivered prefix goes through raw `/v1/completions` with
+the chat template applied in the gateway and token IDs (when the upstream shares
+the device model's tokenizer); a plain chat upstream can only start answers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+
+from app.config import CloudSettings
+from clients.base import BackendError, GenerationRequest, TokenEvent, Usage
+from clients.tokencount import estimate_tokens
+
+log = logging.getLogger(__name__)
+
+
+class OpenAICompatBackend:
+    def __init__(
+        self,
+        name: str,
+        settings: CloudSettings,
+        count_exact: Callable[[str], int] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        self.name = name
+        self.model_id = settings.model
+        self.settings = settings
+        # The device tokenizer when upstream shares it: exact usage without upstream help.
+        self._count_exact = count_exact if settings.tokenizer == "device" else None
+        self.can_continue = settings.continuation == "completions"
+        self.accepts_token_ids = settings.token_id_prompts
+        headers = {}
+        if settings.api_key is not None:
+            headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
+        self._client = httpx.AsyncClient(
+            base_url=settings.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(
+                connect=settings.connect_timeout,
+                read=settings.read_timeout,
+                write=settings.write_timeout,
+                pool=settings.pool_timeout,
+            ),
+            limits=httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=16),
+            transport=transport,
+        )
+        self.active = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def ready(self) -> bool:
+        try:
+            response = await self._client.get("/models", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def count_tokens(self, text: str) -> tuple[int, bool]:
+        if self._count_exact is not None:
+            return self._count_exact(text), True
+        return estimate_tokens(text), False
+
+    # -- request building --------------------------------------------------------------------
+    def _body(self, request: GenerationRequest) -> tuple[str, dict]:
+        common = {
+            "model": self.settings.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": request.max_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+        }
+        if request.stop:
+            common["stop"] = list(request.stop)
+        if request.seed is not None:
+            common["seed"] = request.seed
+        continuing = bool(request.prefix_text) or bool(request.prefix_ids)
+        if self.can_continue and (continuing or request.messages is None):
+            if self.accepts_token_ids and request.prompt_ids is not None and (request.prefix_ids or not continuing):
+                prompt: str | list[int] = list(request.prompt_ids) + list(request.prefix_ids or ())
+            else:
+                prompt = request.prompt_text + request.prefix_text
+            return "/completions", {**common, "prompt": prompt}
+        if continuing:
+            raise BackendError(
+                f"cloud backend {self.name!r} cannot continue an answer (continuation='chat')",
+                status=501,
+                backend=self.name,
+            )
+        if request.messages is None:
+            raise BackendError(f"cloud backend {self.name!r} serves chat only", status=400, backend=self.name)
+        return "/chat/completions", {**common, "messages": list(request.messages)}
+
+    # -- streaming ---------------------------------------------------------------------------
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        path, body = self._body(request)
+        url = self.settings.base_url + path
+        self.active += 1
+        try:
+            async with self._client.stream("POST", path, json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise self._upstream_error(response)
+                async for event in self._events(response, request):
+                    yield event
+        except httpx.ConnectError as exc:
+            raise BackendError(f"cloud backend {self.name!r} is unreachable at {url}: {exc}", 503, self.name) from exc
+        except httpx.ConnectTimeout as exc:
+            raise BackendError(
+                f"cloud backend {self.name!r} did not accept a connection in time", 504, self.name
+            ) from exc
+        except httpx.ReadTimeout as exc:
+            raise BackendError(
+                f"cloud backend {self.name!r} sent nothing for {self.settings.read_timeout:g} s (stalled)",
+                504,
+                self.name,
+            ) from exc
+        except httpx.PoolTimeout as exc:
+            raise BackendError(f"cloud backend {self.name!r}: connection pool exhausted", 503, self.name) from exc
+        except httpx.HTTPError as exc:
+            raise BackendError(f"cloud backend {self.name!r} failed: {exc!r}", 502, self.name) from exc
+        finally:
+            self.active -= 1
+
+    def _upstream_error(self, response: httpx.Response) -> BackendError:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:300]
+        status = response.status_code
+        # A client-side mistake upstream is the client's; auth trouble upstream is ours (502).
+        mapped = status if status in (400, 413, 422, 429) else 502
+        return BackendError(f"cloud backend {self.name!r} answered {status}: {message}", mapped, self.name)
+
+    async def _events(self, response: httpx.Response, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        finish: str | None = None
+        usage: Usage | None = None
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, comments (keep-alive pings), event names
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            try:
+                chunk = json.loads(data)
+            except ValueError as exc:
+                raise BackendError(f"cloud backend {self.name!r} sent malformed SSE data: {data[:100]!r}") from exc
+            if "error" in chunk:
+                err = chunk["error"]
+                message = err.get("message") if isinstance(err, dict) else str(err)
+                raise BackendError(f"cloud backend {self.name!r} failed mid-stream: {message}", 502, self.name)
+            if chunk.get("usage"):
+                u = chunk["usage"]
+                usage = Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0), exact=True)
+            for choice in chunk.get("choices") or ():
+                text = choice.get("text")
+                if text is None:
+                    text = (choice.get("delta") or {}).get("content") or ""
+                if text:
+                    yield TokenEvent(text=text)
+                finish = choice.get("finish_reason") or finish
+        yield TokenEvent(text="", finish_reason=finish or "stop", usage=usage)

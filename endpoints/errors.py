@@ -1,0 +1,100 @@
+"""The OpenAI error envelope, for every error the gateway answers before a stream starts.
+
+Clients parse `{"error": {"message", "type", "param", "code"}}`; FastAPI's own
+`{"detail": ...}` would surface in the SDK as an unhelpful generic error, so
+validation errors, unknown routes and our own failures all go through here.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        retry: bool | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = dict(headers or {})
+        if retry is not None:
+            # The OpenAI SDK retries 408/409/429/5xx unless told that retrying cannot help.
+            self.headers["x-should-retry"] = "true" if retry else "false"
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return ApiError(
+            400, "We could not parse the JSON body of your request: " + first.get("msg", ""), code="invalid_json"
+        )
+    if not loc and kind == "missing":
+        return ApiError(400, "The request body is missing; send a JSON object.", code="invalid_request")
+    if kind in ("model_attributes_type", "dict_type") and not loc:
+        return ApiError(400, "The request body must be a JSON object.", code="invalid_request")
+    # The OpenAI style names the field as dotted/indexed path: messages[0].role
+    param = ""
+    for part in loc:
+        param += f"[{part}]" if part.isdigit() else (f".{part}" if param else part)
+    param = param or None
+    if kind == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}. Tandem does not support it."
+        return ApiError(400, message, param=param, code="unsupported_parameter")
+    if kind == "missing":
+        return ApiError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    shown = first.get("input")
+    got = f" (got {shown!r})" if isinstance(shown, str | int | float | bool) and len(repr(shown)) < 60 else ""
+    return ApiError(400, f"Invalid value for '{param}': {msg}{got}.", param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = f"Unknown route: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()

@@ -1,0 +1,236 @@
+"""/v1/chat/completions, /v1/completions and /v1/models, on the OpenAI wire contract.
+
+The HTTP status is held until the first token exists: a failure before it is a
+real HTTP error in the OpenAI envelope (or a failover inside the orchestrator);
+a failure after it is an SSE `data: {"error": ...}` event followed by [DONE].
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from app.orchestrator import Delta, Job
+from clients.base import BackendError
+from endpoints.errors import ApiError
+from endpoints.schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _gateway(request: Request):
+    return request.app.state.gateway
+
+
+async def require_api_key(request: Request) -> None:
+    keys = request.app.state.gateway.settings.gateway.api_keys
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    given = token.strip().encode() if scheme.lower() == "bearer" else b""
+    # Compare against every key, without stopping early, in constant time per key.
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(given, key.get_secret_value().encode())
+    if not ok:
+        message = "Missing API key: send 'Authorization: Bearer <key>'." if not given else "Incorrect API key provided."
+        raise ApiError(401, message, code="invalid_api_key", type="authentication_error")
+
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+
+def _error_body(exc: BaseException) -> dict:
+    status = exc.status if isinstance(exc, BackendError) else 500
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": str(exc), "type": kind, "param": None, "code": f"backend_{status}"}}
+
+
+async def _first(stream: AsyncIterator[Delta]) -> Delta:
+    try:
+        return await anext(stream)
+    except BackendError as exc:
+        await stream.aclose()
+        retry = exc.status >= 500 and exc.status != 501
+        raise ApiError(
+            exc.status, str(exc), code="backend_error" if exc.status >= 500 else "invalid_request", retry=retry
+        ) from exc
+
+
+class _Chunks:
+    """Pre-rendered JSON around the only part that changes per chunk (the text), because
+    the relay's per-chunk cost is the gateway's overhead on every token."""
+
+    def __init__(self, job: Job, model: str, chat: bool, include_usage: bool):
+        self.job = job
+        self.chat = chat
+        self.include_usage = include_usage
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        usage = ',"usage":null' if include_usage else ""
+        self._head = f'data: {{"id":"{job.id}","object":"{obj}","created":{int(time.time())},"model":{json.dumps(model)},"system_fingerprint":null,"choices":[{{"index":0,'  # noqa: E501
+        self._tail = f'"logprobs":null,"finish_reason":%s}}]{usage}}}\n\n'
+        self._model = model
+
+    def role(self) -> bytes:
+        return (self._head + '"delta":{"role":"assistant","content":""},' + self._tail % "null").encode()
+
+    def text(self, text: str, finish: str | None = None) -> bytes:
+        fin = "null" if finish is None else f'"{finish}"'
+        body = f'"delta":{{"content":{json.dumps(text)}}},' if self.chat else f'"text":{json.dumps(text)},'
+        if self.chat and finish is not None and not text:
+            body = '"delta":{},'
+        return (self._head + body + self._tail % fin).encode()
+
+    def usage(self) -> bytes:
+        u = self.job.usage
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return (
+            "data: "
+            + json.dumps(
+                {
+                    "id": self.job.id,
+                    "object": obj,
+                    "created": int(time.time()),
+                    "model": self._model,
+                    "system_fingerprint": None,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": u.prompt_tokens,
+                        "completion_tokens": u.completion_tokens,
+                        "total_tokens": u.total_tokens,
+                    },
+                },
+                separators=(",", ":"),
+            )
+            + "\n\n"
+        ).encode()
+
+
+async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], chunks: _Chunks) -> AsyncIterator[bytes]:
+    try:
+        if chunks.chat:
+            yield chunks.role()
+        delta = first
+        while True:
+            if delta.text or delta.finish_reason is not None:
+                yield chunks.text(delta.text, delta.finish_reason)
+            if delta.finish_reason is not None:
+                break
+            try:
+                delta = await anext(stream)
+            except BackendError as exc:
+                log.warning("request %s failed mid-stream: %s", job.id, exc)
+                yield ("data: " + json.dumps(_error_body(exc)) + "\n\n").encode()
+                yield _DONE
+                return
+        if chunks.include_usage:
+            yield chunks.usage()
+        yield _DONE
+    finally:
+        # Client gone or done: stop the backend's work now (llama.cpp thread, upstream HTTP).
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+
+
+def _sse_response(request: Request, job: Job, first: Delta, stream, chunks: _Chunks) -> EventSourceResponse:
+    gw = _gateway(request)
+    return EventSourceResponse(
+        _sse(job, first, stream, chunks),
+        sep="\n",
+        ping=gw.settings.gateway.ping_seconds,
+        ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"),
+        headers={**_SSE_HEADERS, "x-request-id": job.id, "x-tandem-backend": job.backend or ""},
+    )
+
+
+async def _collect(first: Delta, stream: AsyncIterator[Delta]) -> tuple[str, str]:
+    parts = [first.text]
+    delta = first
+    try:
+        while delta.finish_reason is None:
+            delta = await anext(stream)
+            parts.append(delta.text)
+    except BackendError as exc:
+        raise ApiError(exc.status, f"the answer failed midway: {exc}", code="backend_error") from exc
+    finally:
+        await stream.aclose()
+    return "".join(parts), delta.finish_reason
+
+
+def _usage(job: Job) -> dict:
+    u = job.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    gw = _gateway(request)
+    job = gw.prepare_chat(body)
+    stream = gw.orchestrator.generate(job)
+    first = await _first(stream)
+    if body.stream:
+        return _sse_response(request, job, first, stream, _Chunks(job, body.model, True, body.include_usage))
+    text, finish = await _collect(first, stream)
+    return JSONResponse(
+        {
+            "id": job.id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            ],
+            "usage": _usage(job),
+        },
+        headers={"x-request-id": job.id, "x-tandem-backend": job.backend or ""},
+    )
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    gw = _gateway(request)
+    job = gw.prepare_completion(body)
+    stream = gw.orchestrator.generate(job)
+    first = await _first(stream)
+    if body.stream:
+        return _sse_response(request, job, first, stream, _Chunks(job, body.model, False, body.include_usage))
+    text, finish = await _collect(first, stream)
+    return JSONResponse(
+        {
+            "id": job.id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": _usage(job),
+        },
+        headers={"x-request-id": job.id, "x-tandem-backend": job.backend or ""},
+    )
+
+
+@router.get("/models")
+async def list_models(request: Request):
+    gw = _gateway(request)
+    return {
+        "object": "list",
+        "data": [{"id": m, "object": "model", "created": gw.created, "owned_by": "tandem"} for m in gw.model_ids()],
+    }

@@ -1,0 +1,124 @@
+"""Pydantic models of the OpenAI surface Tandem serves.
+
+Requests forbid unknown fields: a parameter Tandem would silently ignore (tools,
+n > 1, logprobs, ...) is answered with a 400 that names it, because a client
+that asked for it would otherwise get an answer that looks right and is not.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TandemOptions(_Request):
+    """Tandem's own extension (send it with the SDK's `extra_body={"tandem": {...}}`)."""
+
+    policy: str | None = Field(None, description="routing policy for this request, e.g. 'device' or 'cloud'")
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+def _stop_list(value: str | list[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+class _Sampling(_Request):
+    model: str
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: Annotated[int, Field(ge=1)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    tandem: TandemOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError(f"n={value} is not supported; Tandem returns exactly one choice (n=1)")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 0, 0.0):
+            raise ValueError("penalties are not supported; only 0 is accepted")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stop(cls, value):
+        if any(s == "" for s in _stop_list(value)):
+            raise ValueError("stop sequences must not be empty strings")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        return _stop_list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: Literal[False] | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the OpenAI default for this endpoint
+    echo: Literal[False] | None = None
+    suffix: None = None
+    best_of: Literal[1] | None = None
+    logprobs: None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
