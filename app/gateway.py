@@ -66,6 +66,7 @@ class Gateway:
             self.backends[name] = OpenAICompatBackend(name, cloud, count_exact=self._count_device)
         for name, backend in self.backends.items():
             self.metrics.backend_active.labels(backend=name).set_function(lambda b=backend: b.active)
+            self.metrics.backend_generated.labels(backend=name).set_function(lambda b=backend: b.tokens_generated)
         cloud = settings.gateway.cloud if settings.gateway.cloud in self.backends else None
         self.orchestrator = Orchestrator(
             self.backends, self.device.name, cloud, settings.gateway.fallback, self.metrics

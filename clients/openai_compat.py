@@ -57,6 +57,7 @@ class OpenAICompatBackend:
             transport=transport,
         )
         self.active = 0
+        self.tokens_generated = 0  # streamed text pieces received from upstream
 
     async def start(self) -> None:
         pass
@@ -173,6 +174,7 @@ class OpenAICompatBackend:
                 if text is None:
                     text = (choice.get("delta") or {}).get("content") or ""
                 if text:
+                    self.tokens_generated += 1
                     yield TokenEvent(text=text)
                 finish = choice.get("finish_reason") or finish
         yield TokenEvent(text="", finish_reason=finish or "stop", usage=usage)

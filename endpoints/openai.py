@@ -7,6 +7,7 @@ a failure after it is an SSE `data: {"error": ...}` event followed by [DONE].
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -58,9 +59,32 @@ def _error_body(exc: BaseException) -> dict:
     return {"error": {"message": str(exc), "type": kind, "param": None, "code": f"backend_{status}"}}
 
 
-async def _first(stream: AsyncIterator[Delta]) -> Delta:
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects. FastAPI has read the body already, so the
+    next ASGI message can only be `http.disconnect`."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _first(request: Request, stream: AsyncIterator[Delta]) -> Delta:
+    """Wait for the first token, but not for a client that has gone: before the response
+    starts nothing else watches the connection, and a cancelled request must not keep
+    a model busy."""
+    first = asyncio.ensure_future(anext(stream))
+    gone = asyncio.ensure_future(_client_gone(request))
     try:
-        return await anext(stream)
+        await asyncio.wait((first, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not first.done():
+            first.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(first, return_exceptions=True)
+                await stream.aclose()
+    if first.cancelled():
+        raise ApiError(499, "client closed the request before the first token")
+    try:
+        return first.result()
     except BackendError as exc:
         await stream.aclose()
         retry = exc.status >= 500 and exc.status != 501
@@ -179,7 +203,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     gw = _gateway(request)
     job = gw.prepare_chat(body)
     stream = gw.orchestrator.generate(job)
-    first = await _first(stream)
+    first = await _first(request, stream)
     if body.stream:
         return _sse_response(request, job, first, stream, _Chunks(job, body.model, True, body.include_usage))
     text, finish = await _collect(first, stream)
@@ -209,7 +233,7 @@ async def completions(body: CompletionRequest, request: Request):
     gw = _gateway(request)
     job = gw.prepare_completion(body)
     stream = gw.orchestrator.generate(job)
-    first = await _first(stream)
+    first = await _first(request, stream)
     if body.stream:
         return _sse_response(request, job, first, stream, _Chunks(job, body.model, False, body.include_usage))
     text, finish = await _collect(first, stream)

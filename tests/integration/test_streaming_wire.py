@@ -1,0 +1,104 @@
+"""The SSE wire format, the README's curl example run verbatim, and client disconnects."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT
+
+MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+
+def test_sse_framing(gateway):
+    body = {"model": "device", "messages": MESSAGES, "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", gateway.v1 + "/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache"
+        assert r.headers["x-accel-buffering"] == "no"
+        raw = b"".join(r.iter_raw())
+    assert b"\r" not in raw
+    events = raw.decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        if event.startswith(":"):
+            continue
+        assert event.startswith("data: ")
+        json.loads(event[6:])
+
+
+def readme_curl() -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- curl-example -->\s*```(?:bash|sh)?\n(.*?)```", text, re.S)
+    assert match, "README.md must hold the curl example after a <!-- curl-example --> marker"
+    return match.group(1)
+
+
+def test_readme_curl_example_verbatim(gateway):
+    command = readme_curl()
+    assert "http://127.0.0.1:8000" in command
+    # Only the address differs: the test gateway listens on a free port, not 8000.
+    command = command.replace("http://127.0.0.1:8000", gateway.url)
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120, check=True).stdout
+    datas = [line[6:] for line in out.splitlines() if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in datas[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text.strip()
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.parametrize("model", ["device", "cloud"])
+def test_disconnect_mid_stream_cancels_backend_work(gateway, model):
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", gateway.v1 + "/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            got += line.startswith("data: ")
+            if got >= 4:
+                break
+        assert gateway.metric("tandem_backend_active_streams", backend=model) == 1
+    # The client is gone: the backend's work must stop (llama.cpp thread / upstream HTTP closed).
+    assert wait_until(lambda: gateway.metric("tandem_backend_active_streams", backend=model) == 0, 5.0)
+    assert gateway.metric("tandem_in_flight_requests") == 0
+    # And nothing kept generating the remaining ~396 tokens: a fresh request is served at once.
+    t0 = time.monotonic()
+    r = httpx.post(
+        gateway.v1 + "/chat/completions",
+        timeout=60,
+        json={"model": model, "messages": MESSAGES, "max_tokens": 2, "temperature": 0},
+    )
+    assert r.status_code == 200
+    assert time.monotonic() - t0 < 10  # 396 leftover tokens would take 10-20 s on this CPU
+
+
+def test_disconnect_before_first_token_cancels(gateway):
+    """A client that leaves while its request waits in the device queue, before its first
+    token, frees its place: the model never generates for it."""
+    body = {"model": "device", "messages": MESSAGES, "temperature": 0, "stream": True}
+    before = gateway.metric("tandem_backend_generated_tokens", backend="device")
+    with httpx.stream("POST", gateway.v1 + "/chat/completions", json={**body, "max_tokens": 30}, timeout=60) as busy:
+        lines = busy.iter_lines()
+        next(lines)  # the device is now busy with this stream
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(gateway.v1 + "/chat/completions", json={**body, "max_tokens": 60}, timeout=0.3)
+        rest = list(lines)  # let the busy stream finish
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+    assert wait_until(lambda: gateway.metric("tandem_backend_active_streams", backend="device") == 0, 8.0)
+    time.sleep(0.5)
+    assert gateway.metric("tandem_backend_generated_tokens", backend="device") - before == 30
