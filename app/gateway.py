@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from app.config import Settings
 from app.embedded import EmbeddedServer
-from app.metrics import Metrics
+from app.metrics import Metrics, RequestMetricsMiddleware
 from app.orchestrator import Job, Orchestrator
 from clients.base import Backend, GenerationRequest
 from clients.openai_compat import OpenAICompatBackend
@@ -219,6 +219,7 @@ def create_gateway(settings: Settings) -> FastAPI:
     app = FastAPI(title="Tandem gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.gateway = gateway
     install_error_handlers(app)
+    app.add_middleware(RequestMetricsMiddleware, metrics=gateway.metrics)
     from endpoints import openai, ops
 
     app.include_router(openai.router)

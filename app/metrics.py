@@ -39,3 +39,32 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestMetricsMiddleware:
+    """Counts answered requests by route and status (pure ASGI: no per-chunk overhead on streams)."""
+
+    ROUTES = frozenset(
+        {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/health/ready", "/metrics"}
+    )
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = scope["path"] if scope["path"] in self.ROUTES else "other"
+            self.metrics.requests.labels(route=route, status=str(status)).inc()

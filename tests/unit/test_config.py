@@ -1,0 +1,64 @@
+"""Bad configuration fails at start-up with a message naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.cli import embedded_default
+from app.config import ConfigError, load_settings
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_embedded_default_is_valid():
+    s = load_settings(embedded_default())
+    assert s.device.model == "qwen2.5-coder-0.5b-instruct"
+    assert s.clouds["cloud"].embedded is not None
+    assert s.gateway.port == 8000
+
+
+@pytest.mark.parametrize(
+    ("toml", "names"),
+    [
+        ("[gateway]\nport = 70000", "gateway.port"),
+        ("[gateway]\npolicy = 'psychic'", "gateway.policy"),
+        ("[device]\nn_ctx = -1", "device.n_ctx"),
+        ("[device]\nkind = 'onnx'", "device.kind"),
+        ("[gateway]\nprot = 1", "gateway.prot"),
+        ("[clouds.c]\nbase_url = 'ftp://x'", "clouds.c.base_url"),
+        ("[clouds.c]\ntokenizer = 'tiktoken'\ncontinuation = 'completions'", "clouds.c"),
+        ("[gateway]\ncloud = 'nope'\n[clouds.c]\nmodel = 'm'", "gateway.cloud"),
+    ],
+)
+def test_bad_field_is_named(tmp_path, toml, names):
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, toml))
+    assert names in str(info.value)
+
+
+def test_env_overrides_file(tmp_path, monkeypatch):
+    path = write(tmp_path, "[gateway]\nport = 9000\npolicy = 'device'\n[clouds.cloud]\nmodel = 'm'")
+    monkeypatch.setenv("TANDEM_GATEWAY__POLICY", "cloud")
+    monkeypatch.setenv("TANDEM_CLOUDS__CLOUD__API_KEY", "sk-secret")
+    s = load_settings(path)
+    assert s.gateway.policy == "cloud"
+    assert s.gateway.port == 9000
+    assert s.clouds["cloud"].api_key.get_secret_value() == "sk-secret"
+    assert "sk-secret" not in repr(s)  # secrets never end up in logs through repr
+
+
+def test_bad_env_value_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_GATEWAY__PORT", "eighty")
+    with pytest.raises(ConfigError, match=r"gateway\.port"):
+        load_settings(write(tmp_path, ""))
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "absent.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(write(tmp_path, "[gateway\n"))
