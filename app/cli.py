@@ -57,7 +57,7 @@ def _models(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "gateway":
-        from tests.bench.bench_gateway import main
+        from app.bench_gateway import main
     elif args.what == "disco":
         from app.disco_sim import main
     else:  # pragma: no cover - argparse restricts choices

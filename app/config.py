@@ -15,8 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-# Plain routing policies of the foundation; DiSCo adds its own names.
-BASIC_POLICIES = ("device", "cloud")
+from policies.dispatch import canonical_name
 
 
 class ConfigError(ValueError):
@@ -32,20 +31,49 @@ class GatewaySettings(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     model_name: str = "tandem"
     api_keys: list[SecretStr] = []
-    policy: str = "device"
+    # Keys for PUT /v1/budget; when empty, budget changes need a gateway API key (if any).
+    admin_keys: list[SecretStr] = []
+    # Where budget settings changed over HTTP are kept across restarts.
+    state_file: str = "~/.local/state/tandem/budget.json"
+    policy: str = "disco"
     cloud: str = "cloud"  # which entry of [clouds] the "cloud" policy and fallbacks use
     # Before the first token, try the other endpoint when the chosen one fails.
     fallback: bool = True
     default_max_tokens: Annotated[int, Field(gt=0)] = 512
     ping_seconds: Annotated[float, Field(gt=0)] = 15.0
+    # Mid-answer silence after which the serving endpoint counts as stalled and the
+    # answer migrates to the other endpoint.
+    stall_timeout: Annotated[float, Field(gt=0)] = 10.0
+    trace_history: Annotated[int, Field(gt=0)] = 1000
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        if value not in BASIC_POLICIES:
-            raise ValueError(f"unknown policy {value!r}; expected one of {', '.join(BASIC_POLICIES)}")
+        canonical_name(value)  # raises naming the known policies
         return value
+
+
+class DiscoSettings(_Strict):
+    """Initial DiSCo knobs; PUT /v1/budget changes them at run time (kept in state_file)."""
+
+    budget: Annotated[float, Field(ge=0, le=1)] = 0.5  # b: share of input tokens on the constrained side
+    alpha: Annotated[float, Field(gt=0, lt=1)] = 0.05  # tail ratio (0 and 1 leave no tail to protect)
+    exchange_rate: Annotated[float, Field(ge=0)] = 0.3  # λ, USD per 10^15 device FLOPs
+    consumption_rate: Annotated[float, Field(gt=0)] = 4.8  # r_c, tokens/s the reader consumes
+    side: Literal["auto", "server", "device"] = "auto"
+    migration: bool = True
+    window: Annotated[int, Field(gt=10)] = 2000
+    recompute_every: Annotated[int, Field(gt=0)] = 10
+    # Fit the device TTFT line from a few real prefills at start-up.
+    profile_device: bool = True
+
+
+class PriceSettings(_Strict):
+    """USD per million tokens (DiSCo Table 8; the default is gpt-4o-mini's)."""
+
+    prefill_per_million: Annotated[float, Field(ge=0)] = 0.15
+    decode_per_million: Annotated[float, Field(ge=0)] = 0.60
 
 
 class DeviceSettings(_Strict):
@@ -89,6 +117,7 @@ class CloudSettings(_Strict):
     write_timeout: Annotated[float, Field(gt=0)] = 10.0
     pool_timeout: Annotated[float, Field(gt=0)] = 5.0
     max_connections: Annotated[int, Field(gt=0)] = 64
+    price: PriceSettings = PriceSettings()
     embedded: EmbeddedServerSettings | None = None
 
     @field_validator("base_url")
@@ -114,6 +143,7 @@ class Settings(BaseSettings):
     gateway: GatewaySettings = GatewaySettings()
     device: DeviceSettings = DeviceSettings()
     clouds: dict[str, CloudSettings] = {}
+    disco: DiscoSettings = DiscoSettings()
 
     @classmethod
     def settings_customise_sources(
@@ -129,7 +159,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cloud_exists(self) -> Settings:
-        if self.gateway.cloud not in self.clouds and (self.gateway.policy == "cloud" or self.clouds):
+        needs_cloud = canonical_name(self.gateway.policy) != "device-only"
+        if self.gateway.cloud not in self.clouds and (needs_cloud or self.clouds):
             known = ", ".join(self.clouds) or "none configured"
             raise ValueError(f"gateway.cloud names {self.gateway.cloud!r}, which is not in [clouds] ({known})")
         return self

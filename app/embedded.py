@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,14 +19,9 @@ from pathlib import Path
 import httpx
 
 from app.config import EmbeddedServerSettings
+from app.launcher import free_port
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedServer:

@@ -16,7 +16,9 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from app.config import Settings
+from app.disco import DiscoRuntime
 from app.embedded import EmbeddedServer
+from app.ledger import Ledger
 from app.metrics import Metrics, RequestMetricsMiddleware
 from app.orchestrator import Job, Orchestrator
 from clients.base import Backend, GenerationRequest
@@ -24,6 +26,16 @@ from clients.openai_compat import OpenAICompatBackend
 from deploy import models as bundled
 from endpoints.errors import ApiError, install_error_handlers
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
+from policies import cost
+from policies.dispatch import canonical_name
+
+# Architectures of the bundled models (checked against their GGUF metadata in the tests);
+# reading a GGUF's metadata takes ~10 s in Python, so other models pay that at start-up.
+_BUNDLED_ARCH = {
+    "qwen2.5-coder-0.5b-instruct": cost.QWEN2_5_0_5B,
+    "qwen2.5-coder-1.5b-instruct": cost.QWEN2_5_1_5B,
+    "smollm2-135m-instruct": cost.SMOLLM2_135M,
+}
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +48,14 @@ def resolve_model(spec: str) -> Path:
     if not path.is_file():
         raise bundled.ModelError(f"model {spec!r} is neither a bundled model ({', '.join(bundled.MODELS)}) nor a file")
     return path
+
+
+def _device_arch(spec: str, path: Path) -> cost.ModelArch:
+    if spec in _BUNDLED_ARCH:
+        return _BUNDLED_ARCH[spec]
+    from clients.gguf_meta import read_arch
+
+    return read_arch(path)
 
 
 def _device_backend(settings: Settings) -> Backend:
@@ -68,8 +88,27 @@ class Gateway:
             self.metrics.backend_active.labels(backend=name).set_function(lambda b=backend: b.active)
             self.metrics.backend_generated.labels(backend=name).set_function(lambda b=backend: b.tokens_generated)
         cloud = settings.gateway.cloud if settings.gateway.cloud in self.backends else None
+        self.ledger = Ledger.from_settings(settings)
+        self.disco = DiscoRuntime(
+            cloud,
+            _device_arch(settings.device.model, self.device.model_path),
+            self.ledger.knobs(),
+            window=settings.disco.window,
+            recompute_every=settings.disco.recompute_every,
+        )
+        self.ledger.on_change(lambda: self.disco.set_knobs(self.ledger.knobs()))
+        self.ledger.side_resolver = lambda _settings: self.disco.side
+        self.metrics.budget_ratio.set_function(self.ledger.realised_ratio)
         self.orchestrator = Orchestrator(
-            self.backends, self.device.name, cloud, settings.gateway.fallback, self.metrics
+            self.backends,
+            self.device.name,
+            cloud,
+            settings.gateway.fallback,
+            self.metrics,
+            self.disco,
+            self.ledger,
+            stall_timeout=settings.gateway.stall_timeout,
+            history=settings.gateway.trace_history,
         )
         self.loaded = asyncio.Event()
         self.startup_error: str | None = None
@@ -84,12 +123,29 @@ class Gateway:
             for server in self.embedded:
                 server.start()
             await asyncio.gather(*(b.start() for b in self.backends.values()), *(s.wait_ready() for s in self.embedded))
+            if self.settings.disco.profile_device:
+                await self._profile_device()
             self.loaded.set()
             log.info("gateway ready: %s", ", ".join(f"{n} ({b.model_id})" for n, b in self.backends.items()))
         except Exception as exc:
             self.startup_error = str(exc)
             log.error("start-up failed: %s", exc)
             raise
+
+    async def _profile_device(self) -> None:
+        """Fit DiSCo's device TTFT line T_d(l) = k·l + c from a few real prefills."""
+        for n in (16, 128, 512):
+            ids = tuple(self.device.tokenize(" ".join(str(1000 + i * 7 + n) for i in range(n)))[:n])
+            gen = GenerationRequest(prompt_text="", prompt_ids=ids, max_tokens=1, temperature=0.0)
+            t0 = time.monotonic()
+            stream = self.device.stream(gen)
+            try:
+                event = await anext(stream)
+            finally:
+                await stream.aclose()
+            self.disco.observe_first_token("device", len(ids), event.t - t0, migration=False)
+        line = self.disco.estimators.device_ttft
+        log.info("device TTFT line: %.2f ms/token + %.1f ms", line.k * 1e3, line.c * 1e3)
 
     async def close(self) -> None:
         for backend in self.backends.values():
@@ -122,11 +178,15 @@ class Gateway:
                     param="model",
                     code="model_not_found",
                 )
-        chosen = policy or self.settings.gateway.policy
-        if chosen not in ("device", "cloud"):
-            raise ApiError(400, f"Unknown routing policy '{chosen}'; expected device or cloud.", param="tandem.policy")
-        if chosen == "cloud" and self.orchestrator.cloud is None:
-            raise ApiError(400, "Policy 'cloud' needs a cloud backend, and none is configured.", param="tandem.policy")
+        chosen = policy or self.ledger.settings.policy
+        try:
+            canonical = canonical_name(chosen)
+        except ValueError as exc:
+            raise ApiError(400, f"Unknown routing policy: {exc}", param="tandem.policy") from None
+        if canonical != "device-only" and self.orchestrator.cloud is None:
+            raise ApiError(
+                400, f"Policy '{chosen}' needs a cloud backend, and none is configured.", param="tandem.policy"
+            )
         return pinned, chosen
 
     def _require_loaded(self) -> None:
@@ -220,8 +280,9 @@ def create_gateway(settings: Settings) -> FastAPI:
     app.state.gateway = gateway
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware, metrics=gateway.metrics)
-    from endpoints import openai, ops
+    from endpoints import budget, openai, ops
 
     app.include_router(openai.router)
+    app.include_router(budget.router)
     app.include_router(ops.router)
     return app

@@ -1,24 +1,55 @@
-"""One request's life: choose endpoints → open the stream (failing over before the first
-token) → relay tokens, applying stop sequences and the token limit → account.
+"""One request's life: plan → race → relay → migrate → account.
 
-Stop sequences and the token limit are enforced here, not trusted to each
-backend, so every endpoint (and, later, an answer that moves between endpoints)
-ends the same way.
+- Plan: DiSCo's dispatch policy (or a pinned backend) says which endpoints start,
+  and for DiSCo-D how long the device waits for the cloud's first token.
+- Race: when both start, the first token wins and the loser is cancelled at once
+  (its prefill is still booked). A failure before the first token falls back to
+  the other endpoint.
+- Relay: tokens go out with stop sequences and the token limit enforced here, so
+  every endpoint, and an answer that moves between endpoints, ends the same way.
+  A consumption clock t_first + i/r_c tracks how far the client is ahead of its
+  reader.
+- Migrate: after every token DiSCo's migration rule may say "move": once the lead
+  reaches the buffer B = r_c·t_m the source stops and the target continues from
+  exactly the delivered prefix (token IDs when it shares the vocabulary, else
+  text). A source that errors or stalls mid-stream is migrated the same way, so
+  a fault becomes a migration, not a broken answer.
+- Account: usage, the cost of every attempt into the ledger, metrics, a trace.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 
 from app.metrics import Metrics
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
+from policies.dispatch import DispatchPlan
+from policies.migration import lead
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Attempt:
+    """One endpoint's part in a request."""
+
+    role: str  # "device" | "cloud"
+    name: str
+    started: float
+    context_tokens: int  # tokens it had to prefill (prompt + delivered prefix)
+    migration: bool = False
+    stream: AsyncIterator[TokenEvent] | None = None
+    first_at: float | None = None
+    decode_tokens: int = 0
+    outcome: str = "running"  # won | lost | failed | migrated-from | finished | cancelled
+    error: str | None = None
 
 
 @dataclass
@@ -33,9 +64,15 @@ class Job:
     started: float = field(default_factory=time.monotonic)
     # Filled in while the answer streams:
     backend: str | None = None
+    plan: DispatchPlan | None = None
     usage: Usage = field(default_factory=Usage)
     finish_reason: str | None = None
     ttft: float | None = None
+    attempts: list[Attempt] = field(default_factory=list)
+    migrations: list[dict] = field(default_factory=list)
+    delayed_tokens: int = 0
+    cost: float = 0.0
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,69 +112,207 @@ class StopMatcher:
         return held
 
 
+class _Failed(Exception):
+    """Every endpoint failed before producing a token."""
+
+
 class Orchestrator:
-    def __init__(self, backends: dict[str, Backend], device: str, cloud: str | None, fallback: bool, metrics: Metrics):
+    def __init__(
+        self,
+        backends: dict[str, Backend],
+        device: str,
+        cloud: str | None,
+        fallback: bool,
+        metrics: Metrics,
+        disco,
+        ledger,
+        stall_timeout: float = 10.0,
+        history: int = 1000,
+    ):
         self.backends = backends
         self.device = device
         self.cloud = cloud
         self.fallback = fallback
         self.metrics = metrics
+        self.disco = disco
+        self.ledger = ledger
+        self.stall_timeout = stall_timeout
+        self.traces: OrderedDict[str, dict] = OrderedDict()
+        self.history = history
 
-    def candidates(self, job: Job) -> list[str]:
-        """Endpoints to try, in order, until one produces a first token."""
+    # -- helpers -----------------------------------------------------------------------------------
+    def role_of(self, name: str) -> str:
+        return "device" if name == self.device else "cloud"
+
+    def _name_of(self, role: str) -> str | None:
+        return self.device if role == "device" else self.cloud
+
+    def _continuation(
+        self, job: Job, target: str, ids: list[int] | None, text: str, produced: int
+    ) -> GenerationRequest:
+        backend = self.backends[target]
+        shares_ids = ids is not None and (target == self.device or getattr(backend, "accepts_token_ids", False))
+        return replace(
+            job.gen,
+            prefix_text=text,
+            prefix_ids=tuple(ids) if shares_ids else None,
+            max_tokens=max(1, job.gen.max_tokens - produced),
+        )
+
+    def _open(self, job: Job, name: str, gen: GenerationRequest, context: int, migration: bool) -> Attempt:
+        attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration)
+        attempt.stream = self.backends[name].stream(gen)
+        job.attempts.append(attempt)
+        return attempt
+
+    @staticmethod
+    async def _close(attempt: Attempt, outcome: str | None = None) -> None:
+        if outcome is not None and attempt.outcome == "running":
+            attempt.outcome = outcome
+        if attempt.stream is not None:
+            with anyio.CancelScope(shield=True):
+                await attempt.stream.aclose()
+
+    def _failed(self, attempt: Attempt, exc: BaseException) -> None:
+        attempt.outcome = "failed"
+        attempt.error = str(exc)
+        status = exc.status if isinstance(exc, BackendError) else 500
+        self.metrics.errors.labels(backend=attempt.name, kind=f"http_{status}").inc()
+
+    def _won(self, job: Job, attempt: Attempt, event: TokenEvent) -> None:
+        attempt.first_at = event.t
+        attempt.outcome = "won"
+        self.disco.observe_first_token(
+            attempt.role, attempt.context_tokens, event.t - attempt.started, attempt.migration
+        )
+
+    # -- start: plan and race ----------------------------------------------------------------------
+    def _plan(self, job: Job) -> DispatchPlan:
         if job.pinned is not None:
-            return [job.pinned]
-        first = self.cloud if job.policy == "cloud" and self.cloud else self.device
-        order = [first]
-        other = self.device if first == self.cloud else self.cloud
-        if self.fallback and other is not None:
-            order.append(other)
-        return order
+            role = self.role_of(job.pinned)
+            return DispatchPlan(role == "cloud", role == "device", None, "pinned", f"model names {job.pinned}")
+        return self.disco.plan(job.policy, job.prompt_tokens)
 
-    async def _open(self, job: Job) -> tuple[str, AsyncIterator[TokenEvent], TokenEvent]:
-        names = self.candidates(job)
-        last: BackendError | None = None
+    async def _start(self, job: Job) -> tuple[Attempt, TokenEvent]:
+        plan = job.plan = self._plan(job)
+        self.metrics.decisions.labels(policy=plan.policy, plan=_plan_kind(plan)).inc()
+        if job.pinned is not None:
+            names = [job.pinned]
+        elif plan.start_cloud and plan.start_device:
+            return await self._race(job, plan.device_delay or 0.0)
+        else:
+            names = [self.cloud if plan.start_cloud else self.device]
+            other = self.device if plan.start_cloud else self.cloud
+            if self.fallback and other is not None:
+                names.append(other)
+        last: BaseException | None = None
         for name in names:
-            stream = self.backends[name].stream(job.gen)
+            attempt = self._open(job, name, job.gen, job.prompt_tokens, False)
             try:
-                first = await anext(stream)
-            except BackendError as exc:
-                await stream.aclose()
-                self.metrics.errors.labels(backend=name, kind=f"http_{exc.status}").inc()
+                event = await anext(attempt.stream)
+            except (BackendError, StopAsyncIteration) as exc:
+                exc = exc if isinstance(exc, BackendError) else BackendError(f"{name} produced nothing", 502, name)
+                self._failed(attempt, exc)
+                await self._close(attempt)
                 log.warning("request %s: %s failed before its first token: %s", job.id, name, exc)
                 last = exc
                 if exc.status == 400:  # the request itself is wrong; another endpoint will not help
                     raise
                 continue
-            except StopAsyncIteration:
-                await stream.aclose()
-                last = BackendError(f"backend {name!r} ended without producing anything", 502, name)
-                continue
-            if last is not None:
-                log.info("request %s: failed over to %s", job.id, name)
-            return name, stream, first
-        assert last is not None
-        if len(names) > 1:
-            last = BackendError(f"every endpoint failed; last error: {last}", last.status, last.backend)
-        raise last
+            self._won(job, attempt, event)
+            return attempt, event
+        raise _Failed(str(last)) from last
 
+    async def _race(self, job: Job, delay: float) -> tuple[Attempt, TokenEvent]:
+        """Cloud now; device now (delay 0) or after `delay` unless the cloud's first token came."""
+        pending: dict[asyncio.Future, Attempt] = {}
+
+        def launch(name: str) -> None:
+            attempt = self._open(job, name, job.gen, job.prompt_tokens, False)
+            pending[asyncio.ensure_future(anext(attempt.stream))] = attempt
+
+        launch(self.cloud)
+        device_started = False
+        if delay <= 0:
+            launch(self.device)
+            device_started = True
+        errors: list[BaseException] = []
+        try:
+            while pending or not device_started:
+                timeout = None
+                if not device_started:
+                    timeout = max(0.0, job.started + delay - time.monotonic())
+                done, _ = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if not done or (not device_started and not pending):
+                    launch(self.device)  # w(l) passed without a cloud token, or the cloud failed
+                    device_started = True
+                    continue
+                for fut in done:
+                    attempt = pending.pop(fut)
+                    exc = fut.exception()
+                    if exc is None:
+                        event = fut.result()
+                        self._won(job, attempt, event)
+                        self.metrics.races.labels(winner=attempt.role).inc()
+                        return attempt, event
+                    if isinstance(exc, StopAsyncIteration):
+                        exc = BackendError(f"{attempt.name} produced nothing", 502, attempt.name)
+                    self._failed(attempt, exc)
+                    await self._close(attempt)
+                    errors.append(exc)
+                    if isinstance(exc, BackendError) and exc.status == 400:
+                        raise exc
+                if not pending and not device_started:
+                    launch(self.device)
+                    device_started = True
+            raise _Failed("; ".join(str(e) for e in errors)) from (errors[-1] if errors else None)
+        finally:
+            for fut, attempt in pending.items():  # the loser: cancel at once, book its prefill
+                fut.cancel()
+                with anyio.CancelScope(shield=True):
+                    await asyncio.gather(fut, return_exceptions=True)
+                await self._close(attempt, "lost")
+
+    # -- relay -------------------------------------------------------------------------------------
     async def generate(self, job: Job) -> AsyncIterator[Delta]:
         """Yields deltas of the answer; the first arrives with the first token, so a failure
         before it surfaces as an exception from the first `anext` (a real HTTP error)."""
         self.metrics.in_flight.inc()
-        stream = None
+        self.disco.observe_request(job.prompt_tokens)
+        attempt: Attempt | None = None
         try:
-            name, stream, event = await self._open(job)
-            job.backend = name
-            job.ttft = event.t - job.started
-            self.metrics.ttft.labels(backend=name).observe(job.ttft)
+            try:
+                attempt, event = await self._start(job)
+            except _Failed as exc:
+                cause = exc.__cause__ if isinstance(exc.__cause__, BackendError) else None
+                status = cause.status if cause else 503
+                many = len(job.attempts) > 1
+                message = f"every endpoint failed; last error: {exc}" if many else str(exc)
+                raise BackendError(message, status, cause.backend if cause else None) from exc
+            job.backend = attempt.name
+            now = time.monotonic()
+            job.ttft = now - job.started
+            self.metrics.ttft.labels(backend=attempt.name).observe(job.ttft)
+            t_first = now
+            r_c = self.disco.knobs.consumption_rate
             matcher = StopMatcher(job.gen.stop)
             limit = job.gen.max_tokens
             produced = 0
+            ids: list[int] | None = []
+            text_so_far: list[str] = []
             last_t = event.t
             while True:
                 if event.text or event.token_id is not None:
                     produced += 1
+                    attempt.decode_tokens += 1
+                    if ids is not None:
+                        if event.token_id is None:
+                            ids = None  # text pieces: continuation must go as text
+                        else:
+                            ids.append(event.token_id)
+                    text_so_far.append(event.text)
+                    if time.monotonic() > t_first + (produced - 1) / r_c + 1e-3:
+                        job.delayed_tokens += 1
                 text, stopped = matcher.feed(event.text)
                 finish = "stop" if stopped else event.finish_reason
                 if finish is None and produced >= limit:
@@ -146,23 +321,193 @@ class Orchestrator:
                     if not stopped:
                         text += matcher.flush()
                     job.finish_reason = finish
-                    self._account(job, name, produced, event.usage)
+                    attempt.outcome = "finished"
+                    self._account(job, produced, event.usage)
                     yield Delta(text, finish)
                     return
                 yield Delta(text)
-                event = await anext(stream)
-                self.metrics.inter_token.labels(backend=name).observe(event.t - last_t)
+
+                # Cost-driven migration (Eqs. 4-6): only at a clean text boundary, once per answer.
+                target = self._migration_target(job, attempt, event, produced, t_first)
+                reason = "cost" if target else None
+                if target is None:
+                    try:
+                        event = await asyncio.wait_for(anext(attempt.stream), self.stall_timeout)
+                    except (BackendError, TimeoutError, StopAsyncIteration) as exc:
+                        target = self._fault_target(job, attempt)
+                        reason = "stall" if isinstance(exc, TimeoutError) else "error"
+                        if isinstance(exc, StopAsyncIteration):
+                            exc = BackendError(f"{attempt.name} ended its stream without finishing", 502)
+                        if isinstance(exc, TimeoutError):
+                            exc = BackendError(
+                                f"{attempt.name} sent nothing for {self.stall_timeout:g} s (stalled)", 504, attempt.name
+                            )
+                        self._failed(attempt, exc)
+                        if target is None:
+                            raise exc from None
+                    else:
+                        self.metrics.inter_token.labels(backend=attempt.name).observe(event.t - last_t)
+                        last_t = event.t
+                        continue
+                attempt, event = await self._migrate(job, attempt, target, reason, ids, "".join(text_so_far), produced)
                 last_t = event.t
+        except BackendError as exc:
+            job.error = str(exc)
+            raise
         finally:
             self.metrics.in_flight.dec()
-            if stream is not None:
-                with anyio.CancelScope(shield=True):
-                    await stream.aclose()
+            for a in job.attempts:
+                if a.outcome == "running":
+                    a.outcome = "cancelled"
+                await self._close(a)
+            if job.finish_reason is None:  # failed or abandoned: book what was spent
+                self._account(job, sum(a.decode_tokens for a in job.attempts), None, finished=False)
+            self._remember(job)
 
-    def _account(self, job: Job, name: str, produced: int, upstream: Usage | None) -> None:
-        if upstream is not None and upstream.completion_tokens:
-            job.usage = Usage(job.prompt_tokens or upstream.prompt_tokens, upstream.completion_tokens, True)
-        else:
-            job.usage = Usage(job.prompt_tokens, produced, True)
-        self.metrics.tokens.labels(backend=name, phase="prompt").inc(job.usage.prompt_tokens)
-        self.metrics.tokens.labels(backend=name, phase="completion").inc(job.usage.completion_tokens)
+    def _migration_target(
+        self, job: Job, attempt: Attempt, event: TokenEvent, produced: int, t_first: float
+    ) -> str | None:
+        if (
+            job.pinned is not None
+            or job.migrations
+            or not self.disco.knobs.migration
+            or self.cloud is None
+            or not event.text
+            or produced >= job.gen.max_tokens
+        ):
+            return None
+        target_role = "cloud" if attempt.role == "device" else "device"
+        decision = self.disco.check_migration(
+            attempt.role,
+            target_role,
+            job.prompt_tokens,
+            produced,
+            job.gen.max_tokens,
+            lead(produced, time.monotonic(), t_first, self.disco.knobs.consumption_rate),
+        )
+        return self._name_of(target_role) if decision.start_now else None
+
+    def _fault_target(self, job: Job, attempt: Attempt) -> str | None:
+        if job.pinned is not None or self.cloud is None:
+            return None
+        target = self.cloud if attempt.role == "device" else self.device
+        tried_after_fault = any(m["reason"] != "cost" and m["to"] == target for m in job.migrations)
+        return None if tried_after_fault else target
+
+    async def _migrate(
+        self, job: Job, source: Attempt, target: str, reason: str, ids, text: str, produced: int
+    ) -> tuple[Attempt, TokenEvent]:
+        """Stop the source, continue on `target` from exactly the delivered prefix."""
+        if source.outcome in ("running", "won"):
+            source.outcome = "migrated-from"
+        await self._close(source)
+        gen = self._continuation(job, target, ids, text, produced)
+        context = job.prompt_tokens + produced
+        log.info("request %s: migrating %s -> %s at token %d (%s)", job.id, source.name, target, produced, reason)
+        attempt = self._open(job, target, gen, context, True)
+        record = {
+            "at_token": produced,
+            "from": source.name,
+            "to": target,
+            "reason": reason,
+            "at_ms": _ms(attempt.started - job.started),
+            "prefix_ids": gen.prefix_ids is not None,
+        }
+        job.migrations.append(record)
+        self.metrics.migrations.labels(source=source.role, target=attempt.role, reason=reason).inc()
+        try:
+            event = await asyncio.wait_for(anext(attempt.stream), self.stall_timeout + 60)
+        except (BackendError, TimeoutError, StopAsyncIteration) as exc:
+            exc = (
+                exc
+                if isinstance(exc, BackendError)
+                else BackendError(f"migration target {target} produced nothing", 502, target)
+            )
+            self._failed(attempt, exc)
+            raise BackendError(
+                f"{source.name} failed mid-answer ({reason}) and {target} could not continue: {exc}", exc.status, target
+            ) from exc
+        attempt.first_at = event.t
+        attempt.outcome = "won"
+        record["t_m_ms"] = _ms(event.t - attempt.started)
+        self.disco.observe_first_token(attempt.role, context, event.t - attempt.started, True)
+        job.backend = target
+        return attempt, event
+
+    # -- accounting and traces ----------------------------------------------------------------------
+    def _account(self, job: Job, produced: int, upstream: Usage | None, finished: bool = True) -> None:
+        single_upstream = len(job.attempts) == 1 and upstream is not None and upstream.completion_tokens
+        completion = upstream.completion_tokens if single_upstream else produced
+        job.usage = Usage(job.prompt_tokens, completion, True)
+        if finished:
+            self.disco.observe_output(completion)
+        total = 0.0
+        for a in job.attempts:
+            cost = self.disco.cost_of(a.role, a.context_tokens, a.decode_tokens)
+            total += cost
+            self.ledger.record(
+                job.id,
+                a.role,
+                a.context_tokens,
+                a.decode_tokens,
+                cost,
+                constrained=a.role == ("cloud" if self.disco.side == "server" else "device"),
+                prompt_tokens=job.prompt_tokens,
+            )
+            self.metrics.tokens.labels(backend=a.name, phase="prompt").inc(a.context_tokens)
+            self.metrics.tokens.labels(backend=a.name, phase="completion").inc(a.decode_tokens)
+            self.metrics.spend.labels(endpoint=a.role).inc(cost)
+        job.cost = total
+        self.metrics.delayed_tokens.inc(job.delayed_tokens)
+
+    def _remember(self, job: Job) -> None:
+        self.traces[job.id] = trace_of(job)
+        while len(self.traces) > self.history:
+            self.traces.popitem(last=False)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def _plan_kind(plan: DispatchPlan) -> str:
+    if plan.start_cloud and plan.start_device:
+        return "race" if plan.device_delay == 0 else "cloud-then-device"
+    return "cloud" if plan.start_cloud else "device"
+
+
+def trace_of(job: Job) -> dict:
+    plan = job.plan
+    return {
+        "id": job.id,
+        "policy": job.policy,
+        "plan": None
+        if plan is None
+        else {
+            "kind": _plan_kind(plan),
+            "policy": plan.policy,
+            "reason": plan.reason,
+            "device_delay_ms": _ms(plan.device_delay),
+        },
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": job.usage.completion_tokens,
+        "ttft_ms": _ms(job.ttft),
+        "endpoints": [
+            {
+                "endpoint": a.role,
+                "backend": a.name,
+                "outcome": a.outcome,
+                "started_ms": _ms(a.started - job.started),
+                "first_token_ms": _ms(None if a.first_at is None else a.first_at - job.started),
+                "prefill_tokens": a.context_tokens,
+                "decode_tokens": a.decode_tokens,
+                **({"error": a.error} if a.error else {}),
+            }
+            for a in job.attempts
+        ],
+        "migrations": job.migrations,
+        "delayed_tokens": job.delayed_tokens,
+        "cost_usd": job.cost,
+        "finish_reason": job.finish_reason,
+        **({"error": job.error} if job.error else {}),
+    }

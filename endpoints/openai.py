@@ -251,6 +251,20 @@ async def completions(body: CompletionRequest, request: Request):
     )
 
 
+@router.get("/requests/{request_id}")
+async def request_trace(request_id: str, request: Request):
+    """The trace of a recent request: plan, endpoints and timings, migrations, cost."""
+    trace = _gateway(request).orchestrator.traces.get(request_id)
+    if trace is None:
+        raise ApiError(
+            404,
+            f"No trace for request '{request_id}' (unknown, or older than the trace history).",
+            param="request_id",
+            code="request_not_found",
+        )
+    return trace
+
+
 @router.get("/models")
 async def list_models(request: Request):
     gw = _gateway(request)

@@ -1,0 +1,224 @@
+"""`tandem bench gateway`: the gateway's own cost, measured against calling the upstream directly.
+
+One run, side by side on loopback: a fast deterministic OpenAI-compatible upstream
+(this module's `upstream` ASGI app, pre-rendered chunks, no model) and a real
+`tandem serve` in front of it. The same load generator drives both paths in
+alternating rounds, so machine noise hits them alike. Reports:
+
+- added TTFT p50/p99 at 1 and 32 concurrent streams (gateway minus direct, per percentile);
+- relayed chunk throughput at 32 streams, gateway / direct, for an upstream paced like a
+  fast LLM (10 ms per chunk = 100 tok/s per stream) and for an unpaced one (saturation);
+- the gateway process's CPU time per relayed chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+# --- the fast deterministic upstream ------------------------------------------------------------
+
+_CHUNK = 'data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":0,"model":"fast","choices":[{"index":0,"delta":{"content":"tok%d "},"logprobs":null,"finish_reason":null}]}\n\n'  # noqa: E501
+_LAST = 'data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":0,"model":"fast","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"%s"}]}\n\n'  # noqa: E501
+_USAGE = 'data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":0,"model":"fast","choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n'  # noqa: E501
+
+
+def make_upstream(gap: float):
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        if scope["path"].endswith("/models"):
+            body = b'{"object":"list","data":[{"id":"fast","object":"model","created":0,"owned_by":"bench"}]}'
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        req = json.loads(raw)
+        n = int(req.get("max_tokens") or 16)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            }
+        )
+        for i in range(n):
+            await send({"type": "http.response.body", "body": (_CHUNK % i).encode(), "more_body": True})
+            if gap:
+                await asyncio.sleep(gap)
+        tail = _LAST % "length"
+        if (req.get("stream_options") or {}).get("include_usage"):
+            tail += _USAGE % (10, n, 10 + n)
+        await send({"type": "http.response.body", "body": (tail + "data: [DONE]\n\n").encode()})
+
+    return app
+
+
+def _serve_upstream(port: int, gap: float) -> None:
+    import uvicorn
+
+    uvicorn.run(make_upstream(gap), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+# --- load generation ---------------------------------------------------------------------------
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, n: int) -> tuple[float, int]:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": n, "stream": True}
+    t0 = time.perf_counter()
+    ttft = None
+    chunks = 0
+    async with client.stream("POST", url + "/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith('data: {"id"') and '"content":"tok' in line:
+                chunks += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    if chunks != n:
+        raise RuntimeError(f"{url}: expected {n} content chunks, got {chunks}")
+    return ttft, chunks
+
+
+async def _round(client, url: str, model: str, concurrency: int, n: int) -> tuple[list[float], int, float]:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(_one(client, url, model, n) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    return [r[0] for r in results], sum(r[1] for r in results), wall
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(direct: dict[str, str], gateway: str, gw_pid: int, rounds: int) -> dict:
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    out: dict = {}
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        for url in (*direct.values(), gateway):  # warm-up: connections, code paths
+            for model in ("fast", "paced"):
+                await _round(client, url if url == gateway else direct[model], model, 4, 4)
+        # TTFT at 1 and 32 concurrent streams (4-chunk answers, unpaced upstream).
+        for conc in (1, 32):
+            d_ttft, g_ttft = [], []
+            reps = rounds * (8 if conc == 1 else 1)
+            for _ in range(reps):
+                d_ttft += (await _round(client, direct["fast"], "fast", conc, 4))[0]
+                g_ttft += (await _round(client, gateway, "fast", conc, 4))[0]
+            out[f"ttft_c{conc}"] = (d_ttft, g_ttft)
+        # Throughput at 32 streams, paced like a fast LLM and unpaced.
+        for model, n in (("paced", 200), ("fast", 400)):
+            d_rates, g_rates, cpu_per_chunk = [], [], []
+            for _ in range(rounds):
+                _, chunks, wall = await _round(client, direct[model], model, 32, n)
+                d_rates.append(chunks / wall)
+                cpu0 = _cpu_seconds(gw_pid)
+                _, chunks, wall = await _round(client, gateway, model, 32, n)
+                cpu_per_chunk.append((_cpu_seconds(gw_pid) - cpu0) / chunks)
+                g_rates.append(chunks / wall)
+            out[f"tput_{model}"] = (d_rates, g_rates, cpu_per_chunk)
+    return out
+
+
+def _report(results: dict, rounds: int) -> str:
+    lines = [
+        "| measurement | direct | via gateway | gateway − direct / ratio |",
+        "|---|---|---|---|",
+    ]
+    for conc in (1, 32):
+        d, g = results[f"ttft_c{conc}"]
+        for q in (50, 99):
+            dq, gq = _pct(d, q) * 1e3, _pct(g, q) * 1e3
+            lines.append(
+                f"| TTFT p{q}, {conc} stream{'s' if conc > 1 else ''} (n={len(d)}) | {dq:.2f} ms | {gq:.2f} ms "
+                f"| **+{gq - dq:.2f} ms** |"
+            )
+    for model, label in (("paced", "paced 100 tok/s/stream"), ("fast", "unpaced")):
+        d, g, cpu = results[f"tput_{model}"]
+        dm, gm = statistics.median(d), statistics.median(g)
+        lines.append(
+            f"| chunks/s, 32 streams, {label} (median of {rounds}) | {dm:,.0f} | {gm:,.0f} | **{gm / dm:.1%}** |"
+        )
+        lines.append(f"| gateway CPU per relayed chunk, {label} | | {statistics.median(cpu) * 1e6:.0f} µs | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem bench gateway", description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per measurement")
+    parser.add_argument("--out", default="var/bench/gateway.md")
+    parser.add_argument("--upstream", nargs=2, metavar=("PORT", "GAP"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.upstream:
+        _serve_upstream(int(args.upstream[0]), float(args.upstream[1]))
+        return 0
+
+    from app.launcher import free_port, start_gateway, stop_gateway  # the same launcher as the tests
+
+    ports = {"fast": free_port(), "paced": free_port()}
+    gaps = {"fast": 0.0, "paced": 0.01}
+    ups = [
+        subprocess.Popen([sys.executable, "-m", "app.bench_gateway", "--upstream", str(ports[m]), str(gaps[m])])
+        for m in ports
+    ]
+    direct = {m: f"http://127.0.0.1:{p}/v1" for m, p in ports.items()}
+    gw = None
+    try:
+        for url in direct.values():
+            for _ in range(100):
+                try:
+                    httpx.get(url + "/models", timeout=1)
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+        clouds = "".join(
+            f'\n[clouds.{m}]\nbase_url = "{direct[m]}"\nmodel = "{m}"\nmax_connections = 256\n' for m in ports
+        )
+        gw = start_gateway(
+            f'[gateway]\npolicy = "cloud"\ncloud = "fast"\nfallback = false\n'
+            f'[device]\nmodel = "smollm2-135m-instruct"\n{clouds}'
+        )
+        results = asyncio.run(_measure(direct, gw.v1, gw.process.pid, args.rounds))
+    finally:
+        if gw is not None:
+            stop_gateway(gw)
+        for p in ups:
+            p.terminate()
+            p.wait()
+    table = _report(results, args.rounds)
+    header = (
+        f"tandem bench gateway --rounds {args.rounds}  ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, "
+        "upstream, gateway and load generator on one machine)\n\n"
+    )
+    print(header + table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(header + table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

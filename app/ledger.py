@@ -1,0 +1,648 @@
+"""DiSCo's spend and budget state: the one source of truth for cost.
+
+Why one object: the budget a request is dispatched under, the prices its cost is
+booked at and the spend the operator sees on GET /v1/budget must never disagree
+(openai-wire.md pitfall 8: gateways that track spend in one place and check
+budgets in another end up with keys or model names that bypass the budget). So
+DiSCo's runtime takes its knobs and cloud prices from `Ledger.knobs()` (and is
+told of every change through `on_change`), the orchestrator books every endpoint's
+work through `Ledger.record`, and the HTTP API is a thin view over `snapshot()`
+and `update()`.
+
+Settings (`BudgetSettings`, immutable; an update swaps in a new object):
+
+* policy — a dispatch policy name (policies.dispatch.POLICY_NAMES), stored canonical;
+* constrained_side — "auto" (Alg. 1 decides from prices), "server" or "device";
+* budget b ∈ [0, 1] — share of input tokens the constrained endpoint may process;
+* alpha α ∈ (0, 1) — tail ratio. Open interval because that is what
+  policies.dispatch accepts: α = 0 or 1 would pass here and then make every
+  recompute raise, turning a bad PUT into broken dispatch;
+* exchange_rate λ ≥ 0 — USD per 10^15 device FLOPs (see policies.cost.usd_per_pflop);
+* consumption_rate r_c > 0 — client reading speed, tokens/s (Eq. 6's buffer);
+* migration — whether DiSCo may migrate generation mid-answer;
+* prices — per cloud backend, USD per million prompt (prefill) / generated (decode) tokens.
+
+Persistence: settings survive a restart. Each update is written as JSON to a
+temp file in the state file's directory, fsync'd and `os.replace`d over the old
+file, so a crash leaves either the old or the new settings, never half of each.
+A file that cannot be read back is an error naming the file: silently falling
+back to defaults would quietly lift a budget the operator set.
+
+Spend is kept in memory only (per-endpoint totals since start, plus a rolling
+window of the last N requests for the realised budget ratio). Persisting it
+would put an fsync on every request; long-run spend belongs in metrics.
+
+Concurrency: every method is synchronous (no awaits) and holds a
+`threading.Lock` only for plain-Python bookkeeping, so it is safe from the event
+loop and from backend threads alike. `update` does its file I/O outside that
+lock (serialised by a second lock), so booking a request from another thread
+never waits for a disk flush.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from policies.cost import SIDES, CostModel, DeviceEnergy, Side, TokenPrices, usd_per_pflop
+from policies.dispatch import DEFAULT_ALPHA, POLICY_NAMES, canonical_name
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+DEFAULT_WINDOW = 1000
+CONSTRAINED_SIDES: tuple[str, ...] = ("auto", *SIDES)
+# Policies whose name fixes the constrained side (the "-s"/"-d" variants and baselines).
+POLICY_SIDE: dict[str, Side] = {"disco-s": "server", "stoch-s": "server", "disco-d": "device", "stoch-d": "device"}
+DEFAULT_EXCHANGE_RATE = 0.3  # USD per PFLOP: App. E's server-constrained λ (policies.cost)
+# r_c: a typical reader (§2.2: 4-5 tok/s); matches the config's default, a little above
+# policies.migration.READING_RATE (4.5), the simulator's default.
+DEFAULT_CONSUMPTION_RATE = 4.8
+
+UNITS = {
+    "budget": "share of input tokens the constrained endpoint may process, [0, 1]",
+    "alpha": "tail ratio, (0, 1)",
+    "exchange_rate": "USD per 1e15 device FLOPs",
+    "consumption_rate": "tokens per second",
+    "migration": "whether DiSCo may move generation between endpoints mid-answer",
+    "prices": "USD per 1M tokens",
+    "cost_usd": "USD",
+}
+
+
+class BudgetValidationError(ValueError):
+    """A budget setting is invalid. `field` names it (dotted, e.g. "prices.cloud.decode"),
+    or is None when the update as a whole is malformed (not an object)."""
+
+    def __init__(self, field: str | None, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class LedgerStateError(RuntimeError):
+    """The state file cannot be read, parsed or written; the message names the file."""
+
+
+def _number(name: str, value: Any) -> float:
+    # bool is an int in Python, but `"budget": true` is a client bug, not 1.0.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BudgetValidationError(name, f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise BudgetValidationError(name, f"{name} must be finite, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Price:
+    """A cloud backend's list price, USD per million tokens (as providers publish it, Table 8)."""
+
+    prefill: float
+    decode: float
+
+    def token_prices(self) -> TokenPrices:
+        """USD per token, the unit policies.cost works in."""
+        return TokenPrices.per_million(self.prefill, self.decode)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
+_PRICE_KEYS = ("prefill", "decode")
+
+
+def _price(backend: str, value: Any, base: Price | None = None) -> Price:
+    """A Price from a Price, a {"prefill", "decode"} mapping (partial if `base` fills the gaps)
+    or a (prefill, decode) pair; each non-negative."""
+    where = f"prices.{backend}"
+    if isinstance(value, Price):
+        value = value.to_dict()
+    elif isinstance(value, tuple | list) and len(value) == 2:
+        value = dict(zip(_PRICE_KEYS, value, strict=True))
+    if not isinstance(value, Mapping):
+        raise BudgetValidationError(where, f"{where} must be an object with 'prefill' and 'decode', got {value!r}")
+    for key in value:
+        if key not in _PRICE_KEYS:
+            raise BudgetValidationError(f"{where}.{key}", f"unknown field {where}.{key}; expected prefill or decode")
+    out = {}
+    for key in _PRICE_KEYS:
+        name = f"{where}.{key}"
+        if key in value:
+            out[key] = _number(name, value[key])
+            if out[key] < 0:
+                raise BudgetValidationError(name, f"{name} must be ≥ 0 (USD per 1M tokens), got {out[key]!r}")
+        elif base is not None:
+            out[key] = getattr(base, key)
+        else:
+            raise BudgetValidationError(name, f"{name} is required")
+    return Price(**out)
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    """DiSCo's user-set knobs. Validated on construction, so an invalid object cannot exist:
+    the config's defaults fail fast at start-up with the same messages a bad PUT gets."""
+
+    policy: str = "disco"
+    constrained_side: str = "auto"
+    budget: float = 0.5
+    alpha: float = DEFAULT_ALPHA
+    exchange_rate: float = DEFAULT_EXCHANGE_RATE
+    consumption_rate: float = DEFAULT_CONSUMPTION_RATE
+    migration: bool = True
+    prices: Mapping[str, Price] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if not isinstance(self.policy, str):
+            raise BudgetValidationError("policy", f"policy must be a string, got {self.policy!r}")
+        try:
+            set_(self, "policy", canonical_name(self.policy))
+        except ValueError as exc:
+            raise BudgetValidationError("policy", str(exc)) from None
+        if self.constrained_side not in CONSTRAINED_SIDES:
+            raise BudgetValidationError(
+                "constrained_side",
+                f"constrained_side must be one of {', '.join(CONSTRAINED_SIDES)}, got {self.constrained_side!r}",
+            )
+        budget = _number("budget", self.budget)
+        if not 0.0 <= budget <= 1.0:
+            raise BudgetValidationError("budget", f"budget must be in [0, 1], got {budget!r}")
+        alpha = _number("alpha", self.alpha)
+        if not 0.0 < alpha < 1.0:
+            raise BudgetValidationError("alpha", f"alpha must be in (0, 1) (exclusive), got {alpha!r}")
+        lam = _number("exchange_rate", self.exchange_rate)
+        if lam < 0:
+            raise BudgetValidationError("exchange_rate", f"exchange_rate must be ≥ 0 (USD per PFLOP), got {lam!r}")
+        r_c = _number("consumption_rate", self.consumption_rate)
+        if r_c <= 0:
+            raise BudgetValidationError("consumption_rate", f"consumption_rate must be > 0 tokens/s, got {r_c!r}")
+        if not isinstance(self.migration, bool):
+            raise BudgetValidationError("migration", f"migration must be true or false, got {self.migration!r}")
+        if not isinstance(self.prices, Mapping):
+            raise BudgetValidationError("prices", f"prices must be an object keyed by backend, got {self.prices!r}")
+        prices = {}
+        for name, value in self.prices.items():
+            if not isinstance(name, str) or not name:
+                raise BudgetValidationError("prices", f"prices keys must be backend names, got {name!r}")
+            prices[name] = _price(name, value)
+        implied = POLICY_SIDE.get(self.policy)
+        if implied is not None and self.constrained_side not in ("auto", implied):
+            raise BudgetValidationError(
+                "constrained_side",
+                f"policy {self.policy!r} is {implied}-constrained; constrained_side {self.constrained_side!r} "
+                f"contradicts it (use 'auto' or {implied!r}, or policy 'disco')",
+            )
+        for name, value in (("budget", budget), ("alpha", alpha), ("exchange_rate", lam), ("consumption_rate", r_c)):
+            set_(self, name, value)
+        set_(self, "prices", MappingProxyType(prices))
+
+    @property
+    def side_override(self) -> Side | None:
+        """The side pinned by the policy name or by the operator; None = let Alg. 1 decide from prices."""
+        implied = POLICY_SIDE.get(self.policy)
+        if implied is not None:
+            return implied
+        return None if self.constrained_side == "auto" else self.constrained_side  # type: ignore[return-value]
+
+    @property
+    def lam_usd_per_flop(self) -> float:
+        """λ in the unit CostModel takes."""
+        return usd_per_pflop(self.exchange_rate)
+
+    def cost_model(self, backend: str, energy: DeviceEnergy) -> CostModel:
+        """Eq. 8 for one cloud backend at the current prices and λ: what dispatch, migration and
+        booking must all use, so that they agree with what GET /v1/budget shows."""
+        try:
+            price = self.prices[backend]
+        except KeyError:
+            known = ", ".join(self.prices) or "none configured"
+            raise KeyError(f"no price for cloud backend {backend!r}; known: {known}") from None
+        return CostModel(server=price.token_prices(), energy=energy, lam=self.lam_usd_per_flop)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "constrained_side": self.constrained_side,
+            "budget": self.budget,
+            "alpha": self.alpha,
+            "exchange_rate": self.exchange_rate,
+            "consumption_rate": self.consumption_rate,
+            "migration": self.migration,
+            "prices": {name: price.to_dict() for name, price in self.prices.items()},
+        }
+
+
+SETTING_FIELDS: tuple[str, ...] = tuple(BudgetSettings.__dataclass_fields__)
+
+
+def apply_patch(base: BudgetSettings, patch: Any, *, unknown_backends: str = "reject") -> BudgetSettings:
+    """`base` with the fields of `patch` replaced (prices merged per backend and per field).
+
+    unknown_backends: "reject" (a PUT naming a backend the gateway does not have is a
+    typo that would otherwise be silently ignored) or "drop" (a state file written
+    when a since-removed cloud was configured).
+    """
+    if not isinstance(patch, Mapping):
+        raise BudgetValidationError(None, f"a budget update must be a JSON object, got {type(patch).__name__}")
+    for key in patch:
+        if key not in SETTING_FIELDS:
+            raise BudgetValidationError(str(key), f"unknown field {key!r}; expected one of {', '.join(SETTING_FIELDS)}")
+    fields = {name: getattr(base, name) for name in SETTING_FIELDS}
+    fields.update({k: v for k, v in patch.items() if k != "prices"})
+    if "prices" in patch:
+        given = patch["prices"]
+        if not isinstance(given, Mapping):
+            raise BudgetValidationError("prices", f"prices must be an object keyed by backend, got {given!r}")
+        prices = dict(base.prices)
+        for name, value in given.items():
+            if name not in base.prices:
+                known = ", ".join(base.prices) or "none configured"
+                if unknown_backends == "drop":
+                    log.warning("budget state: dropping prices for unknown cloud backend %r (known: %s)", name, known)
+                    continue
+                raise BudgetValidationError(
+                    f"prices.{name}", f"prices for unknown cloud backend {name!r}; known: {known}"
+                )
+            prices[name] = _price(str(name), value, base=base.prices[name])
+        fields["prices"] = prices
+    return BudgetSettings(**fields)
+
+
+@dataclass
+class _Totals:
+    requests: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cost_usd: float = 0.0
+
+
+@dataclass
+class _WindowEntry:
+    prompt_tokens: int | None = None  # l, when the caller said; else the largest prefill seen
+    max_prefill: int = 0
+    constrained_prefill: int = 0
+    endpoints: set[str] = field(default_factory=set)
+
+    @property
+    def input_tokens(self) -> int:
+        return self.prompt_tokens if self.prompt_tokens is not None else self.max_prefill
+
+    @property
+    def constrained_input(self) -> int:
+        # The constrained endpoint processed "the prompt" once it prefilled it. A race counts
+        # the prompt once, not twice; a migration target's prefill of prompt + delivered
+        # tokens still counts it once; so each request's share stays in [0, 1].
+        return min(self.input_tokens, self.constrained_prefill)
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+class Ledger:
+    """Budget settings (persisted) and spend (in memory). See the module doc for why.
+
+    state_file: where settings persist (None = in memory only); loaded now if it exists.
+    defaults: settings when there is no state file yet; its `prices` keys are the cloud
+      backends prices may be set for.
+    window: how many recent requests the realised budget ratio is measured over.
+    side_resolver: given the settings, returns the constrained side Alg. 1 picks when
+      constrained_side is "auto" (it needs the device's FLOPs, which the ledger does not
+      know), e.g. ``lambda s: s.cost_model("cloud", energy).constrained_side()``; only
+      used for the snapshot's `effective_side`.
+    primary_cloud: the cloud backend whose prices `knobs()` hands to DiSCo.
+    """
+
+    def __init__(
+        self,
+        state_file: str | os.PathLike[str] | None = None,
+        defaults: BudgetSettings | None = None,
+        *,
+        window: int = DEFAULT_WINDOW,
+        side_resolver: Callable[[BudgetSettings], Side] | None = None,
+        primary_cloud: str | None = None,
+    ):
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        self.state_file = Path(state_file).expanduser() if state_file not in (None, "") else None
+        self.window = window
+        self.side_resolver = side_resolver
+        self._lock = threading.Lock()  # bookkeeping: settings swap, spend, window
+        self._update_lock = threading.Lock()  # serialises update() including its file write
+        self._settings = defaults if defaults is not None else BudgetSettings()
+        if primary_cloud is None and self._settings.prices:
+            primary_cloud = next(iter(self._settings.prices))
+        if primary_cloud is not None and primary_cloud not in self._settings.prices:
+            raise ValueError(f"primary_cloud {primary_cloud!r} has no price in the defaults")
+        self.primary_cloud = primary_cloud
+        self._version = 0
+        self._listeners: list[Callable[[], None]] = []
+        self._totals: dict[str, _Totals] = {}
+        self._requests = 0
+        self._cost = 0.0
+        self._recent: OrderedDict[str, _WindowEntry] = OrderedDict()
+        self._win_input = 0
+        self._win_constrained = 0
+        if self.state_file is not None and self.state_file.exists():
+            self._settings = self._load(self.state_file, self._settings)
+
+    @classmethod
+    def from_settings(cls, settings: Any, **kwargs: Any) -> Ledger:
+        """The gateway's ledger from app.config.Settings: `gateway.policy`, `[disco]` knobs and each
+        cloud's `price` as defaults, persisted at `gateway.state_file` ("" = not persisted).
+        A default that BudgetSettings refuses fails start-up naming the config field."""
+        disco = settings.disco
+        prices = {
+            name: Price(cloud.price.prefill_per_million, cloud.price.decode_per_million)
+            for name, cloud in settings.clouds.items()
+        }
+        try:
+            defaults = BudgetSettings(
+                policy=settings.gateway.policy,
+                constrained_side=disco.side,
+                budget=disco.budget,
+                alpha=disco.alpha,
+                exchange_rate=disco.exchange_rate,
+                consumption_rate=disco.consumption_rate,
+                migration=disco.migration,
+                prices=prices,
+            )
+        except BudgetValidationError as exc:
+            where = {"policy": "gateway.policy", "constrained_side": "disco.side"}.get(str(exc.field))
+            where = where or (
+                f"clouds.{exc.field[7:]}" if str(exc.field).startswith("prices.") else f"disco.{exc.field}"
+            )
+            raise BudgetValidationError(where, f"{where}: {exc.message}") from None
+        primary = settings.gateway.cloud if settings.gateway.cloud in prices else None
+        return cls(settings.gateway.state_file or None, defaults, primary_cloud=primary, **kwargs)
+
+    # ------------------------------------------------------------------ settings
+
+    @property
+    def settings(self) -> BudgetSettings:
+        """The current settings (immutable: hold on to it for a whole request)."""
+        return self._settings
+
+    @property
+    def version(self) -> int:
+        """Bumped by every successful update."""
+        return self._version
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` after every successful update (e.g. to recompute dispatch)."""
+        self._listeners.append(callback)
+
+    def update(self, patch: Mapping[str, Any]) -> BudgetSettings:
+        """Apply a partial update, persist it, make it current, then tell the listeners.
+
+        Raises BudgetValidationError naming the field (nothing changes), or
+        LedgerStateError if the state file cannot be written (nothing changes either:
+        memory and disk must not disagree after a restart). A listener that raises
+        does not undo the committed update; every listener still runs, and the first
+        error is re-raised so the caller can report that applying it failed.
+
+        Run it on the event loop: listeners touch DiSCo state the loop owns, and the
+        fsync of a few hundred bytes is a rare admin-path cost.
+        """
+        with self._update_lock:
+            new = apply_patch(self._settings, patch)
+            if new == self._settings:
+                return new
+            if self.state_file is not None:
+                self._save(self.state_file, new)
+            with self._lock:
+                self._settings = new
+                self._version += 1
+            log.info("budget settings updated: %s", new.to_dict())
+            first_error: Exception | None = None
+            for callback in list(self._listeners):
+                try:
+                    callback()
+                except Exception as exc:
+                    log.exception("budget change listener failed")
+                    first_error = first_error or exc
+            if first_error is not None:
+                raise first_error
+            return new
+
+    def knobs(self):
+        """The settings as app.disco.DiscoKnobs for the DiSCo runtime (primary cloud's prices)."""
+        from app.disco import DiscoKnobs  # lazy: app.disco is the consumer, not a dependency
+
+        s = self._settings
+        price = s.prices.get(self.primary_cloud) if self.primary_cloud is not None else None
+        return DiscoKnobs(
+            policy=s.policy,
+            side=s.constrained_side,
+            budget=s.budget,
+            alpha=s.alpha,
+            exchange_rate=s.exchange_rate,
+            consumption_rate=s.consumption_rate,
+            cloud_prices=price.token_prices() if price is not None else TokenPrices(0.0, 0.0),
+            migration=s.migration,
+        )
+
+    def effective_side(self, settings: BudgetSettings | None = None) -> Side | None:
+        """The constrained side in force: pinned by policy or operator, else the resolver's
+        Alg. 1 answer, else None (unknown). A failing resolver is logged, not raised, so that
+        GET /v1/budget keeps working while a cost model is misconfigured."""
+        s = settings if settings is not None else self._settings
+        pinned = s.side_override
+        if pinned is not None or self.side_resolver is None:
+            return pinned
+        try:
+            side = self.side_resolver(s)
+        except Exception:
+            log.exception("constrained-side resolver failed")
+            return None
+        return side if side in SIDES else None
+
+    @staticmethod
+    def _load(path: Path, defaults: BudgetSettings) -> BudgetSettings:
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise LedgerStateError(f"cannot read budget state file {path}: {exc}") from exc
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise LedgerStateError(
+                f"budget state file {path} is corrupt (not JSON: {exc}); fix it or delete it to start from the config"
+            ) from None
+        if not isinstance(data, dict) or data.get("version") != STATE_VERSION or "settings" not in data:
+            raise LedgerStateError(
+                f"budget state file {path} is not a version-{STATE_VERSION} Tandem budget state "
+                '(expected {"version": 1, "settings": {...}}); fix it or delete it'
+            )
+        try:
+            settings = apply_patch(defaults, data["settings"], unknown_backends="drop")
+        except BudgetValidationError as exc:
+            raise LedgerStateError(f"budget state file {path} is invalid at {exc.field}: {exc.message}") from None
+        log.info("budget settings loaded from %s (they take precedence over the config's defaults)", path)
+        return settings
+
+    @staticmethod
+    def _save(path: Path, settings: BudgetSettings) -> None:
+        data = json.dumps({"version": STATE_VERSION, "settings": settings.to_dict()}, indent=2).encode() + b"\n"
+        try:
+            write_atomic(path, data)
+        except OSError as exc:
+            raise LedgerStateError(f"cannot write budget state file {path}: {exc}") from exc
+
+    # ------------------------------------------------------------------ spend
+
+    def record(
+        self,
+        request_id: str,
+        endpoint: str,
+        prefill_tokens: int,
+        decode_tokens: int,
+        cost_usd: float,
+        *,
+        constrained: bool,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """Book what one endpoint did for one request; call once per endpoint that ran
+        (a cancelled race loser too: its prefill was done and paid for). Calls with the
+        same request_id add up while the request is still in the window.
+
+        prefill_tokens: what the endpoint prefilled (prompt, plus the delivered prefix for a
+          migration target). cost_usd: its Eq. 8 term. constrained: whether this endpoint
+          is the constrained side for this request (the side dispatch used).
+        prompt_tokens: the request's prompt length l, the denominator of the budget ratio
+          (counted once however many endpoints prefilled it). Without it the largest
+          prefill booked for the request stands in, which over-counts a migrated request's
+          denominator by its delivered prefix.
+        """
+        _count("prefill_tokens", prefill_tokens)
+        _count("decode_tokens", decode_tokens)
+        if prompt_tokens is not None:
+            _count("prompt_tokens", prompt_tokens)
+        if isinstance(cost_usd, bool) or not isinstance(cost_usd, int | float) or not math.isfinite(cost_usd):
+            raise ValueError(f"cost_usd must be a finite number, got {cost_usd!r}")
+        if cost_usd < 0:
+            raise ValueError(f"cost_usd must be ≥ 0, got {cost_usd!r}")
+        with self._lock:
+            entry = self._recent.get(request_id)
+            if entry is None:
+                entry = self._recent[request_id] = _WindowEntry()
+                self._requests += 1
+                while len(self._recent) > self.window:
+                    self._forget(self._recent.popitem(last=False)[1])
+            else:
+                self._forget(entry)
+            if prompt_tokens is not None:
+                entry.prompt_tokens = max(entry.prompt_tokens or 0, prompt_tokens)
+            entry.max_prefill = max(entry.max_prefill, prefill_tokens)
+            if constrained:
+                entry.constrained_prefill += prefill_tokens
+            self._remember(entry)
+            totals = self._totals.get(endpoint)
+            if totals is None:
+                totals = self._totals[endpoint] = _Totals()
+            if endpoint not in entry.endpoints:
+                entry.endpoints.add(endpoint)
+                totals.requests += 1
+            totals.prefill_tokens += prefill_tokens
+            totals.decode_tokens += decode_tokens
+            totals.cost_usd += float(cost_usd)
+            self._cost += float(cost_usd)
+
+    def _forget(self, entry: _WindowEntry) -> None:
+        self._win_input -= entry.input_tokens
+        self._win_constrained -= entry.constrained_input
+
+    def _remember(self, entry: _WindowEntry) -> None:
+        self._win_input += entry.input_tokens
+        self._win_constrained += entry.constrained_input
+
+    def realised_budget(self) -> float | None:
+        """The realised b over the window: constrained-endpoint input tokens / all input
+        tokens; None before any input."""
+        with self._lock:
+            return self._win_constrained / self._win_input if self._win_input else None
+
+    def realised_ratio(self) -> float:
+        """`realised_budget` for a Prometheus gauge, which needs a float: NaN = no data yet."""
+        ratio = self.realised_budget()
+        return math.nan if ratio is None else ratio
+
+    # ------------------------------------------------------------------ view
+
+    def snapshot(self) -> dict[str, Any]:
+        """Settings and live spend as plain JSON-able data, for GET /v1/budget."""
+        settings = self._settings
+        side = self.effective_side(settings)
+        with self._lock:
+            spend = {
+                "requests": self._requests,
+                "cost_usd": self._cost,
+                "endpoints": {
+                    name: {
+                        "requests": t.requests,
+                        "prefill_tokens": t.prefill_tokens,
+                        "decode_tokens": t.decode_tokens,
+                        "cost_usd": t.cost_usd,
+                    }
+                    for name, t in self._totals.items()
+                },
+                "window": {
+                    "size": self.window,
+                    "requests": len(self._recent),
+                    "input_tokens": self._win_input,
+                    "constrained_input_tokens": self._win_constrained,
+                    "realised_budget": self._win_constrained / self._win_input if self._win_input else None,
+                },
+            }
+            version = self._version
+        return {
+            **settings.to_dict(),
+            "effective_side": side,
+            "primary_cloud": self.primary_cloud,
+            "known_policies": list(POLICY_NAMES),
+            "units": dict(UNITS),
+            "version": version,
+            "spend": spend,
+        }
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash at any point leaves the old or the new file.
+
+    The temp file lives in the same directory (os.replace is atomic only within one
+    file system) and is fsync'd before the rename (else the rename can reach the disk
+    before the data); the directory is fsync'd after it so the rename itself survives.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # not every platform/file system can fsync a directory
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -1,0 +1,109 @@
+"""GET/PUT /v1/budget: a thin HTTP view over the ledger (app/ledger.py), the one source of truth.
+
+Why the handlers hold no state and do no arithmetic: dispatch, booking and this
+API all read the same `Ledger`, so what an operator sets here is what the next
+request is dispatched under, and what GET shows is what was booked.
+
+Auth: changing the budget is an operator action, so when admin keys are
+configured (`gateway.admin_keys`) only they are accepted — an ordinary API key
+must not be able to lift the budget it is spending against (openai-wire.md
+pitfall 8). With no admin key configured the endpoints behave like the rest of
+/v1: a valid gateway API key if any are configured, else open (a loopback-only
+single-user gateway). Keys are compared in constant time against every key.
+
+PUT is a partial update (only the fields sent change; prices merge per backend),
+answered with the new snapshot, or 400 in the OpenAI error envelope whose
+`param` names the offending field.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from app.ledger import BudgetValidationError, Ledger, LedgerStateError
+from endpoints.errors import ApiError
+
+
+def _bearer(request: Request) -> bytes:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" else b""
+
+
+def _matches(given: bytes, keys) -> bool:
+    # Every key is compared, with no early exit, so timing says nothing about which key
+    # (or how much of one) matched.
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(given, key.get_secret_value().encode())
+    return ok
+
+
+async def require_admin_key(request: Request) -> None:
+    """Admin keys if configured, else the gateway's API keys if configured, else open."""
+    gw_settings = request.app.state.gateway.settings.gateway
+    admin = list(getattr(gw_settings, "admin_keys", None) or [])
+    keys = admin or list(getattr(gw_settings, "api_keys", None) or [])
+    if not keys:
+        return
+    given = _bearer(request)
+    if _matches(given, keys):
+        return
+    what = "admin key" if admin else "API key"
+    message = f"Missing {what}: send 'Authorization: Bearer <key>'." if not given else f"Incorrect {what} provided."
+    raise ApiError(401, message, code="invalid_api_key", type="authentication_error")
+
+
+def _ledger(request: Request) -> Ledger:
+    return request.app.state.gateway.ledger
+
+
+router = APIRouter(prefix="/v1", tags=["budget"], dependencies=[Depends(require_admin_key)])
+
+
+@router.get("/budget")
+async def get_budget(request: Request) -> dict[str, Any]:
+    return _ledger(request).snapshot()
+
+
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+@router.put("/budget")
+async def put_budget(request: Request) -> dict[str, Any]:
+    ledger = _ledger(request)
+    raw = await request.body()
+    if not raw.strip():
+        raise ApiError(400, "The request body is missing; send a JSON object of budget fields.", code="invalid_request")
+    try:
+        # Python's json accepts NaN/Infinity; JSON does not, and neither may a budget.
+        patch = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
+    if not isinstance(patch, dict):
+        raise ApiError(
+            400,
+            f"The request body must be a JSON object of budget fields, got a JSON {_JSON_TYPES[type(patch)]}.",
+            code="invalid_request",
+        )
+    try:
+        # On the loop on purpose: the ledger's change listeners recompute DiSCo state that
+        # the loop owns; the fsync of a few hundred bytes is a rare, admin-only cost.
+        ledger.update(patch)
+    except BudgetValidationError as exc:
+        raise ApiError(400, exc.message, param=exc.field, code="invalid_value") from None
+    except LedgerStateError as exc:
+        raise ApiError(500, f"The budget was not changed: {exc}", code="state_write_failed", retry=True) from None
+    except Exception as exc:
+        # Saved and current, but a listener (DiSCo's recompute) failed: say so, don't retry.
+        raise ApiError(
+            500, f"The budget was saved but applying it failed: {exc}", code="apply_failed", retry=False
+        ) from exc
+    return ledger.snapshot()

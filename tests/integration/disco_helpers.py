@@ -1,0 +1,82 @@
+"""Helpers for the live DiSCo tests: stream with the SDK, read traces, and check that a
+migrated answer continues byte for byte from what the client had already received."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from functools import cache
+
+import httpx
+import openai
+
+from clients.chat_template import render_chat
+from deploy.models import model_path
+
+
+def sdk(gw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=180)
+
+
+def stream_chunks(gw, messages, policy: str | None = None, max_tokens: int = 32, on_chunk=None, **kw):
+    """Stream a chat answer; returns (request id, list of content pieces, finish_reason)."""
+    extra = {"tandem": {"policy": policy}} if policy else None
+    raw = sdk(gw).chat.completions.with_raw_response.create(
+        model="tandem", messages=messages, max_tokens=max_tokens, temperature=0, stream=True, extra_body=extra, **kw
+    )
+    request_id = raw.headers["x-request-id"]
+    pieces, finish = [], None
+    for chunk in raw.parse():
+        if not chunk.choices:
+            continue
+        piece = chunk.choices[0].delta.content
+        if piece:
+            pieces.append(piece)
+            if on_chunk is not None:
+                on_chunk(len(pieces))
+        finish = chunk.choices[0].finish_reason or finish
+    return request_id, pieces, finish
+
+
+def trace(gw, request_id: str) -> dict:
+    r = httpx.get(f"{gw.v1}/requests/{request_id}", timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+@cache
+def _template() -> str:
+    from llama_cpp import Llama
+
+    vocab = Llama(str(model_path("qwen2.5-coder-0.5b-instruct")), vocab_only=True, verbose=False)
+    return vocab.metadata["tokenizer.chat_template"]
+
+
+def rendered(messages) -> str:
+    """The chat prompt exactly as the gateway renders it (the model's own template)."""
+    return render_chat(_template(), messages)
+
+
+def independent_continuation(gw, backend: str, messages, prefix: str, max_tokens: int) -> str:
+    """What `backend` generates greedily after prompt + prefix, asked directly (no migration)."""
+    r = httpx.post(
+        gw.v1 + "/completions",
+        json={"model": backend, "prompt": rendered(messages) + prefix, "max_tokens": max_tokens, "temperature": 0},
+        timeout=180,
+    )
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def embedded_server_pid(gw) -> int:
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(gw.process.pid)], capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if "llama_cpp.server" in args:
+            return int(pid)
+    raise AssertionError(f"no embedded cloud server under gateway {gw.process.pid}:\n{out.stdout}")
+
+
+def signal_process(pid: int, sig: signal.Signals) -> None:
+    os.kill(pid, sig)

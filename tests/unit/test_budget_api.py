@@ -1,0 +1,248 @@
+"""GET/PUT /v1/budget on a minimal app: round trip, the error envelope, admin auth, persistence.
+
+Why a stand-in gateway: the router only needs `app.state.gateway.ledger` and
+`.settings.gateway.{admin_keys, api_keys}`, so the tests pin that contract
+without loading models.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+
+import endpoints.budget as budget
+from app.ledger import BudgetSettings, Ledger, Price
+from endpoints.errors import install_error_handlers
+
+ADMIN = "adm-secret-1"
+
+
+def make_app(ledger: Ledger, *, admin_keys=(), api_keys=()) -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(budget.router)
+    gw = SimpleNamespace(admin_keys=[SecretStr(k) for k in admin_keys], api_keys=[SecretStr(k) for k in api_keys])
+    app.state.gateway = SimpleNamespace(ledger=ledger, settings=SimpleNamespace(gateway=gw))
+    return app
+
+
+def new_ledger(path=None) -> Ledger:
+    return Ledger(path, BudgetSettings(policy="disco", budget=0.5, prices={"cloud": Price(0.15, 0.6)}))
+
+
+@pytest.fixture
+def client() -> TestClient:
+    return TestClient(make_app(new_ledger()))
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_envelope(resp, status: int, param: str | None, code: str) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["code"] == code
+    return err
+
+
+def test_get_returns_snapshot(client):
+    resp = client.get("/v1/budget")
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["policy"] == "disco" and body["budget"] == 0.5
+    assert body["prices"] == {"cloud": {"prefill": 0.15, "decode": 0.6}}
+    assert body["spend"]["window"]["size"] == 1000
+
+
+def test_get_shows_booked_spend():
+    ledger = new_ledger()
+    ledger.update({"constrained_side": "server"})
+    ledger.record("r1", "cloud", 100, 7, 0.0000192, constrained=True, prompt_tokens=100)
+    body = TestClient(make_app(ledger)).get("/v1/budget").json()
+    assert body["spend"]["endpoints"]["cloud"]["decode_tokens"] == 7
+    assert body["spend"]["window"]["realised_budget"] == 1.0
+    assert body["effective_side"] == "server"
+
+
+def test_put_partial_update_round_trip(client):
+    resp = client.put("/v1/budget", json={"budget": 0.2, "prices": {"cloud": {"decode": 0.8}}})
+    assert resp.status_code == 200
+    assert resp.json()["budget"] == 0.2
+    got = client.get("/v1/budget").json()
+    assert got["budget"] == 0.2 and got["alpha"] == 0.05 and got["policy"] == "disco"
+    assert got["prices"]["cloud"] == {"prefill": 0.15, "decode": 0.8}
+    assert got["version"] == 1
+
+
+def test_put_alias_policy_stored_canonical(client):
+    assert client.put("/v1/budget", json={"policy": "cloud"}).json()["policy"] == "server-only"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"budget": 1.5}, "budget"),
+        ({"budget": -1}, "budget"),
+        ({"alpha": 0}, "alpha"),
+        ({"alpha": 2}, "alpha"),
+        ({"exchange_rate": -0.3}, "exchange_rate"),
+        ({"consumption_rate": 0}, "consumption_rate"),
+        ({"policy": "psychic"}, "policy"),
+        ({"constrained_side": "left"}, "constrained_side"),
+        ({"buget": 0.1}, "buget"),
+        ({"prices": {"other": {"prefill": 1, "decode": 1}}}, "prices.other"),
+        ({"prices": {"cloud": {"decode": -2}}}, "prices.cloud.decode"),
+    ],
+)
+def test_bad_field_is_400_naming_it(client, body, param):
+    err = assert_envelope(client.put("/v1/budget", json=body), 400, param, "invalid_value")
+    assert err["type"] == "invalid_request_error"
+    assert param.split(".")[-1] in err["message"]
+    assert client.get("/v1/budget").json()["version"] == 0  # nothing changed
+
+
+def test_unknown_policy_message_lists_known(client):
+    err = assert_envelope(client.put("/v1/budget", json={"policy": "psychic"}), 400, "policy", "invalid_value")
+    assert "disco-s" in err["message"] and "stoch-d" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("content", "code"),
+    [
+        (b"{bad json", "invalid_json"),
+        (b'{"budget": NaN}', "invalid_json"),
+        (b"\xff\xfe", "invalid_json"),
+        (b"", "invalid_request"),
+        (b"[1, 2]", "invalid_request"),
+        (b'"budget"', "invalid_request"),
+        (b"null", "invalid_request"),
+        (b"0.5", "invalid_request"),
+    ],
+)
+def test_malformed_or_non_object_body_is_400(client, content, code):
+    resp = client.put("/v1/budget", content=content, headers={"Content-Type": "application/json"})
+    err = assert_envelope(resp, 400, None, code)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_state_write_failure_is_500_and_changes_nothing(tmp_path, monkeypatch):
+    ledger = new_ledger(tmp_path / "budget.json")
+    client = TestClient(make_app(ledger))
+
+    def crash(src, dst):
+        raise OSError(13, "Permission denied")
+
+    monkeypatch.setattr("app.ledger.os.replace", crash)
+    resp = client.put("/v1/budget", json={"budget": 0.9})
+    err = assert_envelope(resp, 500, None, "state_write_failed")
+    assert "not changed" in err["message"]
+    monkeypatch.undo()
+    assert client.get("/v1/budget").json()["budget"] == 0.5
+
+
+def test_listener_failure_is_500_saying_it_was_saved():
+    ledger = new_ledger()
+
+    def boom():
+        raise RuntimeError("recompute failed")
+
+    ledger.on_change(boom)
+    client = TestClient(make_app(ledger))
+    resp = client.put("/v1/budget", json={"budget": 0.4})
+    err = assert_envelope(resp, 500, None, "apply_failed")
+    assert "saved" in err["message"] and "recompute failed" in err["message"]
+    assert resp.headers["x-should-retry"] == "false"
+    assert client.get("/v1/budget").json()["budget"] == 0.4
+
+
+# ------------------------------------------------------------------ auth
+
+
+@pytest.mark.parametrize("method", ["get", "put"])
+def test_admin_key_required_when_configured(method):
+    client = TestClient(make_app(new_ledger(), admin_keys=["other-admin", ADMIN], api_keys=["user-key"]))
+    kwargs = {"json": {"budget": 0.3}} if method == "put" else {}
+    call = getattr(client, method)
+    err = assert_envelope(call("/v1/budget", **kwargs), 401, None, "invalid_api_key")
+    assert err["type"] == "authentication_error" and "Missing admin key" in err["message"]
+    assert_envelope(call("/v1/budget", headers=auth("wrong"), **kwargs), 401, None, "invalid_api_key")
+    # an ordinary API key must not be able to change the budget it spends against
+    assert_envelope(call("/v1/budget", headers=auth("user-key"), **kwargs), 401, None, "invalid_api_key")
+    assert_envelope(call("/v1/budget", headers={"Authorization": ADMIN}, **kwargs), 401, None, "invalid_api_key")
+    assert call("/v1/budget", headers=auth(ADMIN), **kwargs).status_code == 200
+    assert call("/v1/budget", headers=auth("other-admin"), **kwargs).status_code == 200
+
+
+def test_auth_runs_before_the_body_is_judged():
+    client = TestClient(make_app(new_ledger(), admin_keys=[ADMIN]))
+    resp = client.put("/v1/budget", content=b"{bad", headers={"Content-Type": "application/json"})
+    assert_envelope(resp, 401, None, "invalid_api_key")
+
+
+def test_falls_back_to_api_keys_without_admin_keys():
+    client = TestClient(make_app(new_ledger(), api_keys=["user-key"]))
+    err = assert_envelope(client.get("/v1/budget"), 401, None, "invalid_api_key")
+    assert "API key" in err["message"]
+    assert_envelope(client.get("/v1/budget", headers=auth("nope")), 401, None, "invalid_api_key")
+    assert client.get("/v1/budget", headers=auth("user-key")).status_code == 200
+
+
+def test_open_without_any_keys(client):
+    assert client.get("/v1/budget").status_code == 200
+    assert client.put("/v1/budget", json={"budget": 0.1}).status_code == 200
+
+
+def test_settings_without_admin_keys_field_are_tolerated():
+    """Until the config grows `admin_keys`, the router must behave like the rest of /v1."""
+    app = make_app(new_ledger())
+    app.state.gateway.settings.gateway = SimpleNamespace(api_keys=[])
+    assert TestClient(app).get("/v1/budget").status_code == 200
+
+
+def test_every_key_is_compared_in_constant_time(monkeypatch):
+    """Every configured key goes through hmac.compare_digest, even after a match."""
+    calls = []
+    real = budget.hmac.compare_digest
+
+    def spy(a, b):
+        calls.append(b)
+        return real(a, b)
+
+    monkeypatch.setattr(budget.hmac, "compare_digest", spy)
+    client = TestClient(make_app(new_ledger(), admin_keys=[ADMIN, "k2", "k3"]))
+    assert client.get("/v1/budget", headers=auth(ADMIN)).status_code == 200
+    assert calls == [ADMIN.encode(), b"k2", b"k3"]
+    calls.clear()
+    assert client.get("/v1/budget", headers=auth("x")).status_code == 401
+    assert len(calls) == 3
+
+
+# ------------------------------------------------------------------ persistence
+
+
+def test_settings_survive_recreating_the_app(tmp_path):
+    path = tmp_path / "budget.json"
+    first = TestClient(make_app(new_ledger(path), admin_keys=[ADMIN]))
+    resp = first.put("/v1/budget", json={"budget": 0.15, "policy": "disco-d", "exchange_rate": 5}, headers=auth(ADMIN))
+    assert resp.status_code == 200
+    second = TestClient(make_app(new_ledger(path), admin_keys=[ADMIN]))
+    got = second.get("/v1/budget", headers=auth(ADMIN)).json()
+    assert (got["budget"], got["policy"], got["exchange_rate"]) == (0.15, "disco-d", 5.0)
+    assert got["effective_side"] == "device"
+
+
+async def test_works_over_httpx_asgi_transport():
+    import httpx
+
+    app = make_app(new_ledger())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as ac:
+        assert (await ac.put("/v1/budget", json={"alpha": 0.1})).json()["alpha"] == 0.1
+        assert (await ac.get("/v1/budget")).json()["alpha"] == 0.1
