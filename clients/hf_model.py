@@ -1,0 +1,156 @@
+"""Load a Hugging Face causal LM + tokenizer offline from a bundled GGUF file.
+
+Why a converted cache: transformers can read GGUF directly, but it dequantises
+every tensor on each load (~55 s for Qwen 0.5B, ~10 s for SmolLM2). We do that
+once and keep an fp32 safetensors folder (model + tokenizer); later loads read
+the folder in a few seconds. The folder is written into a temporary directory
+next to its final place and renamed, so a crash or a concurrent loader never
+sees a half-written cache.
+
+No model hub is reachable from these machines, so everything here runs with
+the Hugging Face offline switches set and `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+# Must be set before huggingface_hub / transformers read them at import time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import copy
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_MARKER = "tandem-converted.txt"
+
+
+def default_cache_root() -> Path:
+    """Where converted folders live: $TANDEM_HF_CACHE, else ~/.cache/tandem/hf (outside the repo)."""
+    env = os.environ.get("TANDEM_HF_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "tandem" / "hf"
+
+
+def _fingerprint(gguf: Path) -> str:
+    """Identify the weights: the verified sha256 (from deploy.models' stamp) when it is current, else the size.
+
+    The stamp `<file>.sha256` holds "sha256 size mtime_ns"; it only counts if size and mtime still match,
+    so a replaced file does not reuse a stale conversion.
+    """
+    st = gguf.stat()
+    stamp = gguf.with_suffix(gguf.suffix + ".sha256")
+    try:
+        parts = stamp.read_text().split()
+        if len(parts) == 3 and int(parts[1]) == st.st_size and int(parts[2]) == st.st_mtime_ns and len(parts[0]) == 64:
+            return parts[0][:12]
+    except (OSError, ValueError):
+        pass
+    return str(st.st_size)
+
+
+def converted_dir(gguf_path: str | os.PathLike[str], cache_root: str | os.PathLike[str] | None = None) -> Path:
+    """The folder a GGUF file converts into (it may not exist yet)."""
+    gguf = Path(gguf_path)
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    return root / f"{gguf.stem}-{_fingerprint(gguf)}"
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / _MARKER).is_file() and (folder / "config.json").is_file()
+
+
+def _strip_quantization_config(folder: Path) -> None:
+    """Older conversions kept the GGUF quantization_config, which makes transformers attach a GGUF quantizer
+    (and cast fp64 loads back to fp32). Remove it in place, atomically, instead of converting again."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    if "quantization_config" not in cfg:
+        return
+    del cfg["quantization_config"]
+    tmp = path.with_name(f".config.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def convert_gguf(gguf_path: str | os.PathLike[str], target: Path) -> Path:
+    """Dequantise `gguf_path` into an fp32 safetensors folder at `target` (atomic rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf_path)
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    log.info("converting %s (dequantising; this happens once)", gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    # save_pretrained refuses a GGUF-loaded model, so copy the weights into a plain model first. Drop the GGUF
+    # quantization_config: the folder holds plain fp32 weights and must load as an ordinary model.
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not loaded.config.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f"weight mismatch converting {gguf.name}: missing={missing} unexpected={unexpected}")
+    if loaded.generation_config is not None:
+        fresh.generation_config = loaded.generation_config
+    del loaded
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _MARKER).write_text(f"source={gguf}\nconverted_in_s={time.monotonic() - t0:.1f}\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished first; its folder is as good as ours.
+            if not _is_complete(target):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("converted %s in %.1f s -> %s", gguf.name, time.monotonic() - t0, target)
+    return target
+
+
+def load_hf_model(
+    gguf_path: str | os.PathLike[str],
+    cache_root: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Any, Any]:
+    """Return `(model, tokenizer)` for a GGUF file, converting it into the cache on first use.
+
+    The model is in eval mode on CPU. `dtype` applies when reading the converted (fp32) folder.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = converted_dir(gguf_path, cache_root)
+    if not _is_complete(folder):
+        convert_gguf(gguf_path, folder)
+    _strip_quantization_config(folder)
+    t0 = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    log.info("loaded %s in %.1f s", folder.name, time.monotonic() - t0)
+    return model, tokenizer

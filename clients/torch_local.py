@@ -1,0 +1,447 @@
+"""Device backend on a transformers causal LM (fp32 on CPU), token by token.
+
+Why a manual decode loop instead of `generate`: the gateway needs one event
+per token with its id, continuation from an arbitrary prefix (migration), and
+cancellation within one token when the client or the orchestrator drops the
+stream. `generate` offers none of that cleanly.
+
+Threading: torch calls block, so every model call runs on ONE dedicated thread
+per model, never on the event loop. That thread round-robins one step (a
+prefill chunk or one decode token) at a time across the active streams, so
+concurrent requests queue safely and a second stream is not starved by a long
+first one. Each stream has a cancel flag, checked before every step; closing
+the async iterator (aclose or task cancellation) sets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clients.base import BackendError, GenerationRequest, TokenEvent
+
+log = logging.getLogger(__name__)
+
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>")
+_PREFILL_CHUNK = 256  # tokens per prefill step: bounds how long a cancel or another stream waits
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a multi-byte UTF-8 character.
+
+    Byte-level BPE pieces can end mid-character; decoding them alone yields U+FFFD. We decode a short window
+    (a few tokens of context + the unread tokens) and emit only the part that extends the window's already-read
+    text and does not end in U+FFFD. The context (the prompt's or prefix's last tokens) keeps decoding of the
+    first generated tokens identical to decoding them in place (leading spaces, merges).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = (), context_len: int = 6):
+        self._decode = decode
+        self.ids: list[int] = list(context[-context_len:])
+        self._prefix_offset = 0
+        self._read_offset = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end decodes as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self.ids)
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+
+
+class StopMatcher:
+    """Holds back generated text that might be the start of a stop string; reports when one is complete."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit now, stopped). On a stop, the text before it is returned."""
+        if not self.stops:
+            return text, False
+        self._pending += text
+        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out = self._pending[: min(hits)]
+            self._pending = ""
+            return out, True
+        keep = 0  # longest suffix of pending that is a proper prefix of some stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self._pending)), keep, -1):
+                if self._pending.endswith(s[:k]):
+                    keep = k
+                    break
+        out = self._pending[: len(self._pending) - keep]
+        self._pending = self._pending[len(self._pending) - keep :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0; otherwise temperature + nucleus (top-p) sampling from `generator`."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if 0 < top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p  # always keeps the top token
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class _Job:
+    """One stream's state, owned by the model thread except for `cancel` (set from the event loop)."""
+
+    request: GenerationRequest
+    emit: Callable[[Any], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    steps: Iterator[None] | None = None
+    generated: int = 0
+
+
+_DONE = object()
+
+
+class _ModelThread:
+    """The one thread that touches the model: runs submitted calls and steps active jobs round-robin."""
+
+    def __init__(self, name: str) -> None:
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._jobs: list[_Job] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"torch-model-{name}", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._inbox.put(("call", fn, fut))
+        return fut
+
+    def add(self, job: _Job) -> None:
+        self._inbox.put(("job", job, None))
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(("stop", None, None))
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _take(self, item: Any) -> None:
+        kind, obj, fut = item
+        if kind == "call":
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(obj())
+                except BaseException as e:
+                    fut.set_exception(e)
+        elif kind == "job":
+            self._jobs.append(obj)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                if not self._jobs:
+                    self._take(self._inbox.get())
+                while True:
+                    self._take(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            for job in list(self._jobs):
+                if self._stopping:
+                    break
+                if job.cancel.is_set():
+                    self._finish(job)
+                    continue
+                try:
+                    next(job.steps)  # type: ignore[arg-type]
+                except StopIteration:
+                    self._finish(job)
+                except Exception as e:
+                    log.exception("torch generation failed")
+                    job.emit(BackendError(f"torch generation failed: {e}", status=502))
+                    self._finish(job)
+        for job in self._jobs:
+            job.emit(BackendError("backend closed", status=503))
+        self._jobs.clear()
+        while True:  # nothing submitted after close may wait forever
+            try:
+                kind, obj, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "call":
+                fut.cancel()
+            elif kind == "job":
+                obj.emit(BackendError("backend closed", status=503))
+
+    def _finish(self, job: _Job) -> None:
+        if job.steps is not None:
+            with contextlib.suppress(Exception):
+                job.steps.close()  # type: ignore[attr-defined]
+        self._jobs.remove(job)
+        job.emit(_DONE)
+
+
+class TorchBackend:
+    """Backend protocol (clients.base) on a transformers causal LM converted from a bundled GGUF.
+
+    Pass `gguf_path` (loaded through clients.hf_model, cached) or an already-loaded `model` + `tokenizer`.
+
+    Event contract: one TokenEvent per generated token (token_id set; text may be "" while a multi-byte character
+    or a possible stop string is held back, and is then carried by a later event). Ends: EOS -> a final event with
+    token_id None, finish_reason "stop" and any held-back text (the EOS token itself is not emitted); a stop string
+    -> the completing token's event, text cut before the stop string, finish_reason "stop"; max_tokens -> the last
+    token's event with finish_reason "length". Stop strings are matched in newly generated text only.
+    """
+
+    def __init__(
+        self,
+        gguf_path: str | os.PathLike[str] | None = None,
+        *,
+        name: str = "torch",
+        model_id: str | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+        cache_root: str | os.PathLike[str] | None = None,
+        dtype: torch.dtype = torch.float32,
+        num_threads: int | None = None,
+        prefill_chunk: int = _PREFILL_CHUNK,
+    ) -> None:
+        if gguf_path is None and (model is None or tokenizer is None):
+            raise ValueError("TorchBackend needs gguf_path or both model and tokenizer")
+        self.name = name
+        self.model_id = model_id or (Path(gguf_path).stem if gguf_path is not None else name)
+        self._gguf_path = gguf_path
+        self._cache_root = cache_root
+        self._dtype = dtype
+        self._num_threads = num_threads
+        self._prefill_chunk = max(1, prefill_chunk)
+        self.model = model
+        self.tokenizer = tokenizer
+        self._tok_lock = threading.Lock()  # the Rust tokenizer is shared by the loop and the model thread
+        self._thread: _ModelThread | None = None
+        self._ready = False
+        self.eos_ids: frozenset[int] = frozenset()
+        self.max_context: int | None = None
+        # Counters (written on the model thread; read anywhere): for metrics and tests.
+        self.tokens_generated = 0
+        self.forward_calls = 0
+        self.load_seconds: float | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._ready:
+            return
+        if self._thread is None:
+            self._thread = _ModelThread(self.name)
+        await asyncio.wrap_future(self._thread.call(self._load))
+        self._ready = True
+
+    def _load(self) -> None:
+        t0 = time.monotonic()
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)
+        if self.model is None:
+            from clients.hf_model import load_hf_model
+
+            self.model, self.tokenizer = load_hf_model(self._gguf_path, self._cache_root, self._dtype)  # type: ignore[arg-type]
+        self.model.eval()
+        self.eos_ids = frozenset(self._find_eos_ids())
+        self.max_context = getattr(self.model.config, "max_position_embeddings", None)
+        self.load_seconds = time.monotonic() - t0
+        log.info(
+            "%s: model %s ready in %.1f s (eos ids %s)",
+            self.name,
+            self.model_id,
+            self.load_seconds,
+            sorted(self.eos_ids),
+        )
+
+    def _find_eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for v in (
+            getattr(self.tokenizer, "eos_token_id", None),
+            getattr(self.model.generation_config, "eos_token_id", None),
+        ):
+            if isinstance(v, int):
+                ids.add(v)
+            elif isinstance(v, (list, tuple)):
+                ids.update(int(x) for x in v)
+        vocab = self.tokenizer.get_vocab()
+        ids.update(vocab[t] for t in _END_TOKENS if t in vocab)
+        return ids
+
+    async def close(self) -> None:
+        self._ready = False
+        if self._thread is not None:
+            thread, self._thread = self._thread, None
+            thread.stop()
+            await asyncio.to_thread(thread.join, 10.0)
+
+    async def ready(self) -> bool:
+        return self._ready
+
+    async def wait_idle(self) -> None:
+        """Resolve once every job submitted before this call has finished or been dropped (tests, shutdown)."""
+        if self._thread is None:
+            return
+        while self._thread._jobs:  # noqa: ASYNC110 - a test/shutdown helper polling a thread-owned list
+            await asyncio.sleep(0.005)
+        await asyncio.wrap_future(self._thread.call(lambda: None))
+
+    # --- tokenizer ------------------------------------------------------------------------------
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise BackendError(f"{self.name}: model not loaded", status=503, backend=self.name)
+        return self.tokenizer
+
+    def tokenize(self, text: str) -> list[int]:
+        """Exact token ids of `text`, adding no special tokens beyond those the text spells out."""
+        tok = self._require_tokenizer()
+        with self._tok_lock:
+            return list(tok.encode(text, add_special_tokens=False))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, dropping special tokens such as <|im_end|>."""
+        tok = self._require_tokenizer()
+        with self._tok_lock:
+            return tok.decode(list(ids), skip_special_tokens=True)
+
+    def count_tokens(self, text: str) -> tuple[int, bool]:
+        return len(self.tokenize(text)), True
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        return self._stream(request)
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if not self._ready or self._thread is None:
+            raise BackendError(f"{self.name}: model not loaded", status=503, backend=self.name)
+        prompt = list(request.prompt_ids) if request.prompt_ids is not None else self.tokenize(request.prompt_text)
+        if request.prefix_ids is not None:
+            prefix = list(request.prefix_ids)
+        else:
+            prefix = self.tokenize(request.prefix_text) if request.prefix_text else []
+        context = prompt + prefix
+        if not context:
+            raise BackendError(f"{self.name}: empty prompt", status=400, backend=self.name)
+        if self.max_context is not None and len(context) >= self.max_context:
+            raise BackendError(
+                f"{self.name}: prompt of {len(context)} tokens does not fit the {self.max_context}-token context",
+                status=400,
+                backend=self.name,
+            )
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Any] = asyncio.Queue()
+
+        def emit(item: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # loop already closed: nobody is listening
+                loop.call_soon_threadsafe(events.put_nowait, item)
+
+        job = _Job(request=request, emit=emit)
+        job.steps = self._steps(job, context)
+        self._thread.add(job)
+        try:
+            while True:
+                item = await events.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    if isinstance(item, BackendError) and item.backend is None:
+                        item.backend = self.name
+                    raise item
+                yield item
+        finally:
+            job.cancel.set()  # aclose / cancellation / normal end: the model thread drops the job before its next step
+
+    def _steps(self, job: _Job, context: list[int]) -> Iterator[None]:
+        """Generator run on the model thread: one model call per `next()`, events pushed through job.emit."""
+        from transformers import DynamicCache
+
+        req = job.request
+        model = self.model
+        max_tokens = req.max_tokens
+        if self.max_context is not None:
+            max_tokens = min(max_tokens, self.max_context - len(context))
+        generator = None
+        if req.temperature > 0:
+            generator = torch.Generator()
+            generator.manual_seed(req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        detok = IncrementalDetokenizer(self._decode_raw, context)
+        stops = StopMatcher(req.stop)
+        if max_tokens <= 0:
+            job.emit(TokenEvent(text="", finish_reason="length"))
+            return
+
+        # No `yield` inside an inference_mode block: other jobs' steps run on this thread while we are suspended.
+        cache = DynamicCache(config=model.config)
+        logits: torch.Tensor | None = None
+        for start in range(0, len(context), self._prefill_chunk):
+            chunk = torch.tensor([context[start : start + self._prefill_chunk]], dtype=torch.long)
+            with torch.inference_mode():
+                out = model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self.forward_calls += 1
+            logits = out.logits[0, -1]
+            yield  # lets other streams and the cancel flag in between prefill chunks
+        assert logits is not None
+        for i in range(max_tokens):
+            token = sample_next(logits, req.temperature, req.top_p, generator)
+            job.generated += 1
+            self.tokens_generated += 1
+            if token in self.eos_ids:  # not emitted as a token: the final event carries any held-back text
+                tail, hit = stops.feed(detok.flush())
+                job.emit(TokenEvent(text=tail if hit else tail + stops.flush(), finish_reason="stop"))
+                return
+            text, stopped = stops.feed(detok.push(token))
+            if stopped:
+                job.emit(TokenEvent(text=text, token_id=token, finish_reason="stop"))
+                return
+            if i == max_tokens - 1:
+                tail, hit = stops.feed(detok.flush())
+                text += tail if hit else tail + stops.flush()
+                job.emit(TokenEvent(text=text, token_id=token, finish_reason="stop" if hit else "length"))
+                return
+            job.emit(TokenEvent(text=text, token_id=token))
+            yield  # the cancel flag is checked here, before the next forward pass
+            with torch.inference_mode():
+                out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            self.forward_calls += 1
+            logits = out.logits[0, -1]
+
+    def _decode_raw(self, ids: list[int]) -> str:
+        with self._tok_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,61 @@
+"""Real-model fixtures for the torch / HAT integration tests (import them into a test module).
+
+Why not tests/conftest.py: that file belongs to the gateway tests. Loads are memoised per process, so a model is
+converted (first run only, cached on disk) and loaded once however many modules import these fixtures.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deploy.models import model_path
+
+# One intra-op thread: batch-1 CPU inference is memory-bound (2 threads are no faster), and on a shared 2-core box
+# OpenMP threads that spin while another process holds a core make runs 3-4x slower. Override to experiment.
+torch.set_num_threads(int(os.environ.get("TANDEM_TEST_TORCH_THREADS", "1")))
+
+SMOL = "smollm2-135m-instruct"
+QWEN05 = "qwen2.5-coder-0.5b-instruct"
+
+
+def gguf_or_skip(name: str) -> Path:
+    path = model_path(name)
+    if not path.is_file():
+        pytest.skip(f"{name} not fetched; run: python -m deploy.models fetch {name}")
+    return path
+
+
+@functools.cache
+def _load(name: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    from clients.hf_model import load_hf_model
+
+    return load_hf_model(model_path(name), dtype=dtype)
+
+
+def load(name: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    gguf_or_skip(name)
+    return _load(name, dtype)
+
+
+def chat_prompt(tokenizer: Any, user: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm() -> tuple[Any, Any]:
+    """(model, tokenizer) of SmolLM2-135M-Instruct, fp32."""
+    return load(SMOL)
+
+
+@pytest.fixture(scope="session")
+def qwen05() -> tuple[Any, Any]:
+    """(model, tokenizer) of Qwen2.5-Coder-0.5B-Instruct, fp32."""
+    return load(QWEN05)

@@ -1,0 +1,227 @@
+"""TorchBackend on real SmolLM2-135M: token-exact greedy decoding, continuation, cancellation, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from clients.base import Backend, BackendError, GenerationRequest, TokenEvent
+from clients.torch_local import IncrementalDetokenizer, StopMatcher, TorchBackend, sample_next
+from tests.integration.hf_fixtures import chat_prompt, smollm  # noqa: F401
+
+N = 16
+
+
+async def _backend(pair: tuple[Any, Any]) -> TorchBackend:
+    model, tok = pair
+    b = TorchBackend(model=model, tokenizer=tok, name="torch-test", model_id="smollm2-135m-instruct")
+    assert not await b.ready()
+    await b.start()
+    assert await b.ready()
+    return b
+
+
+async def _collect(b: TorchBackend, req: GenerationRequest) -> list[TokenEvent]:
+    return [ev async for ev in b.stream(req)]
+
+
+def _ids(events: list[TokenEvent]) -> list[int]:
+    return [e.token_id for e in events if e.token_id is not None]
+
+
+@torch.inference_mode()
+def _hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n, do_sample=False
+    )
+    new = out[0, len(ids) :].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
+    return [t for t in new if t not in eos]
+
+
+@pytest.mark.asyncio
+async def test_greedy_matches_hf_generate_and_text_is_consistent(smollm: tuple[Any, Any]) -> None:  # noqa: F811
+    model, tok = smollm
+    b = await _backend(smollm)
+    try:
+        assert isinstance(b, Backend)
+        prompt = chat_prompt(tok, "List three fruits, one per line.")
+        events = await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=N, temperature=0))
+        ids = _ids(events)
+        assert ids == _hf_greedy(model, b.tokenize(prompt), N)[: len(ids)]
+        assert events[-1].finish_reason in ("stop", "length")
+        assert all(e.finish_reason is None for e in events[:-1])
+        if events[-1].finish_reason == "length":
+            assert len(ids) == N
+        assert "".join(e.text for e in events) == b.detokenize(ids)
+        # prompt_ids give the same answer as prompt_text
+        again = await _collect(
+            b, GenerationRequest(prompt_text="", prompt_ids=tuple(b.tokenize(prompt)), max_tokens=N, temperature=0)
+        )
+        assert _ids(again) == ids
+    finally:
+        await b.close()
+    assert not await b.ready()
+
+
+@pytest.mark.asyncio
+async def test_continue_from_prefix_ids_and_text(smollm: tuple[Any, Any]) -> None:  # noqa: F811
+    _, tok = smollm
+    b = await _backend(smollm)
+    try:
+        prompt = chat_prompt(tok, "Write one sentence about the sea.")
+        full = _ids(await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=N, temperature=0)))
+        assert len(full) == N
+        k = 6
+        rest = await _collect(
+            b, GenerationRequest(prompt_text=prompt, prefix_ids=tuple(full[:k]), max_tokens=N - k, temperature=0)
+        )
+        assert _ids(rest) == full[k:]
+        # The text path: delivered text, re-tokenised by the backend.
+        prefix_text = b.detokenize(full[:k])
+        rest_t = await _collect(
+            b, GenerationRequest(prompt_text=prompt, prefix_text=prefix_text, max_tokens=N - k, temperature=0)
+        )
+        assert prefix_text + "".join(e.text for e in rest_t) == b.detokenize(full)
+    finally:
+        await b.close()
+
+
+@pytest.mark.asyncio
+async def test_aclose_stops_generation_within_one_token(smollm: tuple[Any, Any]) -> None:  # noqa: F811
+    _, tok = smollm
+    b = await _backend(smollm)
+    try:
+        req = GenerationRequest(prompt_text=chat_prompt(tok, "Count from 1 to 500."), max_tokens=400, temperature=0)
+        before = b.tokens_generated
+        it = b.stream(req)
+        got = [await it.__anext__() for _ in range(3)]
+        assert len(got) == 3
+        await it.aclose()
+        await b.wait_idle()
+        # The thread may have produced at most the token it was working on when the flag was set.
+        assert b.tokens_generated - before <= 3 + 1
+    finally:
+        await b.close()
+
+
+@pytest.mark.asyncio
+async def test_task_cancellation_stops_generation(smollm: tuple[Any, Any]) -> None:  # noqa: F811
+    _, tok = smollm
+    b = await _backend(smollm)
+    try:
+        seen: list[TokenEvent] = []
+        third = asyncio.Event()
+
+        async def consume() -> None:
+            async for ev in b.stream(
+                GenerationRequest(prompt_text=chat_prompt(tok, "Tell me a long story."), max_tokens=400, temperature=0)
+            ):
+                seen.append(ev)
+                if len(seen) == 3:
+                    third.set()
+
+        before = b.tokens_generated
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(third.wait(), 60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await b.wait_idle()
+        assert b.tokens_generated - before <= len(seen) + 1
+    finally:
+        await b.close()
+
+
+@pytest.mark.asyncio
+async def test_two_concurrent_streams_complete_correctly(smollm: tuple[Any, Any]) -> None:  # noqa: F811
+    _, tok = smollm
+    b = await _backend(smollm)
+    try:
+        reqs = [
+            GenerationRequest(prompt_text=chat_prompt(tok, q), max_tokens=12, temperature=0)
+            for q in ("What is the capital of France?", "Give me a synonym for happy.")
+        ]
+        solo = [_ids(await _collect(b, r)) for r in reqs]
+        together = await asyncio.gather(*(_collect(b, r) for r in reqs))
+        assert [_ids(evs) for evs in together] == solo
+        assert all(evs[-1].finish_reason in ("stop", "length") for evs in together)
+    finally:
+        await b.close()
+
+
+@pytest.mark.asyncio
+async def test_sampling_is_seeded_and_limits_are_honoured(smollm: tuple[Any, Any]) -> None:  # noqa: F811
+    _, tok = smollm
+    b = await _backend(smollm)
+    try:
+        prompt = chat_prompt(tok, "Say something surprising.")
+        req = GenerationRequest(prompt_text=prompt, max_tokens=8, temperature=0.9, top_p=0.9, seed=1234)
+        a, c = _ids(await _collect(b, req)), _ids(await _collect(b, req))
+        assert a == c and a
+        ev = await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=3, temperature=0))
+        assert len(ev) == 3 and ev[-1].finish_reason == "length" and ev[-1].token_id is not None
+        zero = await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=0))
+        assert [(e.text, e.finish_reason) for e in zero] == [("", "length")]
+        n, exact = b.count_tokens(prompt)
+        assert exact and n == len(tok.encode(prompt, add_special_tokens=False))
+    finally:
+        await b.close()
+
+
+@pytest.mark.asyncio
+async def test_stop_strings_and_errors(smollm: tuple[Any, Any]) -> None:  # noqa: F811
+    _, tok = smollm
+    b = await _backend(smollm)
+    try:
+        prompt = chat_prompt(tok, "List three fruits, one per line.")
+        free = "".join(
+            e.text for e in await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=N, temperature=0))
+        )
+        assert "\n" in free
+        stopped = await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=N, temperature=0, stop=("\n",)))
+        assert stopped[-1].finish_reason == "stop"
+        assert "".join(e.text for e in stopped) == free.split("\n")[0]
+        with pytest.raises(BackendError) as err:
+            await _collect(b, GenerationRequest(prompt_text="", max_tokens=4))
+        assert err.value.status == 400
+    finally:
+        await b.close()
+    with pytest.raises(BackendError) as err:
+        await _collect(b, GenerationRequest(prompt_text="hi"))
+    assert err.value.status == 503
+
+
+def test_incremental_detokenizer_never_splits_characters(smollm: tuple[Any, Any]) -> None:  # noqa: F811
+    _, tok = smollm
+    text = "Grüße, 你好世界! 🎉🚀 naïve café — done."
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(lambda x: tok.decode(x, skip_special_tokens=True))
+    pieces = [detok.push(t) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert any(p == "" for p in pieces)  # some byte pieces were held back until their character completed
+
+
+def test_stop_matcher_holds_back_partial_matches() -> None:
+    m = StopMatcher(["END", "\n\n"])
+    assert m.feed("abc E") == ("abc ", False)
+    assert m.feed("N") == ("", False)
+    assert m.feed("x") == ("ENx", False)
+    assert m.feed("y\n") == ("y", False)
+    assert m.feed("\nmore") == ("", True)
+    assert StopMatcher([]).feed("END") == ("END", False)
+    m2 = StopMatcher(["stop"])
+    assert m2.feed("go st") == ("go ", False) and m2.flush() == "st"
+
+
+def test_sample_next() -> None:
+    logits = torch.tensor([0.0, 5.0, 1.0, 4.9])
+    assert sample_next(logits, 0.0, 1.0, None) == 1
+    g = torch.Generator().manual_seed(0)
+    draws = {sample_next(logits, 1.0, 0.5, g) for _ in range(50)}
+    assert draws <= {1, 3} and draws  # nucleus keeps only the top tokens
