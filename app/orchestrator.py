@@ -30,6 +30,7 @@ import anyio
 
 from app.metrics import Metrics
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
+from clients.stops import StopMatcher
 from policies.dispatch import DispatchPlan
 from policies.migration import lead
 
@@ -79,37 +80,6 @@ class Job:
 class Delta:
     text: str
     finish_reason: str | None = None
-
-
-class StopMatcher:
-    """Finds stop sequences across token boundaries. Text that might be the start of a stop
-    sequence is held back until the next token decides it, so a stop sequence is never
-    shown to the client, not even partly."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = stops
-        self.held = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        if not self.stops:
-            return text, False
-        buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.held = ""
-            return buf[: min(hits)], True
-        keep = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(buf)), keep, -1):
-                if buf.endswith(stop[:n]):
-                    keep = n
-                    break
-        self.held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep], False
-
-    def flush(self) -> str:
-        held, self.held = self.held, ""
-        return held
 
 
 class _Failed(Exception):

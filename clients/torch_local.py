@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from clients.base import BackendError, GenerationRequest, TokenEvent
+from clients.stops import StopMatcher
 
 log = logging.getLogger(__name__)
 
@@ -70,38 +71,6 @@ class IncrementalDetokenizer:
         new_text = self._decode(self.ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self.ids)
         return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
-
-
-class StopMatcher:
-    """Holds back generated text that might be the start of a stop string; reports when one is complete."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = tuple(s for s in stops if s)
-        self._pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Add text; return (text safe to emit now, stopped). On a stop, the text before it is returned."""
-        if not self.stops:
-            return text, False
-        self._pending += text
-        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out = self._pending[: min(hits)]
-            self._pending = ""
-            return out, True
-        keep = 0  # longest suffix of pending that is a proper prefix of some stop string
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self._pending)), keep, -1):
-                if self._pending.endswith(s[:k]):
-                    keep = k
-                    break
-        out = self._pending[: len(self._pending) - keep]
-        self._pending = self._pending[len(self._pending) - keep :]
-        return out, False
-
-    def flush(self) -> str:
-        out, self._pending = self._pending, ""
-        return out
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
@@ -341,6 +310,29 @@ class TorchBackend:
 
     def count_tokens(self, text: str) -> tuple[int, bool]:
         return len(self.tokenize(text)), True
+
+    # What the gateway needs of a device backend: render and tokenise prompts.
+    @property
+    def model_path(self) -> Path | None:
+        return None if self._gguf_path is None else Path(self._gguf_path)
+
+    @property
+    def active(self) -> int:
+        """Generations running or queued on the model thread."""
+        return len(self._thread._jobs) if self._thread is not None else 0
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._require_tokenizer())
+
+    def render_chat(self, messages) -> str:
+        tok = self._require_tokenizer()
+        with self._tok_lock:
+            return tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """A rendered prompt: special tokens spelled in it (e.g. <|im_start|>) are honoured."""
+        return self.tokenize(text)
 
     # --- generation -----------------------------------------------------------------------------
 

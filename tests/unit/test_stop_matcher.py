@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.orchestrator import StopMatcher
+from clients.stops import StopMatcher
 
 
 def run(stops, pieces):

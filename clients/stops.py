@@ -1,0 +1,37 @@
+"""Stop sequences, matched across token boundaries. One implementation for the gateway's relay
+(which enforces stops for every endpoint, also across a migration) and the torch backend."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopMatcher:
+    """Finds stop sequences across token boundaries. Text that might be the start of a stop
+    sequence is held back until the next token decides it, so a stop sequence is never
+    shown to the client, not even partly."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[: min(hits)], True
+        keep = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(buf)), keep, -1):
+                if buf.endswith(stop[:n]):
+                    keep = n
+                    break
+        self.held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
