@@ -40,11 +40,13 @@ class GatewayProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         """Read one sample from /metrics (0.0 when absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = httpx.get(self.url + "/metrics", timeout=5).text
-        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        for line in text.splitlines():
-            if line.startswith(name + ("{" + want + "}" if want else " ")):
-                return float(line.rsplit(" ", 1)[1])
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
         return 0.0
 
 
