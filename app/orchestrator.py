@@ -302,7 +302,9 @@ class Orchestrator:
                 reason = "cost" if target else None
                 if target is None:
                     try:
-                        event = await asyncio.wait_for(anext(attempt.stream), self.stall_timeout)
+                        # asyncio.timeout, not wait_for: no extra task per token on the hot path.
+                        async with asyncio.timeout(self.stall_timeout):
+                            event = await anext(attempt.stream)
                     except (BackendError, TimeoutError, StopAsyncIteration) as exc:
                         target = self._fault_target(job, attempt)
                         reason = "stall" if isinstance(exc, TimeoutError) else "error"
