@@ -45,6 +45,8 @@ class GatewaySettings(_Strict):
     # answer migrates to the other endpoint.
     stall_timeout: Annotated[float, Field(gt=0)] = 10.0
     trace_history: Annotated[int, Field(gt=0)] = 1000
+    # Append one JSON line per finished request (the format `tandem bench disco --trace` replays).
+    trace_file: str = ""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("policy")

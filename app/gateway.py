@@ -109,6 +109,7 @@ class Gateway:
             self.ledger,
             stall_timeout=settings.gateway.stall_timeout,
             history=settings.gateway.trace_history,
+            trace_file=settings.gateway.trace_file,
         )
         self.loaded = asyncio.Event()
         self.startup_error: str | None = None
@@ -148,6 +149,7 @@ class Gateway:
         log.info("device TTFT line: %.2f ms/token + %.1f ms", line.k * 1e3, line.c * 1e3)
 
     async def close(self) -> None:
+        self.orchestrator.close()
         for backend in self.backends.values():
             await backend.close()
         for server in self.embedded:

@@ -20,7 +20,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -98,6 +100,7 @@ class Orchestrator:
         ledger,
         stall_timeout: float = 10.0,
         history: int = 1000,
+        trace_file: str = "",
     ):
         self.backends = backends
         self.device = device
@@ -109,6 +112,11 @@ class Orchestrator:
         self.stall_timeout = stall_timeout
         self.traces: OrderedDict[str, dict] = OrderedDict()
         self.history = history
+        self._trace_out = None
+        if trace_file:
+            path = os.path.expanduser(trace_file)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            self._trace_out = open(path, "a", buffering=1, encoding="utf-8")  # lives with the app
 
     # -- helpers -----------------------------------------------------------------------------------
     def role_of(self, name: str) -> str:
@@ -436,6 +444,12 @@ class Orchestrator:
         self.traces[job.id] = trace_of(job)
         while len(self.traces) > self.history:
             self.traces.popitem(last=False)
+        if self._trace_out is not None and job.finish_reason is not None:
+            self._trace_out.write(json.dumps(replay_row(job)) + "\n")
+
+    def close(self) -> None:
+        if self._trace_out is not None:
+            self._trace_out.close()
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -446,6 +460,26 @@ def _plan_kind(plan: DispatchPlan) -> str:
     if plan.start_cloud and plan.start_device:
         return "race" if plan.device_delay == 0 else "cloud-then-device"
     return "cloud" if plan.start_cloud else "device"
+
+
+def replay_row(job: Job) -> dict:
+    """One line of a recorded trace for `tandem bench disco --trace` (format in app/disco_sim.py):
+    each endpoint's time from its own start to its first token, when it got there."""
+
+    def ttft(role: str, migration: bool) -> float | None:
+        for a in job.attempts:
+            if a.role == role and a.migration == migration and a.first_at is not None:
+                return round(a.first_at - a.started, 6)
+        return None
+
+    return {
+        "arrival": round(job.started, 6),
+        "prompt_tokens": job.prompt_tokens,
+        "server_ttft": ttft("cloud", False),
+        "device_ttft": ttft("device", False),
+        "output_tokens": job.usage.completion_tokens,
+        "server_ttft_migration": ttft("cloud", True),
+    }
 
 
 def trace_of(job: Job) -> dict:

@@ -30,6 +30,7 @@ def disco_gateway(tmp_path_factory):
 policy = "disco"
 admin_keys = ["admin-secret"]
 state_file = "{state}"
+trace_file = "{state.parent / "trace.jsonl"}"
 [device]
 model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
@@ -41,6 +42,7 @@ continuation = "completions"
 port = 0
 n_ctx = 2048
 """)
+    gw.trace_path = state.parent / "trace.jsonl"
     yield gw
     stop_gateway(gw)
 
@@ -235,3 +237,16 @@ base_url = "http://127.0.0.1:{free_port()}/v1"
         assert got["prices"]["cloud"] == {"prefill": 1.0, "decode": 3.0}
     finally:
         stop_gateway(gw)
+
+
+def test_recorded_trace_replays_in_the_simulator(disco_gateway, tmp_path):
+    """The gateway's JSONL trace is what `tandem bench disco --trace` replays."""
+    from app.disco_sim import load_trace, main
+
+    knobs(disco_gateway, policy="disco-s", constrained_side="server", budget=1.0, migration=False)
+    stream_chunks(disco_gateway, MESSAGES, max_tokens=3)  # a race: both TTFTs can be recorded
+    path = disco_gateway.trace_path
+    trace_rows = load_trace(path)
+    assert len(trace_rows.prompt_tokens) >= 5
+    assert main(["--trace", str(path), "--no-plots", "-q", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").exists()
