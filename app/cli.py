@@ -60,6 +60,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench_gateway import main
     elif args.what == "disco":
         from app.disco_sim import main
+    elif args.what == "disco-live":
+        from app.bench_disco_live import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     mod.set_defaults(func=_models)
 
     bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
-    bench.add_argument("what", choices=["gateway", "disco"])
+    bench.add_argument("what", choices=["gateway", "disco", "disco-live"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 

@@ -96,6 +96,7 @@ class EmbeddedServerSettings(_Strict):
     n_ctx: Annotated[int, Field(gt=0)] = 4096
     n_threads: Annotated[int, Field(gt=0)] = 2
     startup_timeout: Annotated[float, Field(gt=0)] = 120.0
+    cpus: list[int] | None = None  # pin the server to these CPU cores (benchmarks: keep it off the device's)
 
 
 class CloudSettings(_Strict):

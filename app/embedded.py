@@ -50,8 +50,15 @@ class EmbeddedServer:
         # Its own process group, so stopping it also stops anything it spawned.
         # Its output goes to a file: an unread pipe would fill up and block the server.
         self.log_file = tempfile.NamedTemporaryFile(prefix="tandem-embedded-", suffix=".log", delete=False)
+        cpus = self.settings.cpus
         self.process = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # Set before exec, so every thread the server creates inherits it.
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
 
     async def wait_ready(self) -> None:

@@ -50,7 +50,9 @@ class GatewayProcess:
         return 0.0
 
 
-def start_gateway(config: str, wait_for: tuple[str, ...] | None = None, ready_timeout: float = 300.0) -> GatewayProcess:
+def start_gateway(
+    config: str, wait_for: tuple[str, ...] | None = None, ready_timeout: float = 300.0, cpus: list[int] | None = None
+) -> GatewayProcess:
     """Start `tandem serve`; return once every backend is ready, or only those named in
     `wait_for` (a gateway whose cloud is down on purpose never becomes fully ready)."""
     port = free_port()
@@ -69,6 +71,7 @@ def start_gateway(config: str, wait_for: tuple[str, ...] | None = None, ready_ti
         stderr=subprocess.STDOUT,
         start_new_session=True,
         env=env,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )
     gw = GatewayProcess(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + ready_timeout
