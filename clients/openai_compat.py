@@ -13,6 +13,8 @@ the device model's tokenizer); a plain chat upstream can only start answers.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -152,11 +154,18 @@ class OpenAICompatBackend:
     async def _events(self, response: httpx.Response, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         finish: str | None = None
         usage: Usage | None = None
-        async for line in response.aiter_lines():
+        lines = response.aiter_lines()
+        async for line in lines:
             if not line.startswith("data:"):
                 continue  # blank separators, comments (keep-alive pings), event names
             data = line[5:].strip()
             if data == "[DONE]":
+                # Read the response to its end so the connection goes back to the pool: closing a
+                # half-read response costs a new TCP connection on the next request.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        async for _ in lines:
+                            pass
                 break
             try:
                 chunk = json.loads(data)
