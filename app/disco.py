@@ -30,74 +30,99 @@ class DiscoKnobs:
     alpha: float
     exchange_rate: float  # λ in USD per 10^15 FLOPs
     consumption_rate: float  # r_c, tokens/s
-    cloud_prices: TokenPrices  # USD per token
+    cloud_prices: dict[str, TokenPrices]  # per cloud backend, USD per token
     migration: bool = True
 
 
 class DiscoRuntime:
+    """One device, one or more cloud endpoints. Each request plays DiSCo between the device
+    and one cloud (the primary unless the request names another): estimators, cost model,
+    constrained side and policy thresholds are kept per cloud."""
+
     def __init__(
         self,
-        cloud: str | None,
+        primary: str | None,
         device_arch: ModelArch,
         knobs: DiscoKnobs,
         window: int = 2000,
         recompute_every: int = 10,
         rng: random.Random | None = None,
     ):
-        self.cloud = cloud
+        self.primary = primary
         self.energy = DeviceEnergy.from_arch(device_arch)
         self.estimators = Estimators(window=window)
         self.recompute_every = recompute_every
         self._rng = rng or random.Random()
-        self._policies: dict[str, DispatchPolicy] = {}
+        self._policies: dict[tuple[str, str], DispatchPolicy] = {}
         self._since_recompute = 0
         self.set_knobs(knobs)
 
     # -- knobs and derived state -----------------------------------------------------------------
     def set_knobs(self, knobs: DiscoKnobs) -> None:
         self.knobs = knobs
-        self.cost = CostModel(knobs.cloud_prices, self.energy, usd_per_pflop(knobs.exchange_rate))
-        self.side: Side = self.cost.constrained_side(None if knobs.side == "auto" else knobs.side)
+        lam = usd_per_pflop(knobs.exchange_rate)
+        override = None if knobs.side == "auto" else knobs.side
+        self._costs = {name: CostModel(p, self.energy, lam) for name, p in knobs.cloud_prices.items()}
+        self._sides: dict[str, Side] = {name: c.constrained_side(override) for name, c in self._costs.items()}
         self._recompute_all()
 
-    def _recompute(self, policy: DispatchPolicy) -> None:
-        policy.recompute_from(
-            self.estimators, self.cloud or "cloud", budget=self.knobs.budget, alpha=self.knobs.alpha, side=self.side
+    def cost(self, cloud: str) -> CostModel:
+        if cloud not in self._costs:  # a cloud without a price: free, so the device is the dear side
+            self._costs[cloud] = CostModel(TokenPrices(0.0, 0.0), self.energy, usd_per_pflop(self.knobs.exchange_rate))
+        return self._costs[cloud]
+
+    def side(self, cloud: str | None = None) -> Side:
+        cloud = cloud or self.primary or "cloud"
+        if cloud not in self._sides:
+            self._sides[cloud] = self.cost(cloud).constrained_side(
+                None if self.knobs.side == "auto" else self.knobs.side
+            )
+        return self._sides[cloud]
+
+    def _recompute(self, key: tuple[str, str]) -> None:
+        _, cloud = key
+        self._policies[key].recompute_from(
+            self.estimators, cloud, budget=self.knobs.budget, alpha=self.knobs.alpha, side=self.side(cloud)
         )
 
     def _recompute_all(self) -> None:
-        for policy in self._policies.values():
-            self._recompute(policy)
+        for key in self._policies:
+            self._recompute(key)
         self._since_recompute = 0
 
-    def policy(self, name: str) -> DispatchPolicy:
-        key = canonical_name(name)
+    def policy(self, name: str, cloud: str | None = None) -> DispatchPolicy:
+        key = (canonical_name(name), cloud or self.primary or "cloud")
         if key not in self._policies:
-            self._policies[key] = make_policy(key, self._rng)
-            self._recompute(self._policies[key])
+            self._policies[key] = make_policy(key[0], self._rng)
+            self._recompute(key)
         return self._policies[key]
 
     # -- decisions ---------------------------------------------------------------------------------
-    def plan(self, policy_name: str, prompt_tokens: int) -> DispatchPlan:
-        if self.cloud is None:
+    def plan(self, policy_name: str, prompt_tokens: int, cloud: str | None) -> DispatchPlan:
+        if cloud is None:
             return DispatchPlan(False, True, None, "device-only", "no cloud backend configured")
-        return self.policy(policy_name).decide(prompt_tokens)
+        return self.policy(policy_name, cloud).decide(prompt_tokens)
 
-    def endpoint_prices(self, role: str) -> TokenPrices:
-        return self.cost.prices(role)  # "cloud" | "device"
-
-    def migration_time(self, target_role: str, context_tokens: int) -> float:
+    def migration_time(self, target_role: str, cloud: str, context_tokens: int) -> float:
         """t_m: the target's prefill of prompt + delivered tokens, i.e. its time to first token."""
         if target_role == "device":
             return self.estimators.device_ttft.predict(context_tokens)
-        ttft = self.estimators.server(self.cloud or "cloud")
-        return self.estimators.migration_times.estimate("cloud", prior=ttft.quantile(0.5))
+        ttft = self.estimators.server(cloud)
+        return self.estimators.migration_times.estimate(cloud, prior=ttft.quantile(0.5))
 
     def check_migration(
-        self, source_role: str, target_role: str, prompt_tokens: int, delivered: int, max_tokens: int, lead: float
+        self,
+        source_role: str,
+        target_role: str,
+        cloud: str,
+        prompt_tokens: int,
+        delivered: int,
+        max_tokens: int,
+        lead: float,
     ) -> MigrationDecision:
-        t_m = self.migration_time(target_role, prompt_tokens + delivered)
-        src, dst = self.endpoint_prices(source_role), self.endpoint_prices(target_role)
+        t_m = self.migration_time(target_role, cloud, prompt_tokens + delivered)
+        cost = self.cost(cloud)
+        src, dst = cost.prices(source_role), cost.prices(target_role)
         return should_migrate(
             source=source_role,
             target=target_role,
@@ -111,10 +136,11 @@ class DiscoRuntime:
             buffer=buffer_tokens(self.knobs.consumption_rate, t_m),
         )
 
-    def cost_of(self, role: str, prefill_tokens: int, decode_tokens: int) -> float:
+    def cost_of(self, role: str, cloud: str, prefill_tokens: int, decode_tokens: int) -> float:
+        cost = self.cost(cloud)
         if role == "cloud":
-            return self.cost.server_cost(prefill_tokens, decode_tokens)
-        return self.cost.device_cost(prefill_tokens, decode_tokens)
+            return cost.server_cost(prefill_tokens, decode_tokens)
+        return cost.device_cost(prefill_tokens, decode_tokens)
 
     # -- observations (fed live by the orchestrator) --------------------------------------------------
     def observe_request(self, prompt_tokens: int) -> None:
@@ -123,31 +149,37 @@ class DiscoRuntime:
         if self._since_recompute >= self.recompute_every:
             self._recompute_all()
 
-    def observe_first_token(self, role: str, context_tokens: int, seconds: float, migration: bool) -> None:
+    def observe_first_token(
+        self, role: str, cloud: str | None, context_tokens: int, seconds: float, migration: bool
+    ) -> None:
+        """A first token: `cloud` names the cloud endpoint for role "cloud"."""
         if migration:
-            self.estimators.migration_times.add(role, seconds)
+            self.estimators.migration_times.add(cloud if role == "cloud" else "device", seconds)
         if role == "device":
             self.estimators.device_ttft.add(context_tokens, seconds)
         elif not migration:
-            self.estimators.server(self.cloud or "cloud").add(seconds)
+            self.estimators.server(cloud).add(seconds)
 
     def observe_output(self, tokens: int) -> None:
         self.estimators.output_lengths.add(tokens)
 
     def describe(self) -> dict:
-        policy = self.policy(self.knobs.policy)
+        cloud = self.primary or "cloud"
         return {
-            "constrained_side": self.side,
-            "device_prices_usd_per_mtok": _per_million(self.cost.device),
+            "constrained_side": self.side(cloud),
+            "device_prices_usd_per_mtok": _per_million(self.cost(cloud).device),
             "device_flops_per_token": {
                 "prefill": self.energy.prefill_per_token,
                 "decode": self.energy.decode_per_token,
             },
-            "policy_state": _plain(policy.describe()),
+            "policy_state": _plain(self.policy(self.knobs.policy, cloud).describe()),
             "estimates": {
-                "device_ttft_line": {"k": self.estimators.device_ttft.k, "c": self.estimators.device_ttft.c},
-                "cloud_ttft_p50": self.estimators.server(self.cloud or "cloud").quantile(0.5),
-                "cloud_ttft_p99": self.estimators.server(self.cloud or "cloud").quantile(0.99),
+                "device_ttft_line": {
+                    "seconds_per_token": float(self.estimators.device_ttft.k),
+                    "seconds": float(self.estimators.device_ttft.c),
+                },
+                "cloud_ttft_p50": float(self.estimators.server(cloud).quantile(0.5)),
+                "cloud_ttft_p99": float(self.estimators.server(cloud).quantile(0.99)),
                 "prompt_samples": self.estimators.prompt_lengths.count,
             },
         }
@@ -158,9 +190,5 @@ def _per_million(prices: TokenPrices) -> dict:
 
 
 def _plain(d: dict) -> dict:
-    out = {}
-    for k, v in d.items():
-        if hasattr(v, "tolist"):
-            v = v.tolist()
-        out[k] = v
-    return out
+    """JSON-ready: numpy scalars and arrays become Python numbers and lists."""
+    return {k: v.tolist() if hasattr(v, "tolist") else v for k, v in d.items()}

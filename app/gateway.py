@@ -97,7 +97,7 @@ class Gateway:
             recompute_every=settings.disco.recompute_every,
         )
         self.ledger.on_change(lambda: self.disco.set_knobs(self.ledger.knobs()))
-        self.ledger.side_resolver = lambda _settings: self.disco.side
+        self.ledger.side_resolver = lambda _settings: self.disco.side()
         self.metrics.budget_ratio.set_function(self.ledger.realised_ratio)
         self.orchestrator = Orchestrator(
             self.backends,
@@ -144,7 +144,7 @@ class Gateway:
                 event = await anext(stream)
             finally:
                 await stream.aclose()
-            self.disco.observe_first_token("device", len(ids), event.t - t0, migration=False)
+            self.disco.observe_first_token("device", None, len(ids), event.t - t0, migration=False)
         line = self.disco.estimators.device_ttft
         log.info("device TTFT line: %.2f ms/token + %.1f ms", line.k * 1e3, line.c * 1e3)
 
@@ -169,7 +169,8 @@ class Gateway:
             ids += [backend.name, backend.model_id]
         return list(dict.fromkeys(ids))
 
-    def _route(self, model: str, policy: str | None) -> tuple[str | None, str]:
+    def _route(self, model: str, tandem) -> tuple[str | None, str, str | None]:
+        """(pinned backend, policy, cloud endpoint) for a request."""
         pinned = None
         if model != self.settings.gateway.model_name:
             pinned = next((n for n, b in self.backends.items() if model in (n, b.model_id)), None)
@@ -180,16 +181,26 @@ class Gateway:
                     param="model",
                     code="model_not_found",
                 )
-        chosen = policy or self.ledger.settings.policy
+        chosen = (tandem.policy if tandem else None) or self.ledger.settings.policy
         try:
             canonical = canonical_name(chosen)
         except ValueError as exc:
             raise ApiError(400, f"Unknown routing policy: {exc}", param="tandem.policy") from None
-        if canonical != "device-only" and self.orchestrator.cloud is None:
+        clouds = [n for n in self.backends if n != self.device.name]
+        cloud = (tandem.cloud if tandem else None) or self.orchestrator.cloud
+        if pinned is not None and pinned != self.device.name:
+            cloud = pinned
+        if tandem is not None and tandem.cloud is not None and tandem.cloud not in clouds:
+            raise ApiError(
+                400,
+                f"Unknown cloud endpoint '{tandem.cloud}'; configured: {', '.join(clouds) or 'none'}.",
+                param="tandem.cloud",
+            )
+        if canonical != "device-only" and cloud is None and pinned is None:
             raise ApiError(
                 400, f"Policy '{chosen}' needs a cloud backend, and none is configured.", param="tandem.policy"
             )
-        return pinned, chosen
+        return pinned, chosen, cloud
 
     def _require_loaded(self) -> None:
         if not self.loaded.is_set():
@@ -198,9 +209,15 @@ class Gateway:
                 503, "Tandem is still loading its models" + detail, code="not_ready", headers={"Retry-After": "2"}
             )
 
-    def _job(self, prefix: str, gen: GenerationRequest, prompt_tokens: int, pinned, policy) -> Job:
+    def _job(self, prefix: str, gen: GenerationRequest, prompt_tokens: int, route) -> Job:
+        pinned, policy, cloud = route
         return Job(
-            id=f"{prefix}-{uuid.uuid4().hex[:24]}", gen=gen, prompt_tokens=prompt_tokens, policy=policy, pinned=pinned
+            id=f"{prefix}-{uuid.uuid4().hex[:24]}",
+            gen=gen,
+            prompt_tokens=prompt_tokens,
+            policy=policy,
+            pinned=pinned,
+            cloud=cloud,
         )
 
     def _limits(self, body, prompt_tokens: int) -> int:
@@ -216,7 +233,7 @@ class Gateway:
         return limit
 
     def prepare_chat(self, body: ChatCompletionRequest) -> Job:
-        pinned, policy = self._route(body.model, body.tandem.policy if body.tandem else None)
+        route = self._route(body.model, body.tandem)
         self._require_loaded()
         messages = tuple(
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
@@ -233,10 +250,10 @@ class Gateway:
             stop=body.stop_sequences,
             seed=body.seed,
         )
-        return self._job("chatcmpl", gen, len(prompt_ids), pinned, policy)
+        return self._job("chatcmpl", gen, len(prompt_ids), route)
 
     def prepare_completion(self, body: CompletionRequest) -> Job:
-        pinned, policy = self._route(body.model, body.tandem.policy if body.tandem else None)
+        route = self._route(body.model, body.tandem)
         self._require_loaded()
         if isinstance(body.prompt, str):
             prompt_text = body.prompt
@@ -261,7 +278,7 @@ class Gateway:
             stop=body.stop_sequences,
             seed=body.seed,
         )
-        return self._job("cmpl", gen, len(prompt_ids), pinned, policy)
+        return self._job("cmpl", gen, len(prompt_ids), route)
 
 
 def create_gateway(settings: Settings) -> FastAPI:

@@ -441,11 +441,10 @@ class Ledger:
             return new
 
     def knobs(self):
-        """The settings as app.disco.DiscoKnobs for the DiSCo runtime (primary cloud's prices)."""
+        """The settings as app.disco.DiscoKnobs for the DiSCo runtime (every cloud's prices)."""
         from app.disco import DiscoKnobs  # lazy: app.disco is the consumer, not a dependency
 
         s = self._settings
-        price = s.prices.get(self.primary_cloud) if self.primary_cloud is not None else None
         return DiscoKnobs(
             policy=s.policy,
             side=s.constrained_side,
@@ -453,7 +452,7 @@ class Ledger:
             alpha=s.alpha,
             exchange_rate=s.exchange_rate,
             consumption_rate=s.consumption_rate,
-            cloud_prices=price.token_prices() if price is not None else TokenPrices(0.0, 0.0),
+            cloud_prices={name: price.token_prices() for name, price in s.prices.items()},
             migration=s.migration,
         )
 

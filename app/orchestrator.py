@@ -64,6 +64,7 @@ class Job:
     prompt_tokens: int
     policy: str
     pinned: str | None = None  # a backend name when the request's model names one
+    cloud: str | None = None  # the cloud endpoint DiSCo plays against the device for this request
     started: float = field(default_factory=time.monotonic)
     # Filled in while the answer streams:
     backend: str | None = None
@@ -122,8 +123,8 @@ class Orchestrator:
     def role_of(self, name: str) -> str:
         return "device" if name == self.device else "cloud"
 
-    def _name_of(self, role: str) -> str | None:
-        return self.device if role == "device" else self.cloud
+    def _name_of(self, job: Job, role: str) -> str | None:
+        return self.device if role == "device" else job.cloud
 
     def _continuation(
         self, job: Job, target: str, ids: list[int] | None, text: str, produced: int
@@ -161,7 +162,7 @@ class Orchestrator:
         attempt.first_at = event.t
         attempt.outcome = "won"
         self.disco.observe_first_token(
-            attempt.role, attempt.context_tokens, event.t - attempt.started, attempt.migration
+            attempt.role, job.cloud, attempt.context_tokens, event.t - attempt.started, attempt.migration
         )
 
     # -- start: plan and race ----------------------------------------------------------------------
@@ -169,7 +170,7 @@ class Orchestrator:
         if job.pinned is not None:
             role = self.role_of(job.pinned)
             return DispatchPlan(role == "cloud", role == "device", None, "pinned", f"model names {job.pinned}")
-        return self.disco.plan(job.policy, job.prompt_tokens)
+        return self.disco.plan(job.policy, job.prompt_tokens, job.cloud)
 
     async def _start(self, job: Job) -> tuple[Attempt, TokenEvent]:
         plan = job.plan = self._plan(job)
@@ -179,8 +180,8 @@ class Orchestrator:
         elif plan.start_cloud and plan.start_device:
             return await self._race(job, plan.device_delay or 0.0)
         else:
-            names = [self.cloud if plan.start_cloud else self.device]
-            other = self.device if plan.start_cloud else self.cloud
+            names = [job.cloud if plan.start_cloud else self.device]
+            other = self.device if plan.start_cloud else job.cloud
             if self.fallback and other is not None:
                 names.append(other)
         last: BaseException | None = None
@@ -209,7 +210,7 @@ class Orchestrator:
             attempt = self._open(job, name, job.gen, job.prompt_tokens, False)
             pending[asyncio.ensure_future(anext(attempt.stream))] = attempt
 
-        launch(self.cloud)
+        launch(job.cloud)
         device_started = False
         if delay <= 0:
             launch(self.device)
@@ -351,7 +352,7 @@ class Orchestrator:
             job.pinned is not None
             or job.migrations
             or not self.disco.knobs.migration
-            or self.cloud is None
+            or job.cloud is None
             or not event.text
             or produced >= job.gen.max_tokens
         ):
@@ -360,17 +361,18 @@ class Orchestrator:
         decision = self.disco.check_migration(
             attempt.role,
             target_role,
+            job.cloud,
             job.prompt_tokens,
             produced,
             job.gen.max_tokens,
             lead(produced, time.monotonic(), t_first, self.disco.knobs.consumption_rate),
         )
-        return self._name_of(target_role) if decision.start_now else None
+        return self._name_of(job, target_role) if decision.start_now else None
 
     def _fault_target(self, job: Job, attempt: Attempt) -> str | None:
-        if job.pinned is not None or self.cloud is None:
+        if job.pinned is not None or job.cloud is None:
             return None
-        target = self.cloud if attempt.role == "device" else self.device
+        target = job.cloud if attempt.role == "device" else self.device
         tried_after_fault = any(m["reason"] != "cost" and m["to"] == target for m in job.migrations)
         return None if tried_after_fault else target
 
@@ -410,7 +412,7 @@ class Orchestrator:
         attempt.first_at = event.t
         attempt.outcome = "won"
         record["t_m_ms"] = _ms(event.t - attempt.started)
-        self.disco.observe_first_token(attempt.role, context, event.t - attempt.started, True)
+        self.disco.observe_first_token(attempt.role, job.cloud, context, event.t - attempt.started, True)
         job.backend = target
         return attempt, event
 
@@ -423,7 +425,7 @@ class Orchestrator:
             self.disco.observe_output(completion)
         total = 0.0
         for a in job.attempts:
-            cost = self.disco.cost_of(a.role, a.context_tokens, a.decode_tokens)
+            cost = self.disco.cost_of(a.role, job.cloud or a.name, a.context_tokens, a.decode_tokens)
             total += cost
             self.ledger.record(
                 job.id,
@@ -431,7 +433,7 @@ class Orchestrator:
                 a.context_tokens,
                 a.decode_tokens,
                 cost,
-                constrained=a.role == ("cloud" if self.disco.side == "server" else "device"),
+                constrained=a.role == ("cloud" if self.disco.side(job.cloud) == "server" else "device"),
                 prompt_tokens=job.prompt_tokens,
             )
             self.metrics.tokens.labels(backend=a.name, phase="prompt").inc(a.context_tokens)

@@ -64,9 +64,18 @@ def _ledger(request: Request) -> Ledger:
 router = APIRouter(prefix="/v1", tags=["budget"], dependencies=[Depends(require_admin_key)])
 
 
+def _snapshot(request: Request) -> dict[str, Any]:
+    """The ledger's knobs and spend, plus DiSCo's live state (thresholds, estimates) when running."""
+    snap = _ledger(request).snapshot()
+    disco = getattr(request.app.state.gateway, "disco", None)
+    if disco is not None:
+        snap["dispatch"] = disco.describe()
+    return snap
+
+
 @router.get("/budget")
 async def get_budget(request: Request) -> dict[str, Any]:
-    return _ledger(request).snapshot()
+    return _snapshot(request)
 
 
 _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
@@ -106,4 +115,4 @@ async def put_budget(request: Request) -> dict[str, Any]:
         raise ApiError(
             500, f"The budget was saved but applying it failed: {exc}", code="apply_failed", retry=False
         ) from exc
-    return ledger.snapshot()
+    return _snapshot(request)

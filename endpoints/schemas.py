@@ -23,7 +23,8 @@ class StreamOptions(_Request):
 class TandemOptions(_Request):
     """Tandem's own extension (send it with the SDK's `extra_body={"tandem": {...}}`)."""
 
-    policy: str | None = Field(None, description="routing policy for this request, e.g. 'device' or 'cloud'")
+    policy: str | None = Field(None, description="routing policy for this request, e.g. 'disco', 'device', 'cloud'")
+    cloud: str | None = Field(None, description="which configured cloud endpoint DiSCo plays against the device")
 
 
 class TextPart(_Request):

@@ -439,8 +439,11 @@ def test_knobs_for_disco_runtime(tmp_path):
     knobs = ledger.knobs()
     assert knobs.policy == "disco" and knobs.side == "device" and knobs.budget == 0.3
     assert knobs.exchange_rate == 5.0 and knobs.consumption_rate == 4.0 and knobs.migration is False
-    assert knobs.cloud_prices == TokenPrices.per_million(1.0, 8.0)
-    assert Ledger(None).knobs().cloud_prices == TokenPrices(0.0, 0.0)  # no cloud at all
+    assert knobs.cloud_prices == {
+        "cloud": TokenPrices.per_million(1.0, 8.0),
+        "spare": TokenPrices.per_million(3.0, 4.0),
+    }
+    assert Ledger(None).knobs().cloud_prices == {}  # no cloud at all
 
 
 def test_on_change_listeners(ledger):
