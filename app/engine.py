@@ -1,0 +1,825 @@
+"""HAT worker engine: device sessions, their middle-submodel KV caches, and continuous batching.
+
+One engine serves many device sessions. Each session owns a KV cache of the middle submodel (layers m..n-1) and
+speaks the frame protocol of clients/hat/wire.py:
+
+    device -> worker                                  worker -> device
+    OPEN           JSON parameters (no user data)     OPEN           JSON session info (id, limits, g, mu)
+    PREFILL_CHUNK  shallow states, arg = 1st pos      DEEP_STATE     deep state of the chunk's last position
+    DRAFT          shallow states, arg = 1st pos      VERIFY_RESULT  deep states of every drafted position
+    ROLLBACK       arg = positions to keep            (nothing; ERROR if it cannot be applied)
+    CLOSE                                             (nothing)
+                                                      ERROR          UTF-8 message, arg = HTTP-like status
+
+Ordering: device frames carry consecutive sequence numbers (OPEN is 0). The engine applies a session's frames in
+seq order even when they arrive out of order (the POST transport may run several requests at once) and replies
+with the request's seq. A frame that fails validation still uses up its seq (its reply is an ERROR), so a device
+is never stuck behind its own bad frame. Tensor frames must start exactly at the cache's length: positions are
+contiguous and rejected drafts are removed with an explicit ROLLBACK.
+
+Limits (EngineLimits) fail one frame or one session with an ERROR naming the limit, never another session:
+max sessions (503 on OPEN), max context (413, nothing appended), per-session idle timeout (408, session
+dropped), frame size (413), kind/dtype/shape against the model (400), non-finite values (400), positions and
+sequence numbers (409).
+
+Batching (continuous, "ragged"): every tick the engine thread takes the next tensor frame of every session that
+has one pending (prefill chunks and verification rounds alike, up to max_batch_tokens) and runs them through the
+middle layers in ONE forward pass. All token rows of all sessions are packed into one [1, N, hidden] tensor, so
+every weight matmul (q/k/v/o projections, MLP) and norm runs once for the whole batch; attention runs per
+session against that session's own KV cache, with per-row positions (rotary) and the session's own causal mask.
+This is the varlen/ragged layout of vLLM-style continuous batching rather than a padded [B, T] batch: no
+compute is spent on padding (a 256-token prefill chunk and a 2-token verification share one pass without the
+verification row being padded to 256), and no session can see another's keys. Rows are never concatenated
+into one attention sequence.
+
+Batch invariance: nothing is shared between sessions except the weights, so a row's result does not depend on
+its neighbours — with one intra-op thread and the packed matrix padded to >= `min_rows` rows (BLAS switches from
+a per-row to a blocked kernel below 4 rows on this CPU), a session's deep states are bit-identical whether it ran
+alone or in a batch (tested). With more threads BLAS may split rows differently: equal to ~1e-6, not bitwise.
+`batch_invariant=False` skips the padding of a lone 1-token row (plain U-shape decode, ~1.8x faster on that
+case) at the price of that guarantee. The forward is the engine's own (it calls the HF layer's submodules: norms,
+projections, rotary, the model's attention function, MLP) and is checked against the model's own layers at
+start-up (`self_check`), so an unsupported layer layout fails loudly instead of computing garbage.
+
+Threading: all model calls run on one dedicated engine thread under torch.inference_mode(); the event loop only
+validates frames and hands them over (`submit` returns a concurrent Future of the reply frames).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import logging
+import queue
+import sys
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from clients.hat import wire
+from clients.hat.split import LayerStack, MiddleSubmodel, SplitKVCache
+from policies.drafting import DelayPredictor, MovingAverage
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = 1
+_DEVICE_KINDS = frozenset({wire.Kind.PREFILL_CHUNK, wire.Kind.DRAFT, wire.Kind.ROLLBACK, wire.Kind.CLOSE})
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_OPEN_MAX_BYTES = 16 * 1024
+
+
+class Reason(enum.StrEnum):
+    """Why a frame or session was refused (the `reason` label of the rejected-frames metric)."""
+
+    MALFORMED = "malformed"
+    OVERSIZED = "oversized"
+    KIND = "kind"
+    DTYPE = "dtype"
+    SHAPE = "shape"
+    NONFINITE = "nonfinite"
+    SESSION = "session"
+    SEQ = "seq"
+    POSITION = "position"
+    CONTEXT = "context"
+    OPEN = "open"
+    FULL = "full"
+    IDLE = "idle"
+    CLOSED = "closed"
+    INTERNAL = "internal"
+
+
+class EngineError(Exception):
+    def __init__(self, status: int, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_sessions: int = 16
+    max_context: int = 4096  # positions per session (capped by the model's max_position_embeddings)
+    idle_timeout: float = 300.0  # seconds without a frame before a session is dropped
+    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES  # payload bytes of one frame
+    max_batch_tokens: int = 4096  # tokens per forward pass (a single larger frame still runs, alone)
+    wire_dtype: torch.dtype = torch.float32  # dtype of hidden states in both directions
+    max_reorder: int = 64  # how far ahead of the next expected seq a frame may arrive
+    min_rows: int = 4  # pad the packed batch to at least this many rows (BLAS's blocked path; faster for 2-3 rows)
+    # Pad a lone 1-token row too, so every row's result is independent of the batch it ran in (bit-identical to
+    # running alone). Costs ~1.8x on a lone 1-token forward (plain U-shape decode); HAT rounds send >= 2 tokens.
+    batch_invariant: bool = True
+
+
+class OpenParams(BaseModel):
+    """What a device may say when it opens a session: structural facts only (no prompt, no text)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    protocol: int = PROTOCOL
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    m: int = Field(gt=0)
+    dtype: Literal["float32", "float16", "bfloat16"]
+    model: str | None = Field(default=None, max_length=200)
+
+
+# --- sessions --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    """One device frame on its way through the engine."""
+
+    session: Session
+    seq: int
+    frame: wire.Frame | None  # None: rejected on arrival (future already resolved)
+    tensor: torch.Tensor | None
+    future: Future[list[bytes]]
+
+
+@dataclass
+class Session:
+    """One device's state. Loop-side fields: expected_seq, held, last_active, on_expire. Engine-thread: the rest."""
+
+    id: bytes
+    cache: SplitKVCache
+    params: OpenParams
+    created: float
+    last_active: float
+    expected_seq: int = 1
+    held: dict[int, _Item] = field(default_factory=dict)
+    queue: deque[_Item] = field(default_factory=deque)
+    closed: bool = False
+    close_reason: str | None = None
+    on_expire: Callable[[str], None] | None = None
+    frames: int = 0
+    tokens: int = 0
+
+    @property
+    def hex(self) -> str:
+        return self.id.hex()
+
+
+# --- the batched middle forward --------------------------------------------------------------------
+
+
+class RaggedMiddle:
+    """The middle layers run over several sessions' new tokens in one pass (see the module docstring)."""
+
+    def __init__(self, stack: LayerStack, min_rows: int = 4, batch_invariant: bool = True) -> None:
+        self.stack = stack
+        self.batch_invariant = batch_invariant
+        self.layers = list(stack.layers)
+        self.layer_types = list(stack._layer_types)
+        self.window = stack._window
+        self.min_rows = max(1, min_rows)
+        if not self.layers:
+            raise ValueError("the middle submodel has no layers")
+        needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        for layer in self.layers:
+            attn = getattr(layer, "self_attn", None)
+            if any(not hasattr(layer, a) for a in needed) or any(
+                not hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+            ):
+                raise TypeError(f"{type(layer).__name__} is not a Llama/Qwen-style decoder layer")
+        attn0 = self.layers[0].self_attn
+        module = sys.modules[type(attn0).__module__]
+        self._rotary = module.apply_rotary_pos_emb
+        self._eager = getattr(module, "eager_attention_forward", None)
+        self.dtype = next(self.layers[0].parameters()).dtype
+
+    def _attention_fn(self, attn: Any) -> Callable[..., Any]:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        impl = getattr(attn.config, "_attn_implementation", None) or "sdpa"
+        if impl == "eager" and self._eager is not None:
+            return self._eager
+        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, self._eager)
+
+    def forward(self, rows: list[tuple[torch.Tensor, SplitKVCache]]) -> list[torch.Tensor]:
+        """rows: (shallow states [n_i, hidden], the session's cache). Appends to every cache; deep states per row.
+
+        New tokens go at positions len(cache) .. len(cache)+n_i-1. On any exception every cache is left as it was.
+        """
+        spans, key_pos, masks, pos_parts = [], [], [], []
+        start = 0
+        for hidden, cache in rows:
+            n = hidden.shape[0]
+            first = len(cache)
+            q_pos = torch.arange(first, first + n, dtype=torch.long)
+            kp = torch.cat([cache.positions, q_pos])
+            spans.append((start, start + n))
+            key_pos.append(kp)
+            pos_parts.append(q_pos)
+            masks.append(
+                {
+                    t: self.stack._mask(kp, q_pos, self.dtype, self.window if t == "sliding_attention" else None)
+                    for t in set(self.layer_types)
+                }
+            )
+            start += n
+        total = start
+        pad = max(0, self.min_rows - total) if (self.batch_invariant or total > 1) else 0
+        x = torch.cat([h.to(self.dtype) for h, _ in rows])
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[-1])])
+            pos_parts.append(torch.zeros(pad, dtype=torch.long))
+        x = x[None]
+        position_ids = torch.cat(pos_parts)[None]
+        cos, sin = self.stack.rotary_emb(x, position_ids)
+        old = [(len(c), c.positions) for _, c in rows]
+        try:
+            for layer, ltype in zip(self.layers, self.layer_types, strict=True):
+                x = self._layer(layer, ltype, x, cos, sin, rows, spans, masks, pad)
+        except BaseException:
+            for (_, cache), (n_old, pos_old) in zip(rows, old, strict=True):
+                cache.positions = pos_old
+                cache._truncate_layers(n_old)
+            raise
+        for (_, cache), kp in zip(rows, key_pos, strict=True):
+            cache.positions = kp
+        return [x[0, s:e] for s, e in spans]
+
+    def _layer(
+        self,
+        layer: Any,
+        ltype: str,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rows: list[tuple[torch.Tensor, SplitKVCache]],
+        spans: list[tuple[int, int]],
+        masks: list[dict[str, torch.Tensor | None]],
+        pad: int,
+    ) -> torch.Tensor:
+        attn = layer.self_attn
+        width = x.shape[1]
+        hs = layer.input_layernorm(x)
+        shape = (1, width, -1, attn.head_dim)
+        q = attn.q_proj(hs).view(shape)
+        k = attn.k_proj(hs).view(shape)
+        v = attn.v_proj(hs).view(shape).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        fn = self._attention_fn(attn)
+        extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+        pieces = []
+        for (s, e), (_, cache), mask in zip(spans, rows, masks, strict=True):
+            kk, vv = cache.update(k[:, :, s:e].contiguous(), v[:, :, s:e].contiguous(), attn.layer_idx)
+            qq = q[:, :, s:e].contiguous()
+            out, _ = fn(attn, qq, kk, vv, mask[ltype], dropout=0.0, scaling=attn.scaling, **extra)
+            pieces.append(out.reshape(1, e - s, -1))
+        if pad:
+            pieces.append(x.new_zeros(1, pad, pieces[0].shape[-1]))
+        h = x + attn.o_proj(torch.cat(pieces, dim=1).contiguous())
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+# --- the engine ------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineStats:
+    """Counters and HAT state monitoring (Eqs. 1-2). Written on the engine thread, read anywhere."""
+
+    mu: MovingAverage = field(default_factory=MovingAverage)  # batched tokens per forward
+    eta: MovingAverage = field(default_factory=MovingAverage)  # compute delay per forward (s)
+    g: DelayPredictor = field(default_factory=DelayPredictor)  # predicted delay of a batch of x tokens
+    forwards: int = 0
+    batched_forwards: int = 0  # forwards that carried >= 2 sessions
+    max_rows: int = 0
+    last_rows: int = 0
+    tokens: int = 0
+    frames: dict[str, int] = field(default_factory=dict)
+    rejected: dict[str, int] = field(default_factory=dict)
+    sessions_opened: int = 0
+    sessions_expired: int = 0
+
+
+FrameHook = Callable[[bytes | None, bytes], None]
+
+
+class Engine:
+    """Sessions + one engine thread running batched middle forwards. Thread-safe entry points: open, submit, close."""
+
+    def __init__(
+        self,
+        middle: MiddleSubmodel,
+        limits: EngineLimits | None = None,
+        *,
+        model_name: str = "",
+        frame_hook: FrameHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        stack = middle.stack
+        cfg = stack.config
+        self.middle = middle
+        self.limits = limits or EngineLimits()
+        self.model_name = model_name
+        self.hidden_size = int(cfg.hidden_size)
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.m = stack.layer_range.start
+        max_pos = getattr(cfg, "max_position_embeddings", None)
+        self.max_context = min(self.limits.max_context, int(max_pos)) if max_pos else self.limits.max_context
+        self.wire_dtype = self.limits.wire_dtype
+        self.wire_dtype_name = next(k for k, v in _DTYPES.items() if v == self.wire_dtype)
+        self.ragged = RaggedMiddle(stack, self.limits.min_rows, self.limits.batch_invariant)
+        self.frame_hook = frame_hook
+        self.clock = clock
+        self.stats = EngineStats()
+        self._sessions: dict[bytes, Session] = {}
+        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._ready: OrderedDict[bytes, Session] = OrderedDict()  # engine thread: sessions with queued frames
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.started = False
+
+    # --- lifecycle (any thread) -------------------------------------------------------------------
+
+    def start(self, self_check: bool = True) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="hat-engine", daemon=True)
+        self._thread.start()
+        if self_check:
+            self.call(self.self_check).result()
+        self.started = True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self.started = False
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn` on the engine thread (tests, warm-up)."""
+        fut: Future[Any] = Future()
+        self._inbox.put(("call", (fn, fut)))
+        return fut
+
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    def session(self, sid: bytes | str) -> Session | None:
+        try:
+            key = bytes.fromhex(sid) if isinstance(sid, str) else sid
+        except ValueError:
+            return None
+        return self._sessions.get(key)
+
+    def info(self) -> dict[str, Any]:
+        slope, intercept = self.stats.g.coefficients()
+        return {
+            "model": self.model_name,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "m": self.m,
+            "dtype": self.wire_dtype_name,
+            "sessions": self.session_count,
+            "max_sessions": self.limits.max_sessions,
+            "max_context": self.max_context,
+            "mu": self.stats.mu.get(),
+            "eta": self.stats.eta.get(),
+            "g": [slope, intercept],
+            "forwards": self.stats.forwards,
+            "batched_forwards": self.stats.batched_forwards,
+        }
+
+    def count_rejection(self, reason: Reason) -> None:
+        with self._stats_lock:  # called from the event loop and the engine thread
+            self.stats.rejected[reason.value] = self.stats.rejected.get(reason.value, 0) + 1
+
+    # --- sessions (event-loop side) ---------------------------------------------------------------
+
+    def open(self, data: bytes) -> tuple[Session, bytes]:
+        """Validate an OPEN frame and create a session; returns it and the OPEN reply frame. Raises EngineError."""
+        if self.frame_hook is not None:
+            self.frame_hook(None, bytes(data))
+        try:
+            frame = wire.decode_frame(data, max_frame_bytes=_OPEN_MAX_BYTES, expected_kinds={wire.Kind.OPEN})
+            params = OpenParams.model_validate(json.loads(frame.text()))
+        except wire.FrameError as e:
+            self.count_rejection(Reason.MALFORMED)
+            raise EngineError(400, Reason.MALFORMED, f"bad OPEN frame: {e}") from None
+        except (ValueError, ValidationError) as e:
+            self.count_rejection(Reason.OPEN)
+            raise EngineError(400, Reason.OPEN, f"bad OPEN parameters: {_short(e)}") from None
+        mismatch = [
+            f"{name} {got} != worker's {want}"
+            for name, got, want in (
+                ("protocol", params.protocol, PROTOCOL),
+                ("hidden_size", params.hidden_size, self.hidden_size),
+                ("num_layers", params.num_layers, self.num_layers),
+                ("m", params.m, self.m),
+                ("dtype", params.dtype, self.wire_dtype_name),
+            )
+            if got != want
+        ]
+        if mismatch:
+            self.count_rejection(Reason.OPEN)
+            raise EngineError(400, Reason.OPEN, "session does not match this worker's model: " + "; ".join(mismatch))
+        now = self.clock()
+        with self._lock:
+            if len(self._sessions) >= self.limits.max_sessions:
+                self.count_rejection(Reason.FULL)
+                raise EngineError(
+                    503, Reason.FULL, f"worker is serving its maximum of {self.limits.max_sessions} sessions"
+                )
+            sid = uuid.uuid4().bytes
+            session = Session(sid, self.middle.new_cache(), params, created=now, last_active=now)
+            self._sessions[sid] = session
+            self.stats.sessions_opened += 1
+        reply = dict(self.info(), session=session.hex, protocol=PROTOCOL, pipeline=1)
+        reply.update(max_frame_bytes=self.limits.max_frame_bytes, idle_timeout=self.limits.idle_timeout)
+        return session, wire.encode_text(wire.Kind.OPEN, sid, 0, json.dumps(reply))
+
+    def close(self, session: Session, reason: str = "closed") -> None:
+        """Drop a session (connection gone, CLOSE, expiry). Idempotent; its cache is freed on the engine thread."""
+        with self._lock:
+            if self._sessions.pop(session.id, None) is None:
+                return
+        session.close_reason = reason
+        held, session.held = list(session.held.values()), {}
+        for item in held:
+            _resolve(item.future, [])
+        self._inbox.put(("close", session))
+
+    def submit(self, session: Session, data: bytes) -> Future[list[bytes]]:
+        """Hand one device frame to the engine. The future resolves to the reply frames (maybe none, maybe ERROR)."""
+        fut: Future[list[bytes]] = Future()
+        data = bytes(data)
+        if self.frame_hook is not None:
+            self.frame_hook(session.id, data)
+        session.last_active = self.clock()
+        seq = peek_seq(data)
+        if session.id not in self._sessions:
+            _resolve(fut, [self._error(session.id, seq or 0, EngineError(410, Reason.CLOSED, _gone(session)))])
+            return fut
+        frame, tensor, err = self._validate(session, data)
+        if frame is not None:
+            seq = frame.seq
+        if seq is None:  # not even a header: no seq to account for
+            _resolve(fut, [self._error(session.id, 0, err)])  # type: ignore[arg-type]
+            return fut
+        if seq < session.expected_seq or seq in session.held:
+            used = f"frame seq {seq} was already used; next expected {session.expected_seq}"
+            dup = EngineError(409, Reason.SEQ, used)
+            self.count_rejection(Reason.SEQ)
+            _resolve(fut, [self._error(session.id, seq, dup)])
+            return fut
+        if seq - session.expected_seq > self.limits.max_reorder:
+            far = EngineError(
+                409, Reason.SEQ, f"frame seq {seq} is too far ahead of the next expected {session.expected_seq}"
+            )
+            self.count_rejection(Reason.SEQ)
+            _resolve(fut, [self._error(session.id, seq, far)])
+            return fut
+        if err is not None:
+            _resolve(fut, [self._error(session.id, seq, err)])
+            frame = tensor = None
+        else:
+            assert frame is not None
+            self.stats.frames[frame.kind.name] = self.stats.frames.get(frame.kind.name, 0) + 1
+        session.held[seq] = _Item(session, seq, frame, tensor, fut)
+        released: list[_Item] = []
+        while session.expected_seq in session.held:
+            item = session.held.pop(session.expected_seq)
+            session.expected_seq += 1
+            if item.frame is not None:
+                released.append(item)
+        for item in released:
+            self._inbox.put(("frame", item))
+        return fut
+
+    def _validate(
+        self, session: Session, data: bytes
+    ) -> tuple[wire.Frame | None, torch.Tensor | None, EngineError | None]:
+        """Decode and check a frame against the model. Returns (frame if its header parsed, tensor, error)."""
+        frame = None
+        if len(data) > wire.HEADER_SIZE + 4 * wire.MAX_NDIM + self.limits.max_frame_bytes:
+            self.count_rejection(Reason.OVERSIZED)
+            limit = self.limits.max_frame_bytes
+            msg = f"frame of {len(data)} bytes exceeds the {limit}-byte limit"
+            return None, None, EngineError(413, Reason.OVERSIZED, msg)
+        try:
+            frame = wire.decode_frame(data, max_frame_bytes=self.limits.max_frame_bytes)
+        except wire.FrameError as e:
+            reason = Reason.OVERSIZED if "exceeds" in str(e) else Reason.MALFORMED
+            self.count_rejection(reason)
+            return None, None, EngineError(413 if reason is Reason.OVERSIZED else 400, reason, f"bad frame: {e}")
+        try:
+            if frame.session != session.id:
+                raise EngineError(
+                    400, Reason.SESSION, f"frame is for session {frame.session.hex()}, this is {session.hex}"
+                )
+            if frame.kind not in _DEVICE_KINDS:
+                raise EngineError(
+                    400,
+                    Reason.KIND,
+                    f"a device may not send {frame.kind.name} frames here; "
+                    f"expected one of {sorted(k.name for k in _DEVICE_KINDS)}",
+                )
+            if frame.kind not in wire.TENSOR_KINDS:
+                return frame, None, None
+            if frame.dtype != wire.dtype_code(self.wire_dtype):
+                raise EngineError(
+                    400,
+                    Reason.DTYPE,
+                    f"{frame.kind.name} carries {frame.dtype.name}; this worker takes {self.wire_dtype_name}",
+                )
+            shape = frame.shape
+            if len(shape) == 3 and shape[0] == 1:
+                shape = shape[1:]
+            if len(shape) != 2 or shape[1] != self.hidden_size or shape[0] < 1:
+                raise EngineError(
+                    400,
+                    Reason.SHAPE,
+                    f"{frame.kind.name} shape {frame.shape} is not [tokens >= 1, hidden_size {self.hidden_size}]",
+                )
+            if frame.arg < 0:
+                raise EngineError(400, Reason.POSITION, f"negative start position {frame.arg}")
+            tensor = frame.tensor().reshape(shape)
+            if not bool(torch.isfinite(tensor).all()):
+                raise EngineError(400, Reason.NONFINITE, f"{frame.kind.name} carries NaN or infinite values")
+            return frame, tensor, None
+        except EngineError as e:
+            self.count_rejection(e.reason)
+            return frame, None, e
+
+    def _error(self, sid: bytes, seq: int, err: EngineError) -> bytes:
+        return wire.encode_error(sid, seq, f"{err.reason.value}: {err.message}", err.status)
+
+    # --- engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        tick = max(0.01, min(0.5, self.limits.idle_timeout / 4))
+        while not self._stopping:
+            try:
+                item = self._inbox.get(timeout=tick) if not self._ready else self._inbox.get_nowait()
+                self._take(item)
+                while True:
+                    self._take(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if self._stopping:
+                break
+            self._expire_idle()
+            try:
+                batch = self._collect()
+                if batch:
+                    self._forward(batch)
+            except Exception:  # never let the engine thread die
+                log.exception("engine tick failed")
+        self._drain_on_stop()
+
+    def _take(self, msg: tuple[str, Any]) -> None:
+        kind, obj = msg
+        if kind == "frame":
+            item: _Item = obj
+            if item.session.closed or item.session.id not in self._sessions:
+                _resolve(item.future, [])
+                return
+            item.session.queue.append(item)
+            self._ready[item.session.id] = item.session
+        elif kind == "close":
+            self._drop(obj)
+        elif kind == "call":
+            fn, fut = obj
+            if fut.set_running_or_notify_cancel():
+                try:
+                    with torch.inference_mode():
+                        fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+        elif kind == "stop":
+            self._stopping = True
+
+    def _drop(self, session: Session) -> None:
+        session.closed = True
+        for item in session.queue:
+            _resolve(item.future, [])
+        session.queue.clear()
+        session.cache.reset()
+        self._ready.pop(session.id, None)
+
+    def _drain_on_stop(self) -> None:
+        for session in list(self._sessions.values()):
+            self._drop(session)
+        while True:
+            try:
+                kind, obj = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "frame":
+                _resolve(obj.future, [])
+            elif kind == "call":
+                obj[1].cancel()
+
+    def _expire_idle(self) -> None:
+        limit = self.limits.idle_timeout
+        now = self.clock()
+        for session in list(self._sessions.values()):
+            if session.queue or session.held or now - session.last_active <= limit:
+                continue
+            self.stats.sessions_expired += 1
+            self.count_rejection(Reason.IDLE)
+            self.close(session, f"idle for more than {limit:g} s")
+            self._drop(session)
+            if session.on_expire is not None:
+                with contextlib.suppress(Exception):
+                    session.on_expire(f"{Reason.IDLE.value}: session idle for more than {limit:g} s; closed")
+
+    def _collect(self) -> list[_Item]:
+        """Apply control frames and pick at most one tensor frame per session, up to max_batch_tokens."""
+        batch: list[_Item] = []
+        tokens = 0
+        for sid in list(self._ready):
+            session = self._ready.get(sid)
+            if session is None:
+                continue
+            while session.queue:
+                item = session.queue[0]
+                frame = item.frame
+                assert frame is not None
+                if frame.kind == wire.Kind.ROLLBACK:
+                    session.queue.popleft()
+                    self._rollback(item)
+                    continue
+                if frame.kind == wire.Kind.CLOSE:
+                    session.queue.popleft()
+                    _resolve(item.future, [])
+                    self.close(session, "closed by the device")
+                    self._drop(session)
+                    break
+                n = item.tensor.shape[0]  # type: ignore[union-attr]
+                err = self._check_positions(session, frame.arg, n)
+                if err is not None:
+                    session.queue.popleft()
+                    self.count_rejection(err.reason)
+                    _resolve(item.future, [self._error(session.id, item.seq, err)])
+                    continue
+                if batch and tokens + n > self.limits.max_batch_tokens:
+                    break
+                session.queue.popleft()
+                batch.append(item)
+                tokens += n
+                break
+            if not session.queue:
+                self._ready.pop(sid, None)
+            elif batch and tokens >= self.limits.max_batch_tokens:
+                break
+        # Round-robin: sessions served this tick go to the back of the line.
+        for item in batch:
+            if item.session.id in self._ready:
+                self._ready.move_to_end(item.session.id)
+        return batch
+
+    def _check_positions(self, session: Session, start: int, n: int) -> EngineError | None:
+        have = len(session.cache)
+        if start != have:
+            return EngineError(
+                409,
+                Reason.POSITION,
+                f"frame starts at position {start} but the session's cache holds {have} positions "
+                f"(send ROLLBACK first to drop rejected drafts)",
+            )
+        if start + n > self.max_context:
+            return EngineError(
+                413,
+                Reason.CONTEXT,
+                f"{start} cached + {n} new positions exceed the session's {self.max_context}-position context",
+            )
+        return None
+
+    def _rollback(self, item: _Item) -> None:
+        session, keep = item.session, item.frame.arg  # type: ignore[union-attr]
+        have = len(session.cache)
+        if keep > have:
+            err = EngineError(400, Reason.POSITION, f"ROLLBACK keeps {keep} positions but the cache holds only {have}")
+            self.count_rejection(err.reason)
+            _resolve(item.future, [self._error(session.id, item.seq, err)])
+            return
+        session.cache.crop(keep)
+        _resolve(item.future, [])
+
+    def _forward(self, batch: list[_Item]) -> None:
+        t0 = time.perf_counter()
+        rows = [(item.tensor, item.session.cache) for item in batch]
+        try:
+            with torch.inference_mode():
+                outs = self.ragged.forward(rows)  # type: ignore[arg-type]
+        except Exception as e:
+            if len(batch) > 1:  # find the culprit: one session's failure must not fail the others
+                log.warning("batched forward failed (%s); retrying %d rows one by one", e, len(batch))
+                for item in batch:
+                    self._forward([item])
+                return
+            log.exception("middle forward failed")
+            item = batch[0]
+            self.count_rejection(Reason.INTERNAL)
+            _resolve(item.future, [self._error(item.session.id, item.seq, EngineError(500, Reason.INTERNAL, str(e)))])
+            return
+        elapsed = time.perf_counter() - t0
+        tokens = sum(int(item.tensor.shape[0]) for item in batch)  # type: ignore[union-attr]
+        st = self.stats
+        st.forwards += 1
+        st.tokens += tokens
+        st.last_rows = len(batch)
+        st.max_rows = max(st.max_rows, len(batch))
+        if len(batch) > 1:
+            st.batched_forwards += 1
+        st.mu.update(tokens)
+        st.eta.update(elapsed)
+        st.g.update(tokens, elapsed)
+        for item, deep in zip(batch, outs, strict=True):
+            frame = item.frame
+            assert frame is not None
+            item.session.frames += 1
+            item.session.tokens += int(deep.shape[0])
+            if frame.kind == wire.Kind.PREFILL_CHUNK:
+                last = frame.arg + deep.shape[0] - 1
+                reply = wire.encode_tensor(
+                    wire.Kind.DEEP_STATE, item.session.id, item.seq, deep[-1:], arg=last, wire_dtype=self.wire_dtype
+                )
+            else:
+                reply = wire.encode_tensor(
+                    wire.Kind.VERIFY_RESULT, item.session.id, item.seq, deep, arg=frame.arg, wire_dtype=self.wire_dtype
+                )
+            _resolve(item.future, [reply])
+
+    # --- start-up check ---------------------------------------------------------------------------
+
+    def self_check(self, tokens: int = 8, tolerance: float = 1e-3) -> float:
+        """Run the ragged forward and the model's own layers on the same random states; raise if they disagree.
+
+        Also warms the kernels up and seeds g (Eq. 2) with two batch sizes. Returns the relative difference.
+        """
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(tokens + 1, self.hidden_size, generator=gen).to(self.ragged.dtype)
+        ref_cache, got_cache = self.middle.new_cache(), self.middle.new_cache()
+        ref = self.middle(x[None], ref_cache)[0]
+        got = []
+        for part in (x[:tokens], x[tokens:]):
+            t0 = time.perf_counter()
+            got.append(self.ragged.forward([(part, got_cache)])[0])
+            self.stats.g.update(part.shape[0], time.perf_counter() - t0)
+        diff = float((torch.cat(got) - ref).abs().max()) / max(1.0, float(ref.abs().max()))
+        if not diff <= tolerance:
+            raise RuntimeError(
+                f"the engine's batched forward disagrees with the model's own layers (relative {diff:.2e}); "
+                f"model type {getattr(self.middle.stack.config, 'model_type', '?')} is not supported by the engine"
+            )
+        return diff
+
+
+def _resolve(fut: Future[list[bytes]], frames: list[bytes]) -> None:
+    if not fut.done():
+        with contextlib.suppress(Exception):
+            fut.set_result(frames)
+
+
+def peek_seq(data: bytes) -> int | None:
+    """The seq field of anything that at least looks like a frame header (for replying to a bad frame)."""
+    if len(data) < wire.HEADER_SIZE or data[:4] != wire.MAGIC:
+        return None
+    return int.from_bytes(data[26:34], "little")
+
+
+def peek_kind(data: bytes) -> int | None:
+    """The kind byte of anything that at least looks like a frame header."""
+    if len(data) < wire.HEADER_SIZE or data[:4] != wire.MAGIC:
+        return None
+    return data[5]
+
+
+def _gone(session: Session) -> str:
+    return f"session {session.hex} is closed ({session.close_reason or 'closed'})"
+
+
+def _short(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in x['loc']) or 'body'}: {x['msg']}" for x in e.errors())
+    return str(e)
+
+
+def wire_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}") from None

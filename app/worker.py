@@ -1,0 +1,263 @@
+"""The HAT worker process (`tandem worker`): hosts the middle submodel of a split LLM for many devices.
+
+`create_worker(settings)` returns its own FastAPI app (not the gateway's): the hidden-state routes of
+endpoints/hidden.py, `/health`, `/health/ready` and `/metrics`. The model loads in the background after the
+server starts listening, like the gateway's backends: `/health` answers at once, `/health/ready` and every
+hidden-state route say 503 until the engine is up.
+
+The worker keeps only what it serves: after splitting, the embedding, the first m layers and the LM head are
+dropped (it never needs token ids or logits, and on Qwen 0.5B the untied head alone is 0.5 GB of fp32).
+
+Metrics (own registry): sessions, HAT state monitoring (Eqs. 1-2: batched-token moving average mu, compute-delay
+moving average eta, and the predictor g(x) = slope*x + intercept with g evaluated at mu), forward passes,
+batched forward passes, tokens, frames by kind and frames rejected by reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import torch
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from app.engine import Engine, EngineLimits, FrameHook, wire_dtype
+from clients.hat import wire
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSettings(BaseModel):
+    """Settings of one worker. `tandem worker` builds this from the [worker] table / TANDEM_WORKER__* variables."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # A bundled model name (see `tandem models`) or a path to a GGUF file; devices must split the same model.
+    model: str = "qwen2.5-coder-0.5b-instruct"
+    m: Annotated[int, Field(ge=1)] = 2  # decoder layers kept on the device (HAT: < 10% of the layers)
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8100
+    # Devices present it as "Authorization: Bearer <token>"; None = no authentication (loopback/dev only).
+    auth_token: SecretStr | None = None
+    max_sessions: Annotated[int, Field(ge=1)] = 16
+    max_context: Annotated[int, Field(ge=16)] = 4096
+    idle_timeout: Annotated[float, Field(gt=0)] = 300.0
+    max_frame_bytes: Annotated[int, Field(ge=4096)] = wire.DEFAULT_MAX_FRAME_BYTES
+    # Dtype of hidden states on the wire (both directions). The middle computes in float32 on CPU either way;
+    # float16 halves the bytes at a small accuracy cost.
+    dtype: Literal["float32", "float16"] = "float32"
+    max_batch_tokens: Annotated[int, Field(ge=1)] = 4096
+    batch_invariant: bool = True  # see EngineLimits.batch_invariant
+    num_threads: Annotated[int, Field(ge=1)] | None = None  # torch intra-op threads (None: torch's default)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def limits(self) -> EngineLimits:
+        return EngineLimits(
+            max_sessions=self.max_sessions,
+            max_context=self.max_context,
+            idle_timeout=self.idle_timeout,
+            max_frame_bytes=self.max_frame_bytes,
+            max_batch_tokens=self.max_batch_tokens,
+            wire_dtype=wire_dtype(self.dtype),
+            batch_invariant=self.batch_invariant,
+        )
+
+
+def resolve_model(spec: str) -> Path:
+    """A bundled model name (fetched and verified on demand) or a path to a GGUF file."""
+    from deploy import models as bundled
+
+    if spec in bundled.MODELS:
+        return bundled.fetch(spec) if not bundled.is_verified(spec) else bundled.model_path(spec)
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise bundled.ModelError(f"model {spec!r} is neither a bundled model ({', '.join(bundled.MODELS)}) nor a file")
+    return path
+
+
+class Worker:
+    """Engine + settings + auth + metrics of one worker app (app.state.worker)."""
+
+    def __init__(self, settings: WorkerSettings, model: Any = None, frame_hook: FrameHook | None = None) -> None:
+        self.settings = settings
+        self._model = model
+        self.frame_hook = frame_hook
+        self.engine: Engine | None = None
+        self.startup_error: str | None = None
+        self.loaded = asyncio.Event()
+        self.started = time.time()
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(lambda: self.engine))
+        token = settings.auth_token.get_secret_value() if settings.auth_token is not None else None
+        self._token = token.encode() if token else None
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.started
+
+    def authorized(self, header: str | None) -> bool:
+        """Constant-time check of an "Authorization: Bearer <token>" header (always True without a token)."""
+        if self._token is None:
+            return True
+        scheme, _, presented = (header or "").partition(" ")
+        ok = hmac.compare_digest(presented.strip().encode(), self._token)
+        return ok and scheme.lower() == "bearer"
+
+    async def start(self) -> None:
+        try:
+            self.engine = await asyncio.to_thread(self._build)
+            self.loaded.set()
+            e = self.engine
+            log.info(
+                "worker ready: %s layers %d..%d of %d, hidden %d, wire %s",
+                self.settings.model,
+                e.m,
+                e.num_layers - 1,
+                e.num_layers,
+                e.hidden_size,
+                e.wire_dtype_name,
+            )
+        except Exception as exc:
+            self.startup_error = f"{type(exc).__name__}: {exc}"
+            log.error("worker start-up failed: %s", exc)
+            raise
+
+    def _build(self) -> Engine:
+        from clients.hat.split import split_model
+
+        s = self.settings
+        if s.num_threads:
+            torch.set_num_threads(s.num_threads)
+        model = self._model
+        if model is None:
+            from clients.hf_model import load_hf_model
+
+            model, _tok = load_hf_model(resolve_model(s.model))
+        middle = split_model(model, s.m).middle  # the only part the worker keeps a reference to
+        del model
+        self._model = None
+        engine = Engine(middle, s.limits(), model_name=s.model, frame_hook=self.frame_hook)
+        engine.start()
+        return engine
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+
+    def metrics(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Reads the engine's counters at scrape time (no per-frame metric calls on the hot path)."""
+
+    def __init__(self, engine: Callable[[], Engine | None]) -> None:
+        self._engine = engine
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        e = self._engine()
+        up = GaugeMetricFamily("tandem_worker_ready", "1 once the middle submodel is loaded and checked")
+        up.add_metric([], 1.0 if e is not None and e.started else 0.0)
+        yield up
+        if e is None:
+            return
+        st = e.stats
+        slope, intercept = st.g.coefficients()
+        gauges = [
+            ("tandem_worker_sessions", "Open device sessions", float(e.session_count)),
+            ("tandem_worker_max_sessions", "Session limit", float(e.limits.max_sessions)),
+            ("tandem_worker_batch_tokens_avg", "mu: moving average of tokens per forward (HAT Eq. 1)", st.mu.get()),
+            ("tandem_worker_compute_delay_avg_seconds", "eta: moving average of forward-pass time", st.eta.get()),
+            ("tandem_worker_delay_slope_seconds", "g(x) = slope*x + intercept: seconds per token (Eq. 2)", slope),
+            ("tandem_worker_delay_intercept_seconds", "g(x) = slope*x + intercept: fixed seconds (Eq. 2)", intercept),
+            ("tandem_worker_predicted_delay_seconds", "g(mu): predicted delay of an average batch", st.g(st.mu.get())),
+            ("tandem_worker_last_batch_rows", "Sessions in the last forward pass", float(st.last_rows)),
+            ("tandem_worker_max_batch_rows", "Most sessions seen in one forward pass", float(st.max_rows)),
+        ]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+        counters = [
+            ("tandem_worker_forward_passes", "Middle forward passes", st.forwards),
+            ("tandem_worker_batched_forward_passes", "Forward passes that carried >= 2 sessions", st.batched_forwards),
+            ("tandem_worker_tokens", "Token positions run through the middle submodel", st.tokens),
+            ("tandem_worker_sessions_opened", "Sessions opened", st.sessions_opened),
+            ("tandem_worker_sessions_expired", "Sessions dropped for idleness", st.sessions_expired),
+        ]
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(value))
+            yield c
+        frames = CounterMetricFamily("tandem_worker_frames", "Device frames accepted, by kind", labels=["kind"])
+        for kind, n in sorted(st.frames.items()):
+            frames.add_metric([kind], float(n))
+        yield frames
+        rejected = CounterMetricFamily(
+            "tandem_worker_frames_rejected", "Device frames or sessions refused, by reason", labels=["reason"]
+        )
+        for reason, n in sorted(st.rejected.items()):
+            rejected.add_metric([reason], float(n))
+        yield rejected
+
+
+def create_worker(settings: WorkerSettings, *, model: Any = None, frame_hook: FrameHook | None = None) -> FastAPI:
+    """The worker's FastAPI app. `model`: an already-loaded HF causal LM to split (tests share one);
+    `frame_hook(session_id | None, data)`: called with every binary frame the worker receives (tests)."""
+    from endpoints import hidden
+    from endpoints.errors import install_error_handlers
+
+    worker = Worker(settings, model, frame_hook)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(worker.start())
+        try:
+            yield
+        finally:
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            await worker.stop()
+
+    app = FastAPI(title="Tandem HAT worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    install_error_handlers(app)
+    app.include_router(hidden.router)
+    return app
+
+
+def uvicorn_config_kwargs(settings: WorkerSettings) -> dict[str, Any]:
+    """uvicorn options the worker needs. WebSocket messages up to twice the frame limit are read, so a frame a bit
+    over the limit gets a clear ERROR frame (413) instead of a bare 1009 close; larger ones are cut off by uvicorn.
+    No per-message deflate: float tensors do not compress and deflate would cost CPU on both ends."""
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "ws_max_size": 2 * settings.max_frame_bytes + 64 * 1024,
+        "ws_per_message_deflate": False,
+        "log_level": settings.log_level,
+        "access_log": False,
+        "timeout_graceful_shutdown": 5,
+    }
+
+
+def serve_worker(settings: WorkerSettings) -> None:
+    """Run the worker in the foreground (what `tandem worker` should call)."""
+    import uvicorn
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_worker(settings), **uvicorn_config_kwargs(settings))

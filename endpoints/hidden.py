@@ -1,0 +1,269 @@
+"""The worker's HTTP surface: hidden-state transports, health and metrics.
+
+Two transports carry the same binary frames (clients/hat/wire.py; protocol in app/engine.py):
+
+WebSocket `/v1/hidden/ws` — one session per connection. Binary messages only, one frame per message. The first
+message is the device's OPEN frame; the worker answers with its OPEN frame (JSON session info), then one reply
+per tensor frame as it is computed, in the order the frames were sent (a device may send chunk k+1 before chunk
+k's reply: that is the prefill pipelining of HAT §3.3). Close codes: 4401 bad/missing token, 4408 session idle
+for longer than the idle timeout, 1013 worker full or not ready, 1008 bad OPEN, 1000 after the device's CLOSE.
+
+POST + SSE, for networks that block WebSockets:
+
+    POST /v1/hidden/sessions              body: the OPEN frame (application/octet-stream)
+                                          200 body: the worker's OPEN reply frame (binary); header x-tandem-session
+    POST /v1/hidden/sessions/{id}/frames  body: one device frame (binary)
+                                          200 text/event-stream: one `event: frame` per reply frame, its data the
+                                          frame in standard base64, then `event: end`. A ROLLBACK or CLOSE gives no
+                                          frame events. Frame-level errors (bad dtype, position...) are ERROR frames
+                                          in the stream, exactly as on the WebSocket.
+    DELETE /v1/hidden/sessions/{id}       close the session (same as a CLOSE frame)
+
+Several frame POSTs of one session may be in flight at once; the engine applies them in seq order.
+HTTP-level failures use the OpenAI error envelope: 401 (token), 404 (unknown or expired session), 413 (body
+larger than twice the frame limit), 503 (not ready, worker full).
+
+Auth: `Authorization: Bearer <token>` when the worker has a token, compared in constant time.
+`/health`, `/health/ready` and `/metrics` are open, as on the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request, WebSocket
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from app.engine import Engine, EngineError, Reason, Session, peek_kind
+from clients.hat import wire
+from endpoints.errors import ApiError
+
+if TYPE_CHECKING:
+    from app.worker import Worker
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+_NO_SESSION = b"\0" * 16
+_OPEN_LIMIT = 16 * 1024
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_IDLE = 4408
+
+
+def _worker(scope_app) -> Worker:
+    return scope_app.state.worker
+
+
+def _body_limit(engine: Engine) -> int:
+    return 2 * engine.limits.max_frame_bytes + 64 * 1024
+
+
+# --- WebSocket -------------------------------------------------------------------------------------
+
+
+@router.websocket("/v1/hidden/ws")
+async def hidden_ws(ws: WebSocket) -> None:
+    worker = _worker(ws.app)
+    await ws.accept()
+    if not worker.authorized(ws.headers.get("authorization")):
+        await ws.close(code=CLOSE_UNAUTHORIZED, reason="unauthorized: missing or wrong worker token")
+        return
+    engine = worker.engine
+    if engine is None or not worker.ready:
+        await _send_error_and_close(ws, 503, "not ready: the worker is still loading its model", 1013)
+        return
+    try:
+        msg = await asyncio.wait_for(ws.receive(), timeout=engine.limits.idle_timeout)
+    except TimeoutError:
+        await _send_error_and_close(ws, 408, "no OPEN frame within the idle timeout", CLOSE_IDLE)
+        return
+    if msg["type"] == "websocket.disconnect":
+        return
+    data = msg.get("bytes")
+    if data is None:
+        await _send_error_and_close(ws, 400, "malformed: send binary frames, not text", 1003)
+        return
+    try:
+        session, reply = engine.open(data)
+    except EngineError as e:
+        code = 1013 if e.status == 503 else 1008
+        await _send_error_and_close(ws, e.status, f"{e.reason.value}: {e.message}", code)
+        return
+    await ws.send_bytes(reply)
+    await _serve_session(ws, engine, session)
+
+
+async def _serve_session(ws: WebSocket, engine: Engine, session: Session) -> None:
+    loop = asyncio.get_running_loop()
+    expired: asyncio.Future[str] = loop.create_future()
+
+    def on_expire(message: str) -> None:  # engine thread
+        loop.call_soon_threadsafe(lambda: expired.done() or expired.set_result(message))
+
+    session.on_expire = on_expire
+    replies: asyncio.Queue[Future[list[bytes]] | None] = asyncio.Queue()
+
+    async def writer() -> None:
+        while True:
+            fut = await replies.get()
+            if fut is None:
+                return
+            for frame in await asyncio.wrap_future(fut):
+                await ws.send_bytes(frame)
+
+    writer_task = asyncio.create_task(writer())
+    close_code, close_reason = 1000, ""
+    try:
+        while True:
+            recv = asyncio.ensure_future(ws.receive())
+            done, _ = await asyncio.wait({recv, expired, writer_task}, return_when=asyncio.FIRST_COMPLETED)
+            if recv not in done:
+                recv.cancel()
+                if expired in done:
+                    replies.put_nowait(_done([wire.encode_error(session.id, 0, expired.result(), 408)]))
+                    close_code, close_reason = CLOSE_IDLE, "session idle"
+                break  # expired, or the writer failed (peer gone)
+            msg = recv.result()
+            if msg["type"] == "websocket.disconnect":
+                close_code = -1
+                break
+            data = msg.get("bytes")
+            if data is None:
+                err = wire.encode_error(session.id, 0, "malformed: send binary frames, not text", 400)
+                engine.count_rejection(Reason.MALFORMED)
+                replies.put_nowait(_done([err]))
+                continue
+            replies.put_nowait(engine.submit(session, data))
+            if peek_kind(data) == wire.Kind.CLOSE:
+                break
+    except WebSocketDisconnect:
+        close_code = -1
+    finally:
+        engine.close(session)
+        replies.put_nowait(None)
+        if close_code != -1 and not writer_task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer_task, timeout=5.0)
+        writer_task.cancel()
+        with contextlib.suppress(BaseException):
+            await writer_task
+        if close_code != -1 and ws.application_state == WebSocketState.CONNECTED:
+            with contextlib.suppress(Exception):
+                await ws.close(code=close_code, reason=close_reason)
+
+
+def _done(frames: list[bytes]) -> Future[list[bytes]]:
+    fut: Future[list[bytes]] = Future()
+    fut.set_result(frames)
+    return fut
+
+
+async def _send_error_and_close(ws: WebSocket, status: int, message: str, code: int) -> None:
+    with contextlib.suppress(Exception):
+        await ws.send_bytes(wire.encode_error(_NO_SESSION, 0, message, status))
+        await ws.close(code=code, reason=message[:120])
+
+
+# --- POST + SSE ------------------------------------------------------------------------------------
+
+
+def _check(request: Request) -> Engine:
+    worker = _worker(request.app)
+    if not worker.authorized(request.headers.get("authorization")):
+        raise ApiError(
+            401,
+            "Missing or wrong worker token: send 'Authorization: Bearer <token>'.",
+            code="invalid_worker_token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if worker.engine is None or not worker.ready:
+        raise ApiError(503, "The worker is still loading its model.", code="not_ready", retry=True)
+    return worker.engine
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"Frame body of {declared} bytes is larger than {limit} bytes.", code="frame_too_large")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise ApiError(413, f"Frame body is larger than {limit} bytes.", code="frame_too_large")
+    return bytes(buf)
+
+
+@router.post("/v1/hidden/sessions")
+async def open_session(request: Request) -> Response:
+    engine = _check(request)
+    data = await _read_body(request, _OPEN_LIMIT)
+    try:
+        session, reply = engine.open(data)
+    except EngineError as e:
+        raise ApiError(e.status, e.message, code=e.reason.value, retry=e.status == 503) from None
+    return Response(reply, media_type="application/octet-stream", headers={"x-tandem-session": session.hex})
+
+
+def _session(engine: Engine, sid: str) -> Session:
+    session = engine.session(sid)
+    if session is None:
+        raise ApiError(404, f"No open session {sid} (closed, expired or never opened).", code="unknown_session")
+    return session
+
+
+@router.post("/v1/hidden/sessions/{sid}/frames")
+async def post_frame(sid: str, request: Request) -> StreamingResponse:
+    engine = _check(request)
+    session = _session(engine, sid)
+    data = await _read_body(request, _body_limit(engine))
+    fut = engine.submit(session, data)
+
+    async def events() -> AsyncIterator[bytes]:
+        for frame in await asyncio.wrap_future(fut):
+            yield b"event: frame\ndata: " + base64.b64encode(frame) + b"\n\n"
+        yield b"event: end\ndata: {}\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-store"})
+
+
+@router.delete("/v1/hidden/sessions/{sid}", status_code=204)
+async def delete_session(sid: str, request: Request) -> Response:
+    engine = _check(request)
+    engine.close(_session(engine, sid), "closed by the device")
+    return Response(status_code=204)
+
+
+# --- health and metrics ----------------------------------------------------------------------------
+
+
+@router.get("/health")
+async def health(request: Request) -> dict:
+    worker = _worker(request.app)
+    body: dict = {"status": "ok", "ready": worker.ready, "model": worker.settings.model}
+    if worker.engine is not None:
+        body["sessions"] = worker.engine.session_count
+    return body
+
+
+@router.get("/health/ready")
+async def ready(request: Request) -> JSONResponse:
+    worker = _worker(request.app)
+    if worker.ready and worker.engine is not None:
+        return JSONResponse({"status": "ready", **worker.engine.info()})
+    body = {"status": "failed" if worker.startup_error else "loading"}
+    if worker.startup_error:
+        body["error"] = worker.startup_error
+    return JSONResponse(body, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_worker(request.app).metrics(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,319 @@
+"""HAT worker engine on a tiny random Llama (no weights): batching, limits, ordering; plus the device's pure parts
+(speculative rejection sampling) and the link emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from app.engine import Engine, EngineError, EngineLimits
+from clients.hat import wire
+from clients.hat.device import probabilities, speculative_sample
+from clients.hat.link import DelayLine, LinkProfile
+from clients.hat.split import split_model
+
+H = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Batch invariance (bit-identical rows) holds with one intra-op thread; with more, BLAS may split rows."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+Kind = wire.Kind
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def make_engine(model: LlamaForCausalLM, **limits) -> Engine:
+    engine = Engine(split_model(model, 2).middle, EngineLimits(**limits), model_name="tiny")
+    engine.start()
+    return engine
+
+
+@pytest.fixture
+def engine(tiny: LlamaForCausalLM) -> Iterator[Engine]:
+    e = make_engine(tiny, max_sessions=4, max_context=64, max_frame_bytes=64 * 1024)
+    yield e
+    e.stop()
+
+
+def open_session(engine: Engine, **over):
+    params = {"hidden_size": H, "num_layers": 4, "m": 2, "dtype": "float32", **over}
+    session, reply = engine.open(wire.encode_text(Kind.OPEN, bytes(16), 0, json.dumps(params)))
+    frame = wire.decode_frame(reply)
+    assert frame.kind == Kind.OPEN and frame.session == session.id
+    return session, json.loads(frame.text())
+
+
+def tensor_frame(session, seq: int, x: torch.Tensor, arg: int, kind: Kind = Kind.DRAFT) -> bytes:
+    return wire.encode_tensor(kind, session.id, seq, x, arg=arg)
+
+
+def replies(fut) -> list[wire.Frame]:
+    return [wire.decode_frame(b) for b in fut.result(timeout=10)]
+
+
+def one(fut) -> wire.Frame:
+    (frame,) = replies(fut)
+    return frame
+
+
+def error_of(fut) -> tuple[int, str]:
+    frame = one(fut)
+    assert frame.kind == Kind.ERROR, frame.kind
+    return frame.arg, frame.text()
+
+
+class Paused:
+    """Holds the engine thread so that frames submitted meanwhile are all pending in the same tick."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.gate = engine, threading.Event()
+
+    def __enter__(self):
+        self.engine.call(self.gate.wait)
+        return self
+
+    def __exit__(self, *exc):
+        self.gate.set()
+
+
+def test_batched_sessions_equal_running_alone(engine: Engine) -> None:
+    torch.manual_seed(1)
+    xs = [torch.randn(n, H) for n in (7, 3, 1)]
+    alone = []
+    for x in xs:
+        s, _ = open_session(engine)
+        alone.append(one(engine.submit(s, tensor_frame(s, 1, x, 0, Kind.DRAFT))).tensor())
+        engine.close(s)
+    ref = [engine.middle(x[None])[0] for x in xs]  # the model's own layers (LayerStack), one sequence at a time
+    sessions = [open_session(engine)[0] for _ in xs]
+    before = engine.stats.batched_forwards
+    with Paused(engine):
+        futs = [engine.submit(s, tensor_frame(s, 1, x, 0)) for s, x in zip(sessions, xs, strict=True)]
+    got = [one(f).tensor() for f in futs]
+    assert engine.stats.batched_forwards == before + 1 and engine.stats.last_rows == 3
+    for a, b, r in zip(alone, got, ref, strict=True):
+        assert torch.equal(a, b)  # bit-identical: nothing but the weights is shared between rows
+        assert torch.allclose(a, r, atol=1e-5)
+
+    # A second round mixes a decode row with a prefill continuation; again one pass, again equal to alone.
+    more = [torch.randn(n, H) for n in (2, 5, 1)]
+    with Paused(engine):
+        futs = [engine.submit(s, tensor_frame(s, 2, x, len(x0))) for s, x, x0 in zip(sessions, more, xs, strict=True)]
+    batched = [one(f).tensor() for f in futs]
+    for x0, x, b in zip(xs, more, batched, strict=True):
+        s, _ = open_session(engine)
+        engine.submit(s, tensor_frame(s, 1, x0, 0, Kind.PREFILL_CHUNK)).result(10)
+        assert torch.equal(one(engine.submit(s, tensor_frame(s, 2, x, len(x0)))).tensor(), b)
+        engine.close(s)
+
+
+def test_prefill_reply_is_the_last_position(engine: Engine) -> None:
+    s, info = open_session(engine)
+    assert info["hidden_size"] == H and info["max_context"] == 64 and len(info["g"]) == 2
+    x = torch.randn(5, H)
+    frame = one(engine.submit(s, tensor_frame(s, 1, x, 0, Kind.PREFILL_CHUNK)))
+    assert frame.kind == Kind.DEEP_STATE and frame.shape == (1, H) and frame.arg == 4 and frame.seq == 1
+    assert torch.allclose(frame.tensor()[0], engine.middle(x[None])[0, -1], atol=1e-5)
+
+
+def test_bad_frames_are_rejected_and_the_session_keeps_working(engine: Engine) -> None:
+    s, _ = open_session(engine)
+    other, _ = open_session(engine)
+    x = torch.randn(3, H)
+    cases = [
+        (b"not a frame at all", 400, "malformed"),
+        (tensor_frame(s, 1, torch.randn(4000, H), 0), 413, "oversized"),
+        (tensor_frame(s, 2, x.half(), 0), 400, "dtype"),
+        (tensor_frame(s, 3, torch.randn(3, H + 1), 0), 400, "shape"),
+        (tensor_frame(s, 4, torch.randn(2, 3, H), 0), 400, "shape"),
+        (tensor_frame(s, 5, x, 0, Kind.VERIFY_RESULT), 400, "kind"),
+        (wire.encode_text(Kind.OPEN, s.id, 6, "{}"), 400, "kind"),
+        (tensor_frame(s, 7, torch.full((3, H), float("nan")), 0), 400, "nonfinite"),
+        (tensor_frame(other, 8, x, 0), 400, "session"),
+        (tensor_frame(s, 9, x, 5), 409, "position"),
+        (wire.encode_control(Kind.ROLLBACK, s.id, 10, arg=3), 400, "position"),
+        (tensor_frame(s, 10, x, 0), 409, "seq"),  # seq 10 was used by the bad ROLLBACK
+        (tensor_frame(s, 500, x, 0), 409, "seq"),  # too far ahead
+    ]
+    for data, status, reason in cases:
+        got_status, text = error_of(engine.submit(s, data))
+        assert (got_status, text.split(":")[0]) == (status, reason), text
+    assert engine.stats.rejected["oversized"] == 1 and engine.stats.rejected["shape"] == 2
+    frame = one(engine.submit(s, tensor_frame(s, 11, x, 0)))
+    assert frame.kind == Kind.VERIFY_RESULT and frame.seq == 11 and frame.shape == (3, H)
+    assert one(engine.submit(other, tensor_frame(other, 1, x, 0))).kind == Kind.VERIFY_RESULT
+
+
+def test_open_validation_and_session_limit(engine: Engine) -> None:
+    with pytest.raises(EngineError) as e:
+        open_session(engine, prompt="secret text")
+    assert e.value.status == 400 and "prompt" in e.value.message
+    with pytest.raises(EngineError) as e:
+        open_session(engine, hidden_size=64)
+    assert e.value.status == 400 and "hidden_size 64" in e.value.message
+    with pytest.raises(EngineError) as e:
+        open_session(engine, dtype="float16")
+    assert "dtype" in e.value.message
+    sessions = [open_session(engine)[0] for _ in range(4)]
+    with pytest.raises(EngineError) as e:
+        open_session(engine)
+    assert e.value.status == 503 and e.value.reason == "full"
+    engine.close(sessions[0])
+    open_session(engine)  # the freed slot is usable at once
+
+
+def test_context_limit_rollback_and_positions(engine: Engine) -> None:
+    s, _ = open_session(engine)
+    assert one(engine.submit(s, tensor_frame(s, 1, torch.randn(60, H), 0, Kind.PREFILL_CHUNK))).arg == 59
+    status, text = error_of(engine.submit(s, tensor_frame(s, 2, torch.randn(5, H), 60)))
+    assert status == 413 and text.startswith("context") and len(s.cache) == 60  # nothing appended
+    assert one(engine.submit(s, tensor_frame(s, 3, torch.randn(4, H), 60))).shape == (4, H)
+    assert error_of(engine.submit(s, tensor_frame(s, 4, torch.randn(1, H), 62)))[0] == 409
+    assert engine.submit(s, wire.encode_control(Kind.ROLLBACK, s.id, 5, arg=61)).result(10) == []
+    engine.call(lambda: None).result(10)
+    assert len(s.cache) == 61 and s.cache.next_position == 61
+    assert one(engine.submit(s, tensor_frame(s, 6, torch.randn(3, H), 61))).arg == 61
+
+
+def test_rollback_then_redecode_is_exact(engine: Engine) -> None:
+    torch.manual_seed(2)
+    prompt, good = torch.randn(6, H), torch.randn(2, H)
+    ref_s, _ = open_session(engine)
+    engine.submit(ref_s, tensor_frame(ref_s, 1, prompt, 0, Kind.PREFILL_CHUNK)).result(10)
+    want = one(engine.submit(ref_s, tensor_frame(ref_s, 2, good, 6))).tensor()
+    s, _ = open_session(engine)
+    engine.submit(s, tensor_frame(s, 1, prompt, 0, Kind.PREFILL_CHUNK)).result(10)
+    engine.submit(s, tensor_frame(s, 2, torch.randn(4, H), 6)).result(10)  # drafts, all rejected
+    engine.submit(s, wire.encode_control(Kind.ROLLBACK, s.id, 3, arg=6))
+    assert torch.equal(one(engine.submit(s, tensor_frame(s, 4, good, 6))).tensor(), want)
+
+
+def test_frames_are_applied_in_seq_order(engine: Engine) -> None:
+    s, _ = open_session(engine)
+    prompt, step = torch.randn(4, H), torch.randn(1, H)
+    with Paused(engine):
+        later = engine.submit(s, tensor_frame(s, 2, step, 4))  # arrives first, waits for seq 1
+        first = engine.submit(s, tensor_frame(s, 1, prompt, 0, Kind.PREFILL_CHUNK))
+    assert one(first).kind == Kind.DEEP_STATE and one(later).kind == Kind.VERIFY_RESULT
+    assert error_of(engine.submit(s, tensor_frame(s, 2, step, 5)))[0] == 409  # duplicate seq
+
+
+def test_idle_sessions_expire_without_touching_others(tiny: LlamaForCausalLM) -> None:
+    engine = make_engine(tiny, idle_timeout=0.3)
+    try:
+        idle, _ = open_session(engine)
+        busy, _ = open_session(engine)
+        expired: list[str] = []
+        idle.on_expire = expired.append
+        for seq in range(1, 8):
+            time.sleep(0.1)
+            assert (
+                one(engine.submit(busy, tensor_frame(busy, seq, torch.randn(1, H), seq - 1))).kind == Kind.VERIFY_RESULT
+            )
+        assert expired and expired[0].startswith("idle") and engine.session(idle.id) is None
+        assert engine.session(busy.id) is not None and engine.stats.rejected["idle"] == 1
+        assert error_of(engine.submit(idle, tensor_frame(idle, 1, torch.randn(1, H), 0)))[0] == 410
+    finally:
+        engine.stop()
+
+
+def test_a_failing_row_does_not_fail_its_batch(engine: Engine) -> None:
+    good, _ = open_session(engine)
+    bad, _ = open_session(engine)
+    real = engine.ragged.forward
+
+    def flaky(rows):
+        if any(cache is bad.cache for _, cache in rows):
+            raise RuntimeError("boom")
+        return real(rows)
+
+    engine.ragged.forward = flaky  # type: ignore[method-assign]
+    with Paused(engine):
+        f_good = engine.submit(good, tensor_frame(good, 1, torch.randn(2, H), 0))
+        f_bad = engine.submit(bad, tensor_frame(bad, 1, torch.randn(2, H), 0))
+    assert one(f_good).kind == Kind.VERIFY_RESULT
+    assert error_of(f_bad)[0] == 500 and len(bad.cache) == 0
+
+
+def test_close_frame_ends_the_session(engine: Engine) -> None:
+    s, _ = open_session(engine)
+    assert engine.submit(s, wire.encode_control(Kind.CLOSE, s.id, 1)).result(10) == []
+    engine.call(lambda: None).result(10)
+    assert engine.session(s.id) is None and engine.session_count == 0
+
+
+# --- device: speculative sampling keeps the target distribution ------------------------------------
+
+
+def test_speculative_sampling_preserves_the_target_distribution() -> None:
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.1, 0.1, 0.1, 0.6]])
+    q = torch.tensor([0.1, 0.6, 0.1, 0.1, 0.1])
+    n = 20000
+    first = torch.zeros(5)
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1, generator=gen))
+        a, nxt = speculative_sample(p, [q], [d], gen)
+        first[d if a == 1 else nxt] += 1
+    assert float((first / n - p[0]).abs().sum()) < 0.03
+    # top-p filtering keeps the top token and renormalises
+    probs = probabilities(torch.tensor([3.0, 2.0, 0.0, -1.0]), 1.0, top_p=0.5)
+    assert probs[0] == 1.0 and float(probs.sum()) == pytest.approx(1.0)
+
+
+# --- link emulator ----------------------------------------------------------------------------------
+
+
+def test_delay_line_schedule() -> None:
+    line: DelayLine[bytes] = DelayLine(bandwidth=1000.0, latency=0.05)
+    assert line.schedule(100, now=0.0) == pytest.approx(0.15)  # 0.1 s on the wire + 50 ms
+    assert line.schedule(100, now=0.0) == pytest.approx(0.25)  # queued behind the first
+    assert line.schedule(10, now=1.0) == pytest.approx(1.06)
+    jittery: DelayLine[bytes] = DelayLine(latency=0.01, jitter=0.01, seed=1)
+    arrivals = [jittery.schedule(1, now=i * 0.001) for i in range(50)]
+    assert arrivals == sorted(arrivals) and all(a >= i * 0.001 for i, a in enumerate(arrivals))
+    p = LinkProfile.parse("latency=20ms, jitter=2ms, up=10MB/s, down=15MiB/s, seed=3")
+    assert (p.latency, p.jitter, p.up_bandwidth, p.down_bandwidth, p.seed) == (0.02, 0.002, 10e6, 15 * 2**20, 3)
+    with pytest.raises(ValueError):
+        LinkProfile.parse("lag=3")
+
+
+async def test_delay_line_delivers_in_order_after_the_delay() -> None:
+    line: DelayLine[bytes] = DelayLine(bandwidth=100_000.0, latency=0.03)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    line.put(b"a" * 1000, 1000)  # 10 ms + 30 ms
+    line.put(b"b", 1)
+    assert await line.get() == b"a" * 1000
+    assert loop.time() - t0 >= 0.039
+    assert await line.get() == b"b"
+    passthrough: DelayLine[bytes] = DelayLine()
+    passthrough.put(b"x", 1)
+    assert await asyncio.wait_for(passthrough.get(), 0.05) == b"x"
