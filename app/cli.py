@@ -44,6 +44,38 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    """The HAT cloud worker: hosts the middle layers of a split LLM (see ARCHITECTURE.md)."""
+    import os
+    import tomllib
+
+    from pydantic import ValidationError
+
+    from app.worker import WorkerSettings, serve_worker
+
+    values: dict = {}
+    if args.config:
+        values = tomllib.loads(Path(args.config).read_text()).get("worker", {})
+    overrides = {"model": args.model, "m": args.m, "host": args.host, "port": args.port, "num_threads": args.threads}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if token := os.environ.get("TANDEM_WORKER_AUTH_TOKEN"):
+        values["auth_token"] = token  # from the environment only: a command line is visible to everyone
+    try:
+        settings = WorkerSettings(**values)
+    except ValidationError as exc:
+        fields = "; ".join(f"worker.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        print(f"error: invalid worker configuration: {fields}", file=sys.stderr)
+        return 2
+    serve_worker(settings)
+    return 0
+
+
+def _train_adapter(args: argparse.Namespace) -> int:
+    from app.train_adapter import main
+
+    return main(args.rest)
+
+
 def _models(args: argparse.Namespace) -> int:
     from deploy import models
 
@@ -76,6 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.set_defaults(func=_serve)
+
+    worker = sub.add_parser("worker", help="run a HAT worker (the middle layers of a split LLM)")
+    worker.add_argument("--config", help="TOML file with a [worker] table")
+    worker.add_argument("--model", help="bundled model name or GGUF path (default qwen2.5-coder-0.5b-instruct)")
+    worker.add_argument("--m", type=int, help="decoder layers kept on the device (default 2)")
+    worker.add_argument("--host")
+    worker.add_argument("--port", type=int)
+    worker.add_argument("--threads", type=int, help="torch threads")
+    worker.set_defaults(func=_worker)
+
+    train = sub.add_parser("train-adapter", help="distil the HAT draft adapter (see --help)", add_help=False)
+    train.add_argument("rest", nargs=argparse.REMAINDER)
+    train.set_defaults(func=_train_adapter)
 
     mod = sub.add_parser("models", help="list, fetch or locate the bundled model weights")
     mod.add_argument("action", choices=["list", "fetch", "path"])

@@ -12,7 +12,17 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SecretStr,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from policies.dispatch import canonical_name
@@ -140,12 +150,62 @@ class CloudSettings(_Strict):
         return self
 
 
+class EmbeddedWorkerSettings(_Strict):
+    """A HAT worker (`tandem worker`) the gateway starts on loopback and stops with itself."""
+
+    port: Annotated[int, Field(ge=0, le=65535)] = 0
+    num_threads: Annotated[int, Field(ge=1)] | None = None
+    cpus: list[int] | None = None
+    startup_timeout: Annotated[float, Field(gt=0)] = 300.0
+
+
+class HATCloudSettings(_Strict):
+    """A HAT cloud endpoint: the device half runs here (first m layers, head, adapter), the
+    worker hosts the middle layers; only hidden states cross the network."""
+
+    kind: Literal["hat"]
+    worker_url: str = "ws://127.0.0.1:8100"  # ws:// (WebSocket) or http:// (POST + SSE)
+    model: str = "qwen2.5-coder-0.5b-instruct"  # bundled name or GGUF path; the model the worker splits
+    m: Annotated[int, Field(ge=1)] = 2
+    adapter: str = ""  # a trained adapter (safetensors); "" = the shipped one for this model, if any
+    auth_token: SecretStr | None = None
+    wire_dtype: Literal["float32", "float16"] = "float32"
+    eta: Annotated[float, Field(gt=0, lt=1)] = 0.6
+    speculative: bool = True
+    parallel_drafting: bool = False
+    link: str = ""  # emulate a link, e.g. "latency=20ms,jitter=2ms,up=10MB/s,down=15MB/s"
+    # "device": the split model shares the device model's vocabulary (the bundled Qwen pair does),
+    # so prompts and migrations go by token ids.
+    tokenizer: Literal["device", "own"] = "device"
+    num_threads: Annotated[int, Field(ge=1)] | None = None
+    price: PriceSettings = PriceSettings()
+    embedded: EmbeddedWorkerSettings | None = None
+
+    @field_validator("worker_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("ws://", "wss://", "http://", "https://")):
+            raise ValueError(f"must start with ws://, wss://, http:// or https://, got {value!r}")
+        return value.rstrip("/")
+
+
+def _cloud_kind(value) -> str:
+    kind = value.get("kind", "openai") if isinstance(value, dict) else getattr(value, "kind", "openai")
+    return kind if kind in ("openai", "hat") else "openai"
+
+
+AnyCloud = Annotated[
+    Annotated[CloudSettings, Tag("openai")] | Annotated[HATCloudSettings, Tag("hat")],
+    Discriminator(_cloud_kind),
+]
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", env_nested_delimiter="__", extra="forbid")
 
     gateway: GatewaySettings = GatewaySettings()
     device: DeviceSettings = DeviceSettings()
-    clouds: dict[str, CloudSettings] = {}
+    clouds: dict[str, AnyCloud] = {}
     disco: DiscoSettings = DiscoSettings()
 
     @classmethod
@@ -172,7 +232,10 @@ class Settings(BaseSettings):
 def _describe(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = list(e["loc"])
+        if len(loc) > 2 and loc[0] == "clouds" and loc[2] in ("openai", "hat"):
+            del loc[2]  # the union's tag, not a field the user wrote
+        where = ".".join(str(p) for p in loc) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         lines.append(f"  {where}: {msg}" + (f" (got {e['input']!r})" if e["type"] != "missing" and _short(e) else ""))
     return "invalid configuration:\n" + "\n".join(lines)

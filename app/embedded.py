@@ -1,8 +1,10 @@
-"""A real OpenAI-compatible server on loopback, started and stopped with the gateway.
+"""Real servers on loopback, started and stopped with the gateway: the embedded default's
+stand-ins for remote machines.
 
-It stands in for a remote provider in the embedded default: llama-cpp-python's
-own server process serving the bundled Qwen2.5-Coder-1.5B. Requests queue
-(`--interrupt_requests False`) instead of cutting off the stream in progress.
+- `EmbeddedServer`: llama-cpp-python's own OpenAI-compatible server serving the bundled
+  Qwen2.5-Coder-1.5B (the "cloud provider"). Requests queue (`--interrupt_requests
+  False`) instead of cutting off the stream in progress.
+- `EmbeddedWorker`: a HAT worker (`tandem worker`) hosting the middle layers of a split LLM.
 """
 
 from __future__ import annotations
@@ -18,64 +20,60 @@ from pathlib import Path
 
 import httpx
 
-from app.config import EmbeddedServerSettings
+from app.config import EmbeddedServerSettings, EmbeddedWorkerSettings
 from app.launcher import free_port
 
 log = logging.getLogger(__name__)
 
 
-class EmbeddedServer:
-    def __init__(self, settings: EmbeddedServerSettings, model_path: Path, alias: str):
-        self.settings = settings
-        self.model_path = model_path
-        self.alias = alias
-        self.port = settings.port or free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+class _ManagedProcess:
+    """A child process in its own process group (stopping it stops whatever it spawned), its
+    output in a file (an unread pipe would fill up and block it), optionally pinned to CPUs."""
+
+    what = "process"
+
+    def __init__(self, port: int, ready_path: str, startup_timeout: float, cpus: list[int] | None):
+        self.port = port or free_port()
+        self.ready_url = f"http://127.0.0.1:{self.port}{ready_path}"
+        self.startup_timeout = startup_timeout
+        self.cpus = cpus
         self.process: subprocess.Popen | None = None
 
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str] | None:
+        return None  # inherit ours
+
     def start(self) -> None:
-        cmd = [
-            sys.executable, "-m", "llama_cpp.server",
-            "--model", str(self.model_path),
-            "--model_alias", self.alias,
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-            "--n_ctx", str(self.settings.n_ctx),
-            "--n_threads", str(self.settings.n_threads),
-            "--n_threads_batch", str(self.settings.n_threads),
-            "--interrupt_requests", "False",
-            "--verbose", "False",
-        ]  # fmt: skip
-        log.info("starting embedded cloud server on %s (%s)", self.base_url, self.model_path.name)
-        # Its own process group, so stopping it also stops anything it spawned.
-        # Its output goes to a file: an unread pipe would fill up and block the server.
         self.log_file = tempfile.NamedTemporaryFile(prefix="tandem-embedded-", suffix=".log", delete=False)
-        cpus = self.settings.cpus
+        cpus = self.cpus
         self.process = subprocess.Popen(
-            cmd,
+            self.command(),
             stdin=subprocess.DEVNULL,
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            # Set before exec, so every thread the server creates inherits it.
+            env=self.environment(),
+            # Set before exec, so every thread the process creates inherits it.
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
 
     async def wait_ready(self) -> None:
-        deadline = asyncio.get_running_loop().time() + self.settings.startup_timeout
+        deadline = asyncio.get_running_loop().time() + self.startup_timeout
         async with httpx.AsyncClient(timeout=2.0) as client:
             while True:
                 if self.process is None or self.process.poll() is not None:
                     err = Path(self.log_file.name).read_text(errors="replace")[-2000:]  # noqa: ASYNC240 (fatal path)
-                    raise RuntimeError(f"embedded cloud server exited during start-up:\n{err}")
+                    raise RuntimeError(f"embedded {self.what} exited during start-up:\n{err}")
                 try:
-                    if (await client.get(self.base_url + "/models")).status_code == 200:
-                        log.info("embedded cloud server ready on %s", self.base_url)
+                    if (await client.get(self.ready_url)).status_code == 200:
+                        log.info("embedded %s ready on port %d", self.what, self.port)
                         return
                 except httpx.HTTPError:
                     pass
                 if asyncio.get_running_loop().time() > deadline:
-                    raise RuntimeError(f"embedded cloud server not ready after {self.settings.startup_timeout:g} s")
+                    raise RuntimeError(f"embedded {self.what} not ready after {self.startup_timeout:g} s")
                 await asyncio.sleep(0.25)
 
     def stop(self) -> None:
@@ -93,3 +91,55 @@ class EmbeddedServer:
         finally:
             self.log_file.close()
             os.unlink(self.log_file.name)
+
+
+class EmbeddedServer(_ManagedProcess):
+    what = "cloud server"
+
+    def __init__(self, settings: EmbeddedServerSettings, model_path: Path, alias: str):
+        super().__init__(settings.port, "/v1/models", settings.startup_timeout, settings.cpus)
+        self.settings = settings
+        self.model_path = model_path
+        self.alias = alias
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def command(self) -> list[str]:
+        log.info("starting embedded cloud server on %s (%s)", self.base_url, self.model_path.name)
+        return [
+            sys.executable, "-m", "llama_cpp.server",
+            "--model", str(self.model_path),
+            "--model_alias", self.alias,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--n_ctx", str(self.settings.n_ctx),
+            "--n_threads", str(self.settings.n_threads),
+            "--n_threads_batch", str(self.settings.n_threads),
+            "--interrupt_requests", "False",
+            "--verbose", "False",
+        ]  # fmt: skip
+
+
+class EmbeddedWorker(_ManagedProcess):
+    what = "HAT worker"
+
+    def __init__(self, settings: EmbeddedWorkerSettings, model: str, m: int, auth_token: str | None):
+        super().__init__(settings.port, "/health/ready", settings.startup_timeout, settings.cpus)
+        self.settings = settings
+        self.model = model
+        self.m = m
+        self.auth_token = auth_token
+        self.url = f"ws://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        log.info("starting embedded HAT worker on %s (%s, m=%d)", self.url, self.model, self.m)
+        cmd = [sys.executable, "-m", "app.cli", "worker", "--model", self.model, "--m", str(self.m),
+               "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
+        if self.settings.num_threads:
+            cmd += ["--threads", str(self.settings.num_threads)]
+        return cmd
+
+    def environment(self) -> dict[str, str] | None:
+        # The token reaches the worker through its environment, never its command line (ps shows that).
+        if not self.auth_token:
+            return None
+        return {**os.environ, "TANDEM_WORKER_AUTH_TOKEN": self.auth_token}

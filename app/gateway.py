@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from app.config import Settings
 from app.disco import DiscoRuntime
-from app.embedded import EmbeddedServer
+from app.embedded import EmbeddedServer, EmbeddedWorker
 from app.ledger import Ledger
 from app.metrics import Metrics, RequestMetricsMiddleware
 from app.orchestrator import Job, Orchestrator
@@ -50,6 +50,12 @@ def resolve_model(spec: str) -> Path:
     return path
 
 
+def shipped_adapter(model: str, m: int) -> Path | None:
+    """The trained HAT adapter shipped for a bundled model and split point, if there is one."""
+    path = Path(__file__).resolve().parent.parent / "clients" / "hat" / "adapters" / f"{model}-m{m}.safetensors"
+    return path if path.is_file() else None
+
+
 def _device_arch(spec: str, path: Path) -> cost.ModelArch:
     if spec in _BUNDLED_ARCH:
         return _BUNDLED_ARCH[spec]
@@ -77,8 +83,11 @@ class Gateway:
         self.metrics = Metrics()
         self.device = _device_backend(settings)
         self.backends: dict[str, Backend] = {self.device.name: self.device}
-        self.embedded: list[EmbeddedServer] = []
+        self.embedded: list[EmbeddedServer | EmbeddedWorker] = []
         for name, cloud in settings.clouds.items():
+            if cloud.kind == "hat":
+                self.backends[name] = self._hat_backend(name, cloud)
+                continue
             if cloud.embedded is not None:
                 server = EmbeddedServer(cloud.embedded, resolve_model(cloud.embedded.model), alias=cloud.model)
                 cloud = cloud.model_copy(update={"base_url": server.base_url})
@@ -114,6 +123,34 @@ class Gateway:
         self.loaded = asyncio.Event()
         self.startup_error: str | None = None
         self.created = int(time.time())
+
+    def _hat_backend(self, name: str, cloud) -> Backend:
+        from clients.hat.device import HATBackend
+        from clients.hat.link import LinkProfile
+
+        url = cloud.worker_url
+        token = cloud.auth_token.get_secret_value() if cloud.auth_token else None
+        if cloud.embedded is not None:
+            worker = EmbeddedWorker(cloud.embedded, cloud.model, cloud.m, token)
+            url = worker.url
+            self.embedded.append(worker)
+        backend = HATBackend(
+            url,
+            resolve_model(cloud.model),
+            name=name,
+            model_id=f"hat:{cloud.model}",
+            m=cloud.m,
+            adapter_path=cloud.adapter or shipped_adapter(cloud.model, cloud.m),
+            auth_token=token,
+            wire_dtype=cloud.wire_dtype,
+            eta=cloud.eta,
+            speculative=cloud.speculative,
+            parallel_drafting=cloud.parallel_drafting,
+            link=LinkProfile.parse(cloud.link) if cloud.link else None,
+            num_threads=cloud.num_threads,
+        )
+        backend.accepts_token_ids = cloud.tokenizer == "device"
+        return backend
 
     def _count_device(self, text: str) -> int:
         return self.device.count_tokens(text)[0]

@@ -126,20 +126,22 @@ class Orchestrator:
     def _name_of(self, job: Job, role: str) -> str | None:
         return self.device if role == "device" else job.cloud
 
-    def _continuation(
-        self, job: Job, target: str, ids: list[int] | None, text: str, produced: int
-    ) -> GenerationRequest:
-        backend = self.backends[target]
-        shares_ids = ids is not None and (target == self.device or getattr(backend, "accepts_token_ids", False))
+    def _takes_ids(self, name: str) -> bool:
+        """Whether a backend takes prompts as token ids of the device's vocabulary."""
+        return name == self.device or getattr(self.backends[name], "accepts_token_ids", False)
+
+    def _continuation(self, job: Job, ids: list[int] | None, text: str, produced: int) -> GenerationRequest:
         return replace(
             job.gen,
             prefix_text=text,
-            prefix_ids=tuple(ids) if shares_ids else None,
+            prefix_ids=tuple(ids) if ids is not None else None,
             max_tokens=max(1, job.gen.max_tokens - produced),
         )
 
     def _open(self, job: Job, name: str, gen: GenerationRequest, context: int, migration: bool) -> Attempt:
         attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration)
+        if not self._takes_ids(name):  # device-vocabulary ids mean nothing there: it gets the text
+            gen = replace(gen, prompt_ids=None, prefix_ids=None)
         attempt.stream = self.backends[name].stream(gen)
         job.attempts.append(attempt)
         return attempt
@@ -383,7 +385,7 @@ class Orchestrator:
         if source.outcome in ("running", "won"):
             source.outcome = "migrated-from"
         await self._close(source)
-        gen = self._continuation(job, target, ids, text, produced)
+        gen = self._continuation(job, ids, text, produced)
         context = job.prompt_tokens + produced
         log.info("request %s: migrating %s -> %s at token %d (%s)", job.id, source.name, target, produced, reason)
         attempt = self._open(job, target, gen, context, True)
@@ -393,7 +395,7 @@ class Orchestrator:
             "to": target,
             "reason": reason,
             "at_ms": _ms(attempt.started - job.started),
-            "prefix_ids": gen.prefix_ids is not None,
+            "prefix_ids": ids is not None and self._takes_ids(target),
         }
         job.migrations.append(record)
         self.metrics.migrations.labels(source=source.role, target=attempt.role, reason=reason).inc()

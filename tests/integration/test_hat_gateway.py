@@ -1,0 +1,87 @@
+"""HAT as a cloud endpoint of the gateway: the OpenAI SDK streams through the split model
+(device half in the gateway, middle layers in a real `tandem worker` process on loopback),
+and DiSCo migrates answers device -> HAT and HAT -> device from the delivered prefix."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import start_gateway, stop_gateway
+from tests.integration.disco_helpers import independent_continuation, stream_chunks, trace
+
+ADMIN = {"authorization": "Bearer admin"}
+MESSAGES = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
+
+
+@pytest.fixture(scope="module")
+def hat_gateway():
+    gw = start_gateway("""
+[gateway]
+policy = "device"
+cloud = "hat"
+admin_keys = ["admin"]
+[device]
+model = "qwen2.5-coder-0.5b-instruct"
+n_ctx = 2048
+[disco]
+profile_device = false
+[clouds.hat]
+kind = "hat"
+model = "qwen2.5-coder-0.5b-instruct"
+m = 2
+[clouds.hat.embedded]
+port = 0
+""")
+    yield gw
+    stop_gateway(gw)
+
+
+def test_sdk_streams_through_hat(hat_gateway):
+    c = openai.OpenAI(base_url=hat_gateway.v1, api_key="x", max_retries=0, timeout=180)
+    raw = c.chat.completions.with_raw_response.create(
+        model="hat",
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert raw.headers["x-tandem-backend"] == "hat"
+    chunks = list(raw.parse())
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text.strip()
+    assert chunks[-1].usage.completion_tokens == 8
+    t = trace(hat_gateway, raw.headers["x-request-id"])
+    assert [(e["backend"], e["outcome"]) for e in t["endpoints"]] == [("hat", "finished")]
+    assert {"hat", "hat:qwen2.5-coder-0.5b-instruct"} <= {m.id for m in c.models.list().data}
+
+
+def _knobs(gw, **patch):
+    r = httpx.put(gw.v1 + "/budget", json=patch, headers=ADMIN, timeout=10)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("policy", "patch", "source", "target"),
+    [
+        ("device", {"exchange_rate": 1e6, "prices": {"hat": {"prefill": 0.0, "decode": 0.0}}}, "device", "hat"),
+        ("cloud", {"exchange_rate": 0.0, "prices": {"hat": {"prefill": 0.0, "decode": 1000.0}}}, "hat", "device"),
+    ],
+)
+def test_migration_between_device_and_hat(hat_gateway, policy, patch, source, target):
+    # HAT decodes at ~3 tok/s on this CPU, slower than a 4.8 tok/s reader: the client would never
+    # be B tokens ahead, so DiSCo would (rightly) never start a migration. A slow reader lets it.
+    _knobs(hat_gateway, migration=True, consumption_rate=1.0, **patch)
+    rid, pieces, finish = stream_chunks(hat_gateway, MESSAGES, policy=policy, max_tokens=12)
+    t = trace(hat_gateway, rid)
+    assert finish in ("stop", "length")
+    assert [(m["from"], m["to"], m["reason"]) for m in t["migrations"]] == [(source, target, "cost")], t
+    m = t["migrations"][0]
+    assert m["prefix_ids"]  # one vocabulary: the target continues from the delivered token ids
+    k = m["at_token"]
+    assert 0 < k < len(pieces)
+    prefix, rest = "".join(pieces[:k]), "".join(pieces[k:])
+    assert independent_continuation(hat_gateway, target, MESSAGES, prefix, len(pieces) - k) == rest
+    assert [(e["backend"], e["outcome"]) for e in t["endpoints"]] == [(source, "migrated-from"), (target, "finished")]
