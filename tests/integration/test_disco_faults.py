@@ -30,7 +30,7 @@ def fault_gateway(tmp_path_factory):
     gw = start_gateway(f"""
 [gateway]
 policy = "cloud"
-stall_timeout = 2.0
+stall_timeout = 5.0
 state_file = "{state}"
 [device]
 model = "qwen2.5-coder-0.5b-instruct"

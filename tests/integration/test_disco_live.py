@@ -151,7 +151,9 @@ def test_disco_d_starts_the_device_after_its_wait(disco_gateway):
     ],
 )
 def test_cost_driven_migration_is_byte_exact(disco_gateway, policy, patch, source, target):
-    knobs(disco_gateway, policy=policy, migration=True, consumption_rate=4.8, **patch)
+    # A slow reader (0.5 tok/s) so the buffer B = r_c * t_m fills even when this shared machine makes
+    # the source slower than a human reader (then DiSCo rightly never starts a migration).
+    knobs(disco_gateway, policy=policy, migration=True, consumption_rate=0.5, **patch)
     rid, pieces, finish = stream_chunks(disco_gateway, MESSAGES, max_tokens=16)
     t = trace(disco_gateway, rid)
     assert finish in ("stop", "length")
