@@ -24,6 +24,7 @@ from app.orchestrator import Job, Orchestrator
 from clients.base import Backend, GenerationRequest
 from clients.openai_compat import OpenAICompatBackend
 from deploy import models as bundled
+from deploy.models import resolve_model
 from endpoints.errors import ApiError, install_error_handlers
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
 from policies import cost
@@ -38,16 +39,6 @@ _BUNDLED_ARCH = {
 }
 
 log = logging.getLogger(__name__)
-
-
-def resolve_model(spec: str) -> Path:
-    """A bundled model name (fetched and verified on demand) or a path to a GGUF file."""
-    if spec in bundled.MODELS:
-        return bundled.fetch(spec) if not bundled.is_verified(spec) else bundled.model_path(spec)
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise bundled.ModelError(f"model {spec!r} is neither a bundled model ({', '.join(bundled.MODELS)}) nor a file")
-    return path
 
 
 def shipped_adapter(model: str, m: int) -> Path | None:

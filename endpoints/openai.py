@@ -198,57 +198,41 @@ def _usage(job: Job) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
 
 
-@router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    gw = _gateway(request)
-    job = gw.prepare_chat(body)
-    stream = gw.orchestrator.generate(job)
+async def _answer(request: Request, body, job: Job, chat: bool):
+    """Stream or collect one answer; the first token decides between an HTTP error and a 200."""
+    stream = _gateway(request).orchestrator.generate(job)
     first = await _first(request, stream)
     if body.stream:
-        return _sse_response(request, job, first, stream, _Chunks(job, body.model, True, body.include_usage))
+        return _sse_response(request, job, first, stream, _Chunks(job, body.model, chat, body.include_usage))
     text, finish = await _collect(first, stream)
+    if chat:
+        obj = "chat.completion"
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
+    else:
+        obj = "text_completion"
+        choice = {"index": 0, "text": text}
     return JSONResponse(
         {
             "id": job.id,
-            "object": "chat.completion",
+            "object": obj,
             "created": int(time.time()),
             "model": body.model,
             "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
-            ],
+            "choices": [{**choice, "logprobs": None, "finish_reason": finish}],
             "usage": _usage(job),
         },
         headers={"x-request-id": job.id, "x-tandem-backend": job.backend or ""},
     )
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    return await _answer(request, body, _gateway(request).prepare_chat(body), chat=True)
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
-    gw = _gateway(request)
-    job = gw.prepare_completion(body)
-    stream = gw.orchestrator.generate(job)
-    first = await _first(request, stream)
-    if body.stream:
-        return _sse_response(request, job, first, stream, _Chunks(job, body.model, False, body.include_usage))
-    text, finish = await _collect(first, stream)
-    return JSONResponse(
-        {
-            "id": job.id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": _usage(job),
-        },
-        headers={"x-request-id": job.id, "x-tandem-backend": job.backend or ""},
-    )
+    return await _answer(request, body, _gateway(request).prepare_completion(body), chat=False)
 
 
 @router.get("/requests/{request_id}")
