@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -53,6 +54,9 @@ class Attempt:
     decode_tokens: int = 0
     outcome: str = "running"  # won | lost | failed | migrated-from | finished | cancelled
     error: str | None = None
+    # The backend is at the end of its answer too (it said so, or it hit the same token limit):
+    # reading its last events lets an HTTP upstream's connection go back to the pool.
+    ended: bool = False
 
 
 @dataclass
@@ -152,6 +156,11 @@ class Orchestrator:
             attempt.outcome = outcome
         if attempt.stream is not None:
             with anyio.CancelScope(shield=True):
+                if attempt.ended:
+                    attempt.ended = False
+                    with anyio.move_on_after(0.2), contextlib.suppress(BackendError):
+                        async for _ in attempt.stream:
+                            pass
                 await attempt.stream.aclose()
 
     def _failed(self, attempt: Attempt, exc: BaseException) -> None:
@@ -303,6 +312,7 @@ class Orchestrator:
                         text += matcher.flush()
                     job.finish_reason = finish
                     attempt.outcome = "finished"
+                    attempt.ended = not stopped
                     self._account(job, produced, event.usage)
                     yield Delta(text, finish)
                     return
