@@ -94,8 +94,14 @@ def _messages(words: str, tag: str) -> list[dict]:
 
 
 def _ttft(url: str, messages, policy: str) -> float:
-    body = {"model": "tandem", "messages": messages, "max_tokens": 2, "temperature": 0, "stream": True,
-            "tandem": {"policy": policy}}
+    body = {
+        "model": "tandem",
+        "messages": messages,
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "tandem": {"policy": policy},
+    }
     t0 = time.perf_counter()
     with httpx.stream("POST", url + "/chat/completions", json=body, timeout=120) as r:
         r.raise_for_status()
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(cloud.wait_ready())
         link = DelayLink(cloud.port, args.ttft_median, args.ttft_sigma, args.seed)
-        gw = start_gateway(f"""
+        gw = start_gateway(
+            f"""
 [gateway]
 policy = "disco-s"
 [device]
@@ -148,7 +155,9 @@ base_url = "http://127.0.0.1:{link.port}/v1"
 model = "qwen2.5-coder-1.5b-instruct"
 tokenizer = "device"
 continuation = "completions"
-""", cpus=[0])
+""",
+            cpus=[0],
+        )
         rng = random.Random(args.seed)
         prompts = [_prompt(rng, args.prompt_median, 0.6) for _ in range(args.requests)]
         policies = ("disco-s", "stoch-s", "server-only", "device-only")
