@@ -1,0 +1,225 @@
+"""`tandem train-adapter` (app/train_adapter.py) on tiny data: SmolLM2-135M, a handful of prompts, a few steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from app import train_adapter as ta
+from clients.hat.adapter import Adapter
+from deploy.models import model_path
+from policies.drafting import DraftStopRule
+
+SMOL = "smollm2-135m-instruct"
+PROMPTS = [
+    "Write a Python function that adds two numbers.",
+    "What is a list in Python?",
+    "Say hello.",
+    "Write a SQL query that counts rows.",
+    "What is 2 + 2?",
+    "Name a prime number.",
+    "Write a Bash loop from 1 to 3.",
+    "What is a tuple?",  # index 7: held out
+]
+
+
+def _need(name: str) -> Path:
+    path = model_path(name)
+    if not path.exists():
+        pytest.skip(f"{name} is not fetched (python -m deploy.models fetch {name})")
+    return path
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """SmolLM2 (fp32, HF) split after 2 layers, with its tokenizer."""
+    torch.set_num_threads(1)
+    model, tokenizer, split = ta._load_split(_need(SMOL), 2)
+    return model, tokenizer, split
+
+
+def _examples(tokenizer, n: int = 3, new: int = 10) -> list[ta.Example]:
+    out = []
+    for i, p in enumerate(PROMPTS[:n]):
+        ids = ta.chat_ids(tokenizer, p)
+        resp = tokenizer(f" Answer number {i}: it is fine.", add_special_tokens=False)["input_ids"][:new]
+        out.append(ta.Example(i, ta.is_held_out(i), ids, resp, key=f"k{i}"))
+    return out
+
+
+def test_prompt_file_and_held_out_rule() -> None:
+    prompts = ta.load_prompts(ta.DEFAULT_PROMPTS)
+    assert len(prompts) >= 200
+    assert len(set(prompts)) == len(prompts)
+    held = [i for i in range(len(prompts)) if ta.is_held_out(i)]
+    assert held[:3] == [7, 15, 23] and len(held) == len(prompts) // 8
+    assert any("\n" in p for p in prompts)  # "\n" escapes become newlines
+
+
+def test_corpus_resume_skips_done_prompts(tmp_path: Path) -> None:
+    gguf = _need(SMOL)
+    tok = ta.load_tokenizer(gguf)
+    cfg = ta.CorpusConfig(max_new_tokens=4, threads=1, n_ctx=512)
+    out = tmp_path / "corpus.jsonl"
+    first = ta.generate_corpus(PROMPTS, out, gguf, tok, cfg, indices=range(3), progress=False)
+    assert sorted(first) == [0, 1, 2]
+    with open(out, "a") as f:
+        f.write('{"index": 5, "held_out": fal')  # a record torn by a crash: regenerated
+    full = ta.generate_corpus(PROMPTS, out, gguf, tok, cfg, progress=False)
+    assert sorted(full) == list(range(8))
+    lines = out.read_text().splitlines()
+    assert len(lines) == 3 + 1 + 5  # the three done prompts were not generated again
+    for i in range(3):
+        assert full[i] == first[i]
+    ex = full[7]
+    assert ex.held_out and ex.temperature == 0.0 and full[0].temperature == cfg.temperature
+    assert 1 <= len(ex.response_ids) <= 4 and ex.prompt_ids == ta.chat_ids(tok, PROMPTS[7])
+    # Everything done: no model is even loaded.
+    again = ta.generate_corpus(PROMPTS, out, Path("/nonexistent.gguf"), tok, cfg, progress=False)
+    assert sorted(again) == list(range(8)) and len(out.read_text().splitlines()) == 9
+    # Other settings make other records: the prompt is answered again.
+    other = ta.generate_corpus(PROMPTS, out, gguf, tok, ta.CorpusConfig(max_new_tokens=3), indices=[0], progress=False)
+    assert other[0].key != first[0].key and len(other[0].response_ids) <= 3
+
+
+def test_batches_are_a_pure_function_of_the_step() -> None:
+    a = [ta.batch_indices(s, 3, 7, seed=1) for s in range(10)]
+    assert a == [ta.batch_indices(s, 3, 7, seed=1) for s in range(10)]
+    flat = [i for b in a for i in b]
+    assert sorted(flat[:7]) == list(range(7))  # each epoch is a permutation
+    assert ta.lr_at(0, 100, ta.TrainOptions(warmup=10)) == pytest.approx(1e-4)
+    assert ta.lr_at(100, 100, ta.TrainOptions(warmup=10)) == pytest.approx(1e-4)
+
+
+def test_checkpoint_resume_continues_from_the_saved_step(smol, tmp_path: Path) -> None:
+    model, tok, split = smol
+    feats = ta.load_features(split, _examples(tok), tmp_path / "features", SMOL, progress=False)
+    assert (tmp_path / "features" / "00000.safetensors").exists()
+    again = ta.load_features(split, _examples(tok), tmp_path / "features", SMOL, progress=False)  # from the cache
+    assert torch.equal(again[1].deep, feats[1].deep)
+    opts = ta.TrainOptions(steps=4, batch=2, lr=3e-3, warmup=1, ce_vocab=512, checkpoint_every=0, eval_every=0)
+    freq = ta.frequent_tokens([f.ids.tolist() for f in feats], 256)
+
+    straight = ta.Trainer(split, Adapter(model, 2), feats, opts, frequent=freq)
+    straight.fit(None, progress=False)
+
+    first = ta.Trainer(split, Adapter(model, 2), feats, opts, frequent=freq)
+    first.run_step()
+    first.run_step()
+    first.save_checkpoint(tmp_path / "ckpt")
+    state = json.loads((tmp_path / "ckpt" / "state.json").read_text())
+    assert state["step"] == 2 and state["total_steps"] == 4
+
+    resumed = ta.Trainer(split, Adapter(model, 2), feats, opts, frequent=freq)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.step == 2
+    resumed.fit(tmp_path / "ckpt", progress=False, fresh=False)
+    assert resumed.step == 4 and len(resumed.history) == 4
+    want, got = straight.adapter.block.state_dict(), resumed.adapter.block.state_dict()
+    for name in want:
+        assert torch.allclose(want[name], got[name], atol=1e-6), name
+    assert json.loads((tmp_path / "ckpt" / "state.json").read_text())["step"] == 4
+    assert straight.history[-1]["loss"] == pytest.approx(resumed.history[-1]["loss"], rel=1e-5)
+
+
+def test_simulated_rounds_on_known_cases() -> None:
+    text = list(range(100, 130))  # 30 tokens; rounds start at position 5
+    right = [*text[1:], 0]  # the LLM's prediction at q is text[q+1]
+    sure = [0.99] * 30
+    rule = DraftStopRule(eta=0.6, max_draft=8)
+    perfect = ta.simulate_rounds(text, right, right, sure, 5, rule)
+    assert (perfect.rounds, perfect.tokens) == (3, 25)  # 8+1, 8+1, then the 6 tokens left + 1
+    assert perfect.accepted_hist[8] == 2 and perfect.accepted_hist[6] == 1
+    wrong = ta.simulate_rounds(text, right, [1] * 30, sure, 5, rule)
+    assert (wrong.rounds, wrong.tokens, wrong.accepted) == (24, 24, 0)  # one LLM token per round
+    unsure = [0.3] * 30
+    send = ta.simulate_rounds(text, right, right, unsure, 5, rule)  # the low-confidence draft is sent (and right)
+    assert send.summary()["accept_length"] == pytest.approx(2.0)
+    before = ta.simulate_rounds(text, right, right, unsure, 5, DraftStopRule(0.6, 8, include_low_confidence=False))
+    assert before.summary()["accept_length"] == 1.0 and before.empty_rounds == before.rounds
+    # Confidence drops at position 8: the round from 5 keeps drafts for 5, 6, 7 and the unsure one for 8.
+    dip = ta.simulate_rounds(text, right, right, [0.99] * 8 + [0.3] + [0.99] * 21, 5, rule)
+    assert dip.accepted_hist[4] >= 1
+    # llama.cpp's text leaves the LLM's argmax at position 7: the round stops there after accepting it.
+    tie = right.copy()
+    tie[7] = 999
+    cut = ta.simulate_rounds(text, tie, tie, sure, 5, rule)
+    assert cut.tie_breaks == 1 and cut.accepted_hist[3] == 1
+
+
+def test_report_on_an_oracle_adapter(smol) -> None:
+    """The middle submodel itself as the "adapter": the draft is the LLM, so every draft is accepted."""
+    model, tok, split = smol
+    prompt = ta.chat_ids(tok, "Count from one to ten.")
+    with torch.inference_mode():
+        gen = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False)[0].tolist()
+    ex = ta.Example(7, True, prompt, gen[len(prompt) :])
+    f = ta.compute_features(split, ex, 1024, with_top1=True)
+    oracle = ta.top1_agreement(split, split.middle, [f])
+    assert oracle["top1_all"] == 1.0 and oracle["positions_response"] == len(ex.response_ids)
+    rounds = ta.accept_length(split, split.middle, [f], etas=(0.0,), max_draft=8)
+    # eta = 0 keeps every draft: rounds of 8 accepted + 1 from the first response token (which prefill produced)
+    # until the text runs out.
+    known, p, expected = len(ex.response_ids) - 1, 0, 0
+    while p < known:
+        p += min(8, known - p) + 1
+        expected += 1
+    got = rounds["eta=0,send_low"]
+    assert (got["rounds"], got["tokens"], got["tie_breaks"]) == (expected, p, 0)
+    assert got["accepted_histogram"][8] == known // 9
+    none = ta.top1_agreement(split, lambda s: s, [f])
+    assert none["top1_all"] < oracle["top1_all"]
+    vocab = torch.tensor(sorted(set(f.ids.tolist()) | set(f.teacher_top1.tolist())))
+    reduced = ta.top1_agreement(split, split.middle, [f], vocab)  # the LLM's tokens are all in it
+    assert reduced["top1_all"] == 1.0
+
+
+def test_main_runs_every_stage_and_ships(tmp_path: Path) -> None:
+    _need(SMOL)
+    out, ship = tmp_path / "run", tmp_path / "ship" / "smol-m2.safetensors"
+    base = ["--model", SMOL, "--out", str(out), "--limit", "8", "--max-new-tokens", "5", "--quiet"]
+    train = ["--steps", "3", "--batch", "2", "--ce-vocab", "512", "--checkpoint-every", "2", "--eval-every", "2"]
+    argv = [*base, *train, "--ship", str(ship), "--draft-vocab", "256", "--save-draft-vocab", "256"]
+    assert ta.main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["variants"]) == {"no_adapter", "untrained", "trained"}
+    assert "eta=0.6,send_low" in report["variants"]["trained"]["rounds"]
+    assert report["draft_vocab"]["256"]["timing"]["draft_step_ms"] > 0
+    info = json.loads(ship.with_suffix(".json").read_text())
+    assert info["command"].startswith("tandem train-adapter --model") and info["train"]["steps"] == 3
+    assert info["held_out"]["trained"]["accept_length_send_low"] >= 1.0
+    assert len(json.loads(ship.with_suffix(".draft-vocab.json").read_text())["token_ids"]) <= 256
+    with pytest.raises(SystemExit):  # a checkpoint exists: training again needs --resume
+        ta.main([*base, *train, "--stage", "train"])
+    assert ta.main([*base, *train, "--stage", "train", "--resume", "--steps", "4"]) == 0
+    assert json.loads((out / "train.json").read_text())["steps"] == 4
+
+
+def test_shipped_adapter_loads_for_qwen_0_5b() -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = ta.shipped_adapter_path()
+    assert path.exists(), f"the trained adapter is not shipped at {path}"
+    # Qwen2.5-Coder-0.5B's attention shapes, in a 3-layer model (no weights needed to check the file fits).
+    cfg = Qwen2Config(
+        hidden_size=896,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=64,
+        rms_norm_eps=1e-6,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    adapter = Adapter.load(model, path)
+    assert adapter.m == 2
+    p = adapter.block.self_attn.q_proj.weight
+    assert p.dtype == torch.float32 and p.shape == (896, 896) and bool(torch.isfinite(p).all())
+    assert adapter.block.self_attn.k_proj.weight.shape == (128, 896)
+    info = json.loads(path.with_suffix(".json").read_text())
+    held = info["held_out"]
+    assert held["trained"]["top1_response"] > held["untrained"]["top1_response"]
+    assert info["command"].startswith("tandem train-adapter")
