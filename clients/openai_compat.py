@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 
 import httpx
@@ -55,8 +56,14 @@ class OpenAICompatBackend:
                 write=settings.write_timeout,
                 pool=settings.pool_timeout,
             ),
-            limits=httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=16),
-            transport=transport,
+            transport=transport
+            or httpx.AsyncHTTPTransport(
+                limits=httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=16),
+                # httpx writes a request's headers and body separately; on a reused connection Nagle's
+                # algorithm then holds the body back until the server ACKs the headers (delayed ACK):
+                # milliseconds added to every time to first token.
+                socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+            ),
         )
         self.active = 0
         self.tokens_generated = 0  # streamed text pieces received from upstream
