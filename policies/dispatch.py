@@ -213,48 +213,43 @@ class DeviceOnly(DispatchPolicy):
         return self._PLAN
 
 
-class StochS(DispatchPolicy):
+class _Stoch(DispatchPolicy):
+    """Random routing (§5.1): a share b of requests goes to the constrained endpoint (racing the
+    other one when `race`), the rest to the other endpoint only."""
+
+    constrained: ClassVar[str]  # "server" | "device"
+
+    def __init__(self, rng: random.Random | None = None, *, race: bool = False) -> None:
+        super().__init__(rng)
+        self.race = race
+        on_constrained, on_other = (_cloud, _device) if self.constrained == "server" else (_device, _cloud)
+        other = "device" if self.constrained == "server" else "server"
+        self._chosen = (
+            _both(self.name, 0.0, f"{self.name}: drawn for the {self.constrained}, racing")
+            if race
+            else on_constrained(self.name, f"{self.name}: drawn for the {self.constrained}")
+        )
+        self._other = on_other(self.name, f"{self.name}: drawn for the {other}")
+
+    def decide(self, length: int, u: float | None = None) -> DispatchPlan:
+        self._require_ready()
+        if u is None:
+            u = self._rng.random()
+        return self._chosen if u < self.budget else self._other
+
+
+class StochS(_Stoch):
     """Server-constrained random routing: share b of requests to the server, the rest to the device."""
 
     name = "stoch-s"
-
-    def __init__(self, rng: random.Random | None = None, *, race: bool = False) -> None:
-        super().__init__(rng)
-        self.race = race
-        self._chosen = (
-            _both(self.name, 0.0, "stoch-s: drawn for the server, racing")
-            if race
-            else _cloud(self.name, "stoch-s: drawn for the server")
-        )
-        self._other = _device(self.name, "stoch-s: drawn for the device")
-
-    def decide(self, length: int, u: float | None = None) -> DispatchPlan:
-        self._require_ready()
-        if u is None:
-            u = self._rng.random()
-        return self._chosen if u < self.budget else self._other
+    constrained = "server"
 
 
-class StochD(DispatchPolicy):
+class StochD(_Stoch):
     """Device-constrained random routing: share b of requests to the device, the rest to the server."""
 
     name = "stoch-d"
-
-    def __init__(self, rng: random.Random | None = None, *, race: bool = False) -> None:
-        super().__init__(rng)
-        self.race = race
-        self._chosen = (
-            _both(self.name, 0.0, "stoch-d: drawn for the device, racing")
-            if race
-            else _device(self.name, "stoch-d: drawn for the device")
-        )
-        self._other = _cloud(self.name, "stoch-d: drawn for the server")
-
-    def decide(self, length: int, u: float | None = None) -> DispatchPlan:
-        self._require_ready()
-        if u is None:
-            u = self._rng.random()
-        return self._chosen if u < self.budget else self._other
+    constrained = "device"
 
 
 class DiscoS(DispatchPolicy):
