@@ -26,10 +26,13 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from clients.base import BackendError
 
 log = logging.getLogger(__name__)
 
@@ -154,3 +157,37 @@ def load_hf_model(
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     log.info("loaded %s in %.1f s", folder.name, time.monotonic() - t0)
     return model, tokenizer
+
+
+class HFTokenizerMixin:
+    """The tokenizer side of a backend built on a Hugging Face tokenizer (torch device backend,
+    HAT device half). Needs `self.name`, `self.tokenizer` (None until loaded) and
+    `self._tok_lock`: the Rust tokenizer is shared by the event loop and the model thread."""
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise BackendError(f"{self.name}: model not loaded", status=503, backend=self.name)
+        return self.tokenizer
+
+    def tokenize(self, text: str) -> list[int]:
+        """Exact token ids of `text`, adding no special tokens beyond those the text spells out."""
+        tok = self._require_tokenizer()
+        with self._tok_lock:
+            return list(tok.encode(text, add_special_tokens=False))
+
+    # A rendered chat prompt spells out its special tokens (e.g. <|im_start|>): the same call.
+    tokenize_prompt = tokenize
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, dropping special tokens such as <|im_end|>."""
+        tok = self._require_tokenizer()
+        with self._tok_lock:
+            return tok.decode(list(ids), skip_special_tokens=True)
+
+    def render_chat(self, messages: Sequence[dict]) -> str:
+        tok = self._require_tokenizer()
+        with self._tok_lock:
+            return tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+    def count_tokens(self, text: str) -> tuple[int, bool]:
+        return len(self.tokenize(text)), True

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from clients.base import BackendError, GenerationRequest, TokenEvent
+from clients.hf_model import HFTokenizerMixin, load_hf_model
 from clients.stops import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class _ModelThread:
         job.emit(_DONE)
 
 
-class TorchBackend:
+class TorchBackend(HFTokenizerMixin):
     """Backend protocol (clients.base) on a transformers causal LM converted from a bundled GGUF.
 
     Pass `gguf_path` (loaded through clients.hf_model, cached) or an already-loaded `model` + `tokenizer`.
@@ -242,8 +243,6 @@ class TorchBackend:
         if self._num_threads:
             torch.set_num_threads(self._num_threads)
         if self.model is None:
-            from clients.hf_model import load_hf_model
-
             self.model, self.tokenizer = load_hf_model(self._gguf_path, self._cache_root, self._dtype)  # type: ignore[arg-type]
         self.model.eval()
         self.eos_ids = frozenset(self._find_eos_ids())
@@ -289,29 +288,8 @@ class TorchBackend:
             await asyncio.sleep(0.005)
         await asyncio.wrap_future(self._thread.call(lambda: None))
 
-    # --- tokenizer ------------------------------------------------------------------------------
+    # --- what the gateway needs of a device backend (the tokenizer: HFTokenizerMixin) ---------
 
-    def _require_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            raise BackendError(f"{self.name}: model not loaded", status=503, backend=self.name)
-        return self.tokenizer
-
-    def tokenize(self, text: str) -> list[int]:
-        """Exact token ids of `text`, adding no special tokens beyond those the text spells out."""
-        tok = self._require_tokenizer()
-        with self._tok_lock:
-            return list(tok.encode(text, add_special_tokens=False))
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Text of `ids`, dropping special tokens such as <|im_end|>."""
-        tok = self._require_tokenizer()
-        with self._tok_lock:
-            return tok.decode(list(ids), skip_special_tokens=True)
-
-    def count_tokens(self, text: str) -> tuple[int, bool]:
-        return len(self.tokenize(text)), True
-
-    # What the gateway needs of a device backend: render and tokenise prompts.
     @property
     def model_path(self) -> Path | None:
         return None if self._gguf_path is None else Path(self._gguf_path)
@@ -324,15 +302,6 @@ class TorchBackend:
     @property
     def vocab_size(self) -> int:
         return len(self._require_tokenizer())
-
-    def render_chat(self, messages) -> str:
-        tok = self._require_tokenizer()
-        with self._tok_lock:
-            return tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-
-    def tokenize_prompt(self, text: str) -> list[int]:
-        """A rendered prompt: special tokens spelled in it (e.g. <|im_start|>) are honoured."""
-        return self.tokenize(text)
 
     # --- generation -----------------------------------------------------------------------------
 

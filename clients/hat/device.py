@@ -60,6 +60,7 @@ from clients.base import BackendError, GenerationRequest, TokenEvent
 from clients.hat import wire
 from clients.hat.link import Link, LinkProfile
 from clients.hat.split import SplitKVCache
+from clients.hf_model import HFTokenizerMixin, load_hf_model
 from clients.torch_local import IncrementalDetokenizer, StopMatcher
 from policies.chunking import chunk_bounds, chunk_size, split_prompt
 from policies.drafting import DEFAULT_ETA, DraftStopRule, MovingAverage, parallel_draft_steps
@@ -539,7 +540,7 @@ def _worker_error(name: str, frame: wire.Frame) -> BackendError:
 # --- the backend ------------------------------------------------------------------------------------
 
 
-class HATBackend:
+class HATBackend(HFTokenizerMixin):
     """Backend protocol (clients.base) over a HAT worker: the device half of a U-shaped split with drafting.
 
     worker_url: ws://host:port (WebSocket at /v1/hidden/ws; a full ws URL with a path is used as is) or
@@ -667,8 +668,6 @@ class HATBackend:
         if self._num_threads:
             torch.set_num_threads(self._num_threads)
         if self.model is None:
-            from clients.hf_model import load_hf_model
-
             self.model, self.tokenizer = load_hf_model(self._gguf_path, self._cache_root)  # type: ignore[arg-type]
         model = self.model
         model.eval()
@@ -729,31 +728,6 @@ class HATBackend:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     # --- tokenizer ------------------------------------------------------------------------------
-
-    def _require_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            raise BackendError(f"{self.name}: model not loaded", status=503, backend=self.name)
-        return self.tokenizer
-
-    def tokenize(self, text: str) -> list[int]:
-        tok = self._require_tokenizer()
-        with self._tok_lock:
-            return list(tok.encode(text, add_special_tokens=False))
-
-    tokenize_prompt = tokenize  # a rendered chat prompt spells out its special tokens
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        tok = self._require_tokenizer()
-        with self._tok_lock:
-            return tok.decode(list(ids), skip_special_tokens=True)
-
-    def render_chat(self, messages: Sequence[dict]) -> str:
-        tok = self._require_tokenizer()
-        with self._tok_lock:
-            return tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-
-    def count_tokens(self, text: str) -> tuple[int, bool]:
-        return len(self.tokenize(text)), True
 
     # --- generation -----------------------------------------------------------------------------
 
