@@ -168,6 +168,9 @@ class HATCloudSettings(_Strict):
     model: str = "qwen2.5-coder-0.5b-instruct"  # bundled name or GGUF path; the model the worker splits
     m: Annotated[int, Field(ge=1)] = 2
     adapter: str = ""  # a trained adapter (safetensors); "" = the shipped one for this model, if any
+    # Reduced draft vocabulary (JSON from `tandem train-adapter --save-draft-vocab`): "" = the one shipped with
+    # the shipped adapter, if any; "full" = draft over the whole vocabulary; or a path.
+    draft_vocab: str = ""
     auth_token: SecretStr | None = None
     wire_dtype: Literal["float32", "float16"] = "float32"
     eta: Annotated[float, Field(gt=0, lt=1)] = 0.6

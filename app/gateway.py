@@ -41,12 +41,6 @@ _BUNDLED_ARCH = {
 log = logging.getLogger(__name__)
 
 
-def shipped_adapter(model: str, m: int) -> Path | None:
-    """The trained HAT adapter shipped for a bundled model and split point, if there is one."""
-    path = Path(__file__).resolve().parent.parent / "clients" / "hat" / "adapters" / f"{model}-m{m}.safetensors"
-    return path if path.is_file() else None
-
-
 def _device_arch(spec: str, path: Path) -> cost.ModelArch:
     if spec in _BUNDLED_ARCH:
         return _BUNDLED_ARCH[spec]
@@ -116,6 +110,7 @@ class Gateway:
         self.created = int(time.time())
 
     def _hat_backend(self, name: str, cloud) -> Backend:
+        from clients.hat.adapter import draft_files
         from clients.hat.device import HATBackend
         from clients.hat.link import LinkProfile
 
@@ -125,13 +120,15 @@ class Gateway:
             worker = EmbeddedWorker(cloud.embedded, cloud.model, cloud.m, token)
             url = worker.url
             self.embedded.append(worker)
+        adapter, draft_vocab = draft_files(cloud.model, cloud.m, cloud.adapter, cloud.draft_vocab)
         backend = HATBackend(
             url,
             resolve_model(cloud.model),
             name=name,
             model_id=f"hat:{cloud.model}",
             m=cloud.m,
-            adapter_path=cloud.adapter or shipped_adapter(cloud.model, cloud.m),
+            adapter_path=adapter,
+            draft_vocab_path=draft_vocab,
             auth_token=token,
             wire_dtype=cloud.wire_dtype,
             eta=cloud.eta,

@@ -53,13 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_M = 2
 DEFAULT_PROMPTS = ROOT / "deploy" / "adapter_prompts.txt"
-SHIPPED_DIR = ROOT / "clients" / "hat" / "adapters"
 HELD_OUT_EVERY = 8  # prompt i is held out when i % 8 == 7
-
-
-def shipped_adapter_path(model: str = DEFAULT_MODEL, m: int = DEFAULT_M) -> Path:
-    """Where the trained adapter for `model` split at `m` ships in the repo (it may not exist)."""
-    return SHIPPED_DIR / f"{model}-m{m}.safetensors"
 
 
 # --- prompts ----------------------------------------------------------------------------------------

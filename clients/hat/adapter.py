@@ -23,6 +23,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from clients.hat.split import LayerStack, SplitKVCache, SplitModel
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "adapters"
+
+
+def shipped_adapter_path(model: str, m: int) -> Path:
+    """Where the trained adapter for a bundled `model` split at `m` ships (it may not exist)."""
+    return SHIPPED_DIR / f"{model}-m{m}.safetensors"
+
+
+def draft_files(model: str, m: int, adapter: str = "", draft_vocab: str = "") -> tuple[Path | None, Path | None]:
+    """(adapter, reduced draft vocabulary) for a HAT device half: the configured ones, else the shipped ones.
+
+    draft_vocab "full" = none. The shipped draft vocabulary goes with the shipped adapter only (it was cut from
+    that adapter's training corpus)."""
+    shipped = shipped_adapter_path(model, m)
+    adapter_path = Path(adapter) if adapter else (shipped if shipped.is_file() else None)
+    if draft_vocab == "full":
+        return adapter_path, None
+    if draft_vocab:
+        return adapter_path, Path(draft_vocab)
+    vocab = shipped.with_suffix(".draft-vocab.json")
+    return adapter_path, vocab if adapter_path == shipped and vocab.is_file() else None
 
 
 class AdapterBlock(nn.Module):

@@ -549,6 +549,11 @@ class HATBackend(HFTokenizerMixin):
         Must be the model the worker splits (checked: hidden size, layer count, m).
     adapter_path: a trained adapter (safetensors, clients.hat.adapter.Adapter.save); None = untrained adapter
         initialised from layer m's attention (correct output, low accept length).
+    draft_vocab_path: a reduced draft vocabulary (JSON {"token_ids": [...]}, `tandem train-adapter
+        --save-draft-vocab`): drafts are chosen among these tokens (plus the end tokens) only, so a draft step's
+        LM head multiplies a few thousand rows instead of the whole vocabulary. Verification always uses the
+        full head, so the output is unchanged (greedy) or still exactly the LLM's distribution (sampling: the
+        draft distribution is simply zero outside the subset). None = draft over the full vocabulary.
     auth_token: the worker's token (sent as "Authorization: Bearer ...").
     wire_dtype: "float32" | "float16" — must match the worker's dtype.
     eta, max_draft, include_low_confidence: the drafting stop rule (Eq. 5). speculative=False: plain U-shape
@@ -574,6 +579,7 @@ class HATBackend(HFTokenizerMixin):
         tokenizer: Any = None,
         m: int = 2,
         adapter_path: str | os.PathLike[str] | None = None,
+        draft_vocab_path: str | os.PathLike[str] | None = None,
         auth_token: str | None = None,
         wire_dtype: str = "float32",
         eta: float = DEFAULT_ETA,
@@ -611,6 +617,9 @@ class HATBackend(HFTokenizerMixin):
         self.ws_url = worker_url if url.path not in ("", "/") else worker_url.rstrip("/") + "/v1/hidden/ws"
         self.m = m
         self.adapter_path = adapter_path
+        self.draft_vocab_path = draft_vocab_path
+        self._draft_ids: torch.Tensor | None = None  # reduced draft vocabulary (sorted token ids), if any
+        self._draft_weight: torch.Tensor | None = None  # the LM head's rows for them
         self.auth_token = auth_token
         self.wire_dtype_name = wire_dtype
         self.wire_dtype = _WIRE_DTYPES[wire_dtype]
@@ -682,8 +691,18 @@ class HATBackend(HFTokenizerMixin):
             model.model.layers = nn.ModuleList(list(model.model.layers)[: self.m])
         del split
         self.eos_ids = frozenset(self._find_eos_ids())
+        if self.draft_vocab_path:
+            self._load_draft_vocab(self.draft_vocab_path)
         self.max_context = getattr(model.config, "max_position_embeddings", None)
         log.info("%s: device half of %s ready in %.1f s", self.name, self.model_id, time.monotonic() - t0)
+
+    def _load_draft_vocab(self, path: str | os.PathLike[str]) -> None:
+        ids = json.loads(Path(path).read_text())["token_ids"]
+        if not ids or any(not isinstance(i, int) or not 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"draft vocabulary {path}: token_ids must be token ids below {self.vocab_size}")
+        chosen = torch.tensor(sorted(set(ids) | self.eos_ids), dtype=torch.long)
+        self._draft_ids = chosen
+        self._draft_weight = self._output.lm_head.weight[chosen].contiguous()
 
     def _find_eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -957,8 +976,15 @@ class HATBackend(HFTokenizerMixin):
         return new
 
     def _draft_logits(self, feats: torch.Tensor, position: int) -> torch.Tensor:
-        """Draft head: features [rows, hidden] of tokens fed at `position` -> logits [rows, vocab] for position+1."""
-        return self._output(feats).float()
+        """Draft head: features [rows, hidden] of tokens fed at `position` -> logits [rows, vocab] for position+1.
+
+        With a reduced draft vocabulary only its rows of the head are computed; the other logits are -inf."""
+        if self._draft_ids is None:
+            return self._output(feats).float()
+        normed = self._output.norm(feats.to(self._draft_weight.dtype))
+        logits = torch.full((feats.shape[0], self.vocab_size), float("-inf"))
+        logits[:, self._draft_ids] = torch.nn.functional.linear(normed, self._draft_weight).float()
+        return logits
 
     @staticmethod
     def _choose(

@@ -29,6 +29,7 @@ from app.launcher import free_port
 from app.worker import WorkerSettings, create_worker, uvicorn_config_kwargs
 from clients.base import BackendError, GenerationRequest, TokenEvent
 from clients.hat import wire
+from clients.hat.adapter import draft_files
 from clients.hat.device import HATBackend
 from clients.hat.link import LinkProfile
 from clients.hat.split import split_model
@@ -174,16 +175,24 @@ async def test_greedy_equals_u_shape_over_both_transports(worker: WorkerServer, 
 
 
 async def test_qwen_greedy_equals_u_shape() -> None:
+    """The bundled default: shipped adapter and reduced draft vocabulary, so real drafts get accepted."""
     model, tok = load(QWEN05)
     ids = prompt_ids(tok)
+    adapter, draft_vocab = draft_files("qwen2.5-coder-0.5b-instruct", 2)
+    assert adapter is not None and draft_vocab is not None
     server = WorkerServer(model, QWEN05, max_sessions=2).start()
     try:
-        backend = server.backend(model, tok, QWEN05)
+        backend = server.backend(model, tok, QWEN05, adapter_path=adapter, draft_vocab_path=draft_vocab)
         await backend.start()
         t0 = time.perf_counter()
         got = token_ids(await collect(backend, ids))
         elapsed = time.perf_counter() - t0
         print(f"qwen 0.5B HAT: {N} tokens in {elapsed:.1f} s; {backend.stats.summary()}")
+        assert backend.stats.accepted > 0
+        logits = backend._draft_logits(torch.zeros(1, backend.hidden_size), 0)[0]
+        outside = torch.ones(backend.vocab_size, dtype=torch.bool)
+        outside[backend._draft_ids] = False
+        assert torch.isinf(logits[outside]).all() and torch.isfinite(logits[~outside]).all()
         await backend.close()
     finally:
         server.stop()

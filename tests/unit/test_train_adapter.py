@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app import train_adapter as ta
-from clients.hat.adapter import Adapter
+from clients.hat.adapter import Adapter, draft_files, shipped_adapter_path
 from deploy.models import model_path
 from policies.drafting import DraftStopRule
 
@@ -201,7 +201,7 @@ def test_main_runs_every_stage_and_ships(tmp_path: Path) -> None:
 def test_shipped_adapter_loads_for_qwen_0_5b() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    path = ta.shipped_adapter_path()
+    path = shipped_adapter_path(ta.DEFAULT_MODEL, ta.DEFAULT_M)
     assert path.exists(), f"the trained adapter is not shipped at {path}"
     # Qwen2.5-Coder-0.5B's attention shapes, in a 3-layer model (no weights needed to check the file fits).
     cfg = Qwen2Config(
@@ -223,3 +223,13 @@ def test_shipped_adapter_loads_for_qwen_0_5b() -> None:
     held = info["held_out"]
     assert held["trained"]["top1_response"] > held["untrained"]["top1_response"]
     assert info["command"].startswith("tandem train-adapter")
+
+
+def test_draft_files_pair_the_shipped_vocabulary_with_the_shipped_adapter_only(tmp_path: Path) -> None:
+    adapter, vocab = draft_files(ta.DEFAULT_MODEL, ta.DEFAULT_M)
+    assert adapter == shipped_adapter_path(ta.DEFAULT_MODEL, ta.DEFAULT_M)
+    assert vocab is not None and json.loads(vocab.read_text())["token_ids"]
+    assert draft_files(ta.DEFAULT_MODEL, ta.DEFAULT_M, draft_vocab="full") == (adapter, None)
+    mine = str(tmp_path / "mine.safetensors")
+    assert draft_files(ta.DEFAULT_MODEL, ta.DEFAULT_M, adapter=mine) == (Path(mine), None)
+    assert draft_files("no-such-model", 2) == (None, None)
