@@ -56,7 +56,14 @@ def _worker(args: argparse.Namespace) -> int:
     values: dict = {}
     if args.config:
         values = tomllib.loads(Path(args.config).read_text()).get("worker", {})
-    overrides = {"model": args.model, "m": args.m, "host": args.host, "port": args.port, "num_threads": args.threads}
+    overrides = {
+        "model": args.model,
+        "m": args.m,
+        "host": args.host,
+        "port": args.port,
+        "num_threads": args.threads,
+        "device": args.device,
+    }
     values.update({k: v for k, v in overrides.items() if v is not None})
     if token := os.environ.get("TANDEM_WORKER_AUTH_TOKEN"):
         values["auth_token"] = token  # from the environment only: a command line is visible to everyone
@@ -116,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--host")
     worker.add_argument("--port", type=int)
     worker.add_argument("--threads", type=int, help="torch threads")
+    worker.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the middle layers run (default auto)")
     worker.set_defaults(func=_worker)
 
     train = sub.add_parser("train-adapter", help="distil the HAT draft adapter (see --help)", add_help=False)

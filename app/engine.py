@@ -66,7 +66,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clients.hat import wire
-from clients.hat.split import LayerStack, MiddleSubmodel, SplitKVCache
+from clients.hat.split import LayerStack, MiddleSubmodel, SplitKVCache, mask_on
 from policies.drafting import DelayPredictor, MovingAverage
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,8 @@ class RaggedMiddle:
         module = sys.modules[type(attn0).__module__]
         self._rotary = module.apply_rotary_pos_emb
         self._eager = getattr(module, "eager_attention_forward", None)
-        self.dtype = next(self.layers[0].parameters()).dtype
+        param = next(self.layers[0].parameters())
+        self.dtype, self.device = param.dtype, param.device
 
     def _attention_fn(self, attn: Any) -> Callable[..., Any]:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -223,19 +224,22 @@ class RaggedMiddle:
             pos_parts.append(q_pos)
             masks.append(
                 {
-                    t: self.stack._mask(kp, q_pos, self.dtype, self.window if t == "sliding_attention" else None)
+                    t: mask_on(
+                        self.stack._mask(kp, q_pos, self.dtype, self.window if t == "sliding_attention" else None),
+                        self.device,
+                    )
                     for t in set(self.layer_types)
                 }
             )
             start += n
         total = start
         pad = max(0, self.min_rows - total) if (self.batch_invariant or total > 1) else 0
-        x = torch.cat([h.to(self.dtype) for h, _ in rows])
+        x = torch.cat([h.to(self.device, self.dtype) for h, _ in rows])
         if pad:
             x = torch.cat([x, x.new_zeros(pad, x.shape[-1])])
             pos_parts.append(torch.zeros(pad, dtype=torch.long))
         x = x[None]
-        position_ids = torch.cat(pos_parts)[None]
+        position_ids = torch.cat(pos_parts)[None].to(self.device)
         cos, sin = self.stack.rotary_emb(x, position_ids)
         old = [(len(c), c.positions) for _, c in rows]
         try:
@@ -391,6 +395,7 @@ class Engine:
             "num_layers": self.num_layers,
             "m": self.m,
             "dtype": self.wire_dtype_name,
+            "compute_device": str(self.ragged.device),
             "sessions": self.session_count,
             "max_sessions": self.limits.max_sessions,
             "max_context": self.max_context,
@@ -724,6 +729,8 @@ class Engine:
         try:
             with torch.inference_mode():
                 outs = self.ragged.forward(rows)  # type: ignore[arg-type]
+                if self.ragged.device.type == "cuda":
+                    torch.cuda.synchronize()  # kernels run asynchronously: eta and g must time the compute itself
         except Exception as e:
             if len(batch) > 1:  # find the culprit: one session's failure must not fail the others
                 log.warning("batched forward failed (%s); retrying %d rows one by one", e, len(batch))
@@ -771,7 +778,7 @@ class Engine:
         Also warms the kernels up and seeds g (Eq. 2) with two batch sizes. Returns the relative difference.
         """
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(tokens + 1, self.hidden_size, generator=gen).to(self.ragged.dtype)
+        x = torch.randn(tokens + 1, self.hidden_size, generator=gen).to(self.ragged.device, self.ragged.dtype)
         ref_cache, got_cache = self.middle.new_cache(), self.middle.new_cache()
         ref = self.middle(x[None], ref_cache)[0]
         got = []

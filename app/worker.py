@@ -58,6 +58,8 @@ class WorkerSettings(BaseModel):
     max_batch_tokens: Annotated[int, Field(ge=1)] = 4096
     batch_invariant: bool = True  # see EngineLimits.batch_invariant
     num_threads: Annotated[int, Field(ge=1)] | None = None  # torch intra-op threads (None: torch's default)
+    # Where the middle layers compute: "auto" = the first CUDA GPU if torch sees one, else the CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def limits(self) -> EngineLimits:
@@ -70,6 +72,14 @@ class WorkerSettings(BaseModel):
             wire_dtype=wire_dtype(self.dtype),
             batch_invariant=self.batch_invariant,
         )
+
+
+def compute_device(setting: str) -> torch.device:
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("worker.device is cuda but torch sees no CUDA device")
+    return torch.device(setting)
 
 
 class Worker:
@@ -106,11 +116,12 @@ class Worker:
             self.loaded.set()
             e = self.engine
             log.info(
-                "worker ready: %s layers %d..%d of %d, hidden %d, wire %s",
+                "worker ready: %s layers %d..%d of %d on %s, hidden %d, wire %s",
                 self.settings.model,
                 e.m,
                 e.num_layers - 1,
                 e.num_layers,
+                e.ragged.device,
                 e.hidden_size,
                 e.wire_dtype_name,
             )
@@ -131,6 +142,7 @@ class Worker:
 
             model, _tok = load_hf_model(resolve_model(s.model))
         middle = split_model(model, s.m).middle  # the only part the worker keeps a reference to
+        middle.to(compute_device(s.device))
         del model
         self._model = None
         engine = Engine(middle, s.limits(), model_name=s.model, frame_hook=self.frame_hook)

@@ -112,6 +112,10 @@ def _check_supported(model: nn.Module) -> None:
         )
 
 
+def mask_on(mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return mask if mask is None or mask.device == device else mask.to(device)
+
+
 class LayerStack(nn.Module):
     """Runs a contiguous run of decoder-layer-like modules against a SplitKVCache.
 
@@ -196,20 +200,18 @@ class LayerStack(nn.Module):
         else:
             cache_pos = cache.positions
             pos = self._positions(cache, n, positions)
-        key_pos = torch.cat([cache_pos, pos])
-        position_ids = pos[None].expand(batch, n)
+        key_pos = torch.cat([cache_pos, pos])  # positions and masks are built on the CPU, then moved
+        position_ids = pos[None].expand(batch, n).to(hidden.device)
         pos_emb = self.rotary_emb(hidden, position_ids)
         if attention_mask is not None:
             am = torch.as_tensor(attention_mask, dtype=torch.bool)
             if am.shape != (n, key_pos.numel()):
                 raise ValueError(f"attention_mask must be [{n}, {key_pos.numel()}], got {tuple(am.shape)}")
             full = torch.zeros(am.shape, dtype=hidden.dtype).masked_fill_(~am, torch.finfo(hidden.dtype).min)
-            masks = {t: full[None, None] for t in set(self._layer_types)}
+            masks = {t: full[None, None].to(hidden.device) for t in set(self._layer_types)}
         else:
-            masks = {
-                t: self._mask(key_pos, pos, hidden.dtype, self._window if t == "sliding_attention" else None)
-                for t in set(self._layer_types)
-            }
+            windows = {t: self._window if t == "sliding_attention" else None for t in set(self._layer_types)}
+            masks = {t: mask_on(self._mask(key_pos, pos, hidden.dtype, w), hidden.device) for t, w in windows.items()}
         old_len = len(cache) if cache is not None else 0
         # A throwaway cache when none is given: the layers still need somewhere to put this step's keys.
         kv = cache if cache is not None else SplitKVCache(self.layer_range)

@@ -317,3 +317,14 @@ async def test_delay_line_delivers_in_order_after_the_delay() -> None:
     passthrough: DelayLine[bytes] = DelayLine()
     passthrough.put(b"x", 1)
     assert await asyncio.wait_for(passthrough.get(), 0.05) == b"x"
+
+
+def test_worker_compute_device_setting() -> None:
+    from app.worker import WorkerSettings, compute_device
+
+    assert WorkerSettings().device == "auto"
+    assert compute_device("cpu") == torch.device("cpu")
+    assert compute_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            compute_device("cuda")
