@@ -101,6 +101,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.disco_sim import main
     elif args.what == "disco-live":
         from app.bench_disco_live import main
+    elif args.what == "hat":
+        from app.bench_hat import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -136,10 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     mod.set_defaults(func=_models)
 
     bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
-    bench.add_argument("what", choices=["gateway", "disco", "disco-live"])
+    bench.add_argument("what", choices=["gateway", "disco", "disco-live", "hat"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-adapter"]:  # its own parser: argparse's REMAINDER cannot start with an --option
+        return _train_adapter(argparse.Namespace(rest=argv[1:]))
     args = parser.parse_args(argv)
     return args.func(args)
 

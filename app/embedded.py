@@ -133,7 +133,7 @@ class EmbeddedWorker(_ManagedProcess):
     def command(self) -> list[str]:
         log.info("starting embedded HAT worker on %s (%s, m=%d)", self.url, self.model, self.m)
         cmd = [sys.executable, "-m", "app.cli", "worker", "--model", self.model, "--m", str(self.m),
-               "--host", "127.0.0.1", "--port", str(self.port)]  # fmt: skip
+               "--host", "127.0.0.1", "--port", str(self.port), "--device", self.settings.device]  # fmt: skip
         if self.settings.num_threads:
             cmd += ["--threads", str(self.settings.num_threads)]
         return cmd

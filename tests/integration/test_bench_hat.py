@@ -1,0 +1,49 @@
+"""`tandem bench hat` runs end to end (tiny settings, SmolLM2-135M): a real worker subprocess, real device halves
+behind the link emulator, every section. The numbers are for BENCHMARKS.md, not asserted here; the structure is."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from app import bench_hat
+from app.cli import main as tandem
+
+
+def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "hat.json"
+    code = tandem([
+        "bench", "hat", "--model", "smollm2-135m-instruct", "--lengths", "96", "160", "--decode-tokens", "6",
+        "--table4-prompts", "2", "--table4-tokens", "8", "--sweep-rtt-ms", "0", "40", "--sweep-up-mbps", "5",
+        "--sweep-prompt", "160", "--sweep-tokens", "6", "--throughput-devices", "1", "2", "--throughput-tokens", "4",
+        "--device-core", "-1", "--worker-core", "-1", "--worker-device", "cpu", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    results = json.loads(out.read_text())
+    assert results["setup"]["worker_compute_device"] == "cpu"
+    rows = results["table5"]
+    assert {(r["prompt_tokens"], r["variant"]) for r in rows} == {
+        (n, v.name) for n in (96, 160) for v in bench_hat.TABLE5
+    }
+    for r in rows:
+        assert r["ttft_ms"] > 0 and r["tbt_ms"] > 0 and r["tokens"] == 6
+        assert (r["accept_length"] >= 1.0) if r["sd"] else math.isnan(r["accept_length"]) or r["accept_length"] == 1.0
+    t4 = results["table4"]
+    assert t4["U-shape"]["accept_length"] == 1.0 and t4["SD"]["accept_length"] >= 1.0 and t4["decode_speedup"] > 0
+    comp = results["components"]
+    assert comp["device_ms"]["draft_head_full_vocab"] > 0 and comp["worker_ms"]["middle_1024_tokens"] > 0
+    assert [r["rtt_ms"] for r in results["sweep"]["rtt"]] == [0, 40]
+    assert [r["devices"] for r in results["throughput"]["rows"]] == [1, 2]
+    assert all(r["batched_tok_s"] > 0 and r["one_at_a_time_tok_s"] > 0 for r in results["throughput"]["rows"])
+    printed = capsys.readouterr().out
+    assert "Table 5" in printed and "Worker throughput" in printed
+
+
+def test_train_adapter_subcommand_takes_its_own_options(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        tandem(["train-adapter", "--help"])
+    assert exit_info.value.code == 0
+    assert "--stage" in capsys.readouterr().out
