@@ -119,8 +119,9 @@ class DiscoRuntime:
         delivered: int,
         max_tokens: int,
         lead: float,
+        cached_tokens: int = 0,
     ) -> MigrationDecision:
-        t_m = self.migration_time(target_role, cloud, prompt_tokens + delivered)
+        t_m = self.migration_time(target_role, cloud, prompt_tokens + delivered - cached_tokens)
         cost = self.cost(cloud)
         src, dst = cost.prices(source_role), cost.prices(target_role)
         return should_migrate(
@@ -132,6 +133,7 @@ class DiscoRuntime:
             prompt_tokens=prompt_tokens,
             delivered_tokens=delivered,
             expected_remaining=self.estimators.output_lengths.expected_remaining(delivered, max_tokens=max_tokens),
+            cached_tokens=cached_tokens,
             client_lead=lead,
             buffer=buffer_tokens(self.knobs.consumption_rate, t_m),
         )

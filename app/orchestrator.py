@@ -47,8 +47,9 @@ class Attempt:
     role: str  # "device" | "cloud"
     name: str
     started: float
-    context_tokens: int  # tokens it had to prefill (prompt + delivered prefix)
+    context_tokens: int  # its context: prompt (+ delivered prefix for a migration target)
     migration: bool = False
+    cached_tokens: int = 0  # of those, taken from its own KV cache (a migration target says so)
     stream: AsyncIterator[TokenEvent] | None = None
     first_at: float | None = None
     decode_tokens: int = 0
@@ -319,7 +320,7 @@ class Orchestrator:
                 yield Delta(text)
 
                 # Cost-driven migration (Eqs. 4-6): only at a clean text boundary, once per answer.
-                target = self._migration_target(job, attempt, event, produced, t_first)
+                target = self._migration_target(job, attempt, event, produced, t_first, ids)
                 reason = "cost" if target else None
                 if target is None:
                     try:
@@ -358,7 +359,7 @@ class Orchestrator:
             self._remember(job)
 
     def _migration_target(
-        self, job: Job, attempt: Attempt, event: TokenEvent, produced: int, t_first: float
+        self, job: Job, attempt: Attempt, event: TokenEvent, produced: int, t_first: float, ids: list[int] | None
     ) -> str | None:
         if (
             job.pinned is not None
@@ -378,8 +379,17 @@ class Orchestrator:
             produced,
             job.gen.max_tokens,
             lead(produced, time.monotonic(), t_first, self.disco.knobs.consumption_rate),
+            self._cached_prefix(self._name_of(job, target_role), job, ids),
         )
         return self._name_of(job, target_role) if decision.start_now else None
+
+    def _cached_prefix(self, name: str | None, job: Job, ids: list[int] | None) -> int:
+        """Context tokens a migration target would take from its own KV cache (e.g. the device that lost the
+        first-token race has the prompt cached): Eq. 5's overhead and the buffer's t_m leave them out."""
+        probe = getattr(self.backends.get(name), "cached_prefix", None) if name else None
+        if probe is None or ids is None or job.gen.prompt_ids is None or not self._takes_ids(name):
+            return 0
+        return probe([*job.gen.prompt_ids, *ids])
 
     def _fault_target(self, job: Job, attempt: Attempt) -> str | None:
         if job.pinned is not None or job.cloud is None:
@@ -423,8 +433,10 @@ class Orchestrator:
             ) from exc
         attempt.first_at = event.t
         attempt.outcome = "won"
+        attempt.cached_tokens = event.cached_tokens or 0
         record["t_m_ms"] = _ms(event.t - attempt.started)
-        self.disco.observe_first_token(attempt.role, job.cloud, context, event.t - attempt.started, True)
+        computed = context - attempt.cached_tokens
+        self.disco.observe_first_token(attempt.role, job.cloud, computed, event.t - attempt.started, True)
         job.backend = target
         return attempt, event
 
@@ -437,18 +449,19 @@ class Orchestrator:
             self.disco.observe_output(completion)
         total = 0.0
         for a in job.attempts:
-            cost = self.disco.cost_of(a.role, job.cloud or a.name, a.context_tokens, a.decode_tokens)
+            prefilled = a.context_tokens - a.cached_tokens
+            cost = self.disco.cost_of(a.role, job.cloud or a.name, prefilled, a.decode_tokens)
             total += cost
             self.ledger.record(
                 job.id,
                 a.role,
-                a.context_tokens,
+                prefilled,
                 a.decode_tokens,
                 cost,
                 constrained=a.role == ("cloud" if self.disco.side(job.cloud) == "server" else "device"),
                 prompt_tokens=job.prompt_tokens,
             )
-            self.metrics.tokens.labels(backend=a.name, phase="prompt").inc(a.context_tokens)
+            self.metrics.tokens.labels(backend=a.name, phase="prompt").inc(prefilled)
             self.metrics.tokens.labels(backend=a.name, phase="completion").inc(a.decode_tokens)
             self.metrics.spend.labels(endpoint=a.role).inc(cost)
         job.cost = total
@@ -519,7 +532,8 @@ def trace_of(job: Job) -> dict:
                 "outcome": a.outcome,
                 "started_ms": _ms(a.started - job.started),
                 "first_token_ms": _ms(None if a.first_at is None else a.first_at - job.started),
-                "prefill_tokens": a.context_tokens,
+                "prefill_tokens": a.context_tokens - a.cached_tokens,
+                "cached_tokens": a.cached_tokens,
                 "decode_tokens": a.decode_tokens,
                 **({"error": a.error} if a.error else {}),
             }

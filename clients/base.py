@@ -60,6 +60,9 @@ class TokenEvent:
     t: float = field(default_factory=time.monotonic)
     finish_reason: str | None = None
     usage: Usage | None = None  # only on the last event, when the backend knows it (e.g. upstream usage)
+    # Only on the first event, when the backend knows it: how many leading context tokens it took from its
+    # own KV cache instead of prefilling them (llama.cpp reuses the longest prefix of its last sequence).
+    cached_tokens: int | None = None
 
 
 class BackendError(Exception):

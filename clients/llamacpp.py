@@ -101,6 +101,20 @@ class LlamaCppBackend:
     def count_tokens(self, text: str) -> tuple[int, bool]:
         return len(self.tokenize(text)), True
 
+    def cached_prefix(self, ids) -> int:
+        """How many leading tokens of `ids` llama.cpp would take from its KV cache (it reuses the longest
+        common prefix with the last sequence it evaluated, and always evaluates at least the last token)."""
+        llm = self._llm
+        if llm is None:
+            return 0
+        held = llm.input_ids[: llm.n_tokens].tolist()  # a snapshot: exact when read on the model thread
+        n = 0
+        for a, b in zip(held, ids[:-1], strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
     # -- generation --------------------------------------------------------------------------
     def _input_ids(self, request: GenerationRequest) -> list[int]:
         prompt = (
@@ -167,6 +181,7 @@ class LlamaCppBackend:
         greedy = request.temperature <= 0
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         produced = 0
+        cached: int | None = self.cached_prefix(ids)
         for token in llm.generate(
             ids,
             temp=0.0 if greedy else request.temperature,
@@ -178,7 +193,7 @@ class LlamaCppBackend:
             if cancel.is_set():
                 return
             if self._is_eog(token):
-                emit(TokenEvent(text=decoder.decode(b"", final=True), finish_reason="stop"))
+                emit(TokenEvent(text=decoder.decode(b"", final=True), finish_reason="stop", cached_tokens=cached))
                 return
             produced += 1
             self.tokens_generated += 1
@@ -186,6 +201,7 @@ class LlamaCppBackend:
             last = produced >= max_tokens
             if last:
                 text += decoder.decode(b"", final=True)
-            emit(TokenEvent(text=text, token_id=token, finish_reason="length" if last else None))
+            emit(TokenEvent(text, token, finish_reason="length" if last else None, cached_tokens=cached))
+            cached = None
             if last:
                 return

@@ -3,11 +3,14 @@
 Why: the endpoint that wins the first token is often the dearer one to decode
 on (the constrained endpoint is fast to start but expensive per token).
 Migrating mid-answer saves Δc_decode per remaining token, but the target must
-first prefill the prompt plus everything already delivered (no KV transfer).
+first prefill the prompt plus everything already delivered (no KV transfer) —
+less whatever prefix the target still holds in its own KV cache (a device that
+lost the first-token race has already prefilled the prompt, and llama.cpp reuses
+the longest cached prefix).
 
     migrate iff  Δc_decode · l_remaining > overhead                         (Eqs. 4-5)
     Δc_decode  = c_source^d − c_target^d   (> 0: only from the dearer endpoint)
-    overhead   = c_target^p · (prompt + delivered) + fixed costs
+    overhead   = c_target^p · (prompt + delivered − cached) + fixed costs
 
 The switch must not show: the client reads at r_c tokens/s, so token i is due at
 t_first + i/r_c (the consumption clock). The source keeps generating until the
@@ -89,6 +92,7 @@ def should_migrate(
     prompt_tokens: int,
     delivered_tokens: int,
     expected_remaining: float,
+    cached_tokens: int = 0,
     fixed_overhead: float = 0.0,
     client_lead: float | None = None,
     buffer: float | None = None,
@@ -97,12 +101,13 @@ def should_migrate(
 
     Prices are per token in one currency (λ already applied to the device, see
     `policies.cost.CostModel.prices`). expected_remaining: l_remaining, e.g.
-    `OutputLengths.expected_remaining(delivered)`. client_lead / buffer: the client's
+    `OutputLengths.expected_remaining(delivered)`. cached_tokens: how much of prompt +
+    delivered the target already holds in its KV cache. client_lead / buffer: the client's
     current lead (see `lead`) and B (see `buffer_tokens`); when both are given,
     `start_now` says whether to begin now.
     """
     delta = source_decode_price - target_decode_price
-    overhead = target_prefill_price * (prompt_tokens + delivered_tokens) + fixed_overhead
+    overhead = target_prefill_price * max(0, prompt_tokens + delivered_tokens - cached_tokens) + fixed_overhead
     saving = delta * max(0.0, expected_remaining)
     b = math.nan if buffer is None else buffer
 

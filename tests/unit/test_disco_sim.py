@@ -163,6 +163,24 @@ def test_migration_moves_a_dear_stream_and_counts_its_tokens():
     assert on.delayed_per_migrated <= 1.0  # device prefill of ~11-15 tokens (≈0.15 s) hides under the buffer
 
 
+def test_migration_into_a_race_losing_device_reuses_its_prompt_and_the_floor_bounds_it():
+    # Races: the cloud wins (0.2 s vs the device's 0.5 s), so the device has prefilled the prompt and lost.
+    # Cloud decode is dear (2/token), device decode cheap (0.1): migrate, re-prefilling only the delivered tokens.
+    costs = CostModel(TokenPrices(0.0, 2.0), DeviceEnergy(1.0, 0.1), 1.0)
+    trace = _hand_trace([(40, 0.2, 0.5, 100)] * 30)
+    race = DispatchPlan(True, True, 0.0, "race", "")
+    off = _run(trace, race, costs=costs)
+    on = _run(trace, race, costs=costs, migration=True)
+    assert on.migrated == 30
+    # Without migration: device prefill 40 + cloud decode 100·2 = 240 per request. With it: device prefill 40
+    # (the race) + k delivered tokens (no second prompt prefill) + cloud decode 2k + device decode 0.1·(100 − k).
+    per_k = [40 + k + 2 * k + 0.1 * (100 - k) for k in range(1, 100)]
+    assert any(on.cost_per_request == pytest.approx(c) for c in per_k)
+    # Floor: the race's prefills + all 100 tokens decoded on the device = 40 + 10 = 50.
+    assert off.floor_cost_per_request == pytest.approx(50.0) == on.floor_cost_per_request
+    assert off.floor_cost_per_request <= on.cost_per_request <= off.cost_per_request == pytest.approx(240.0)
+
+
 def test_migration_never_fires_when_it_does_not_pay():
     trace, calib = synthetic_trace(1500, seed=5), synthetic_trace(500, seed=6)
     cfg = SimConfig()

@@ -49,6 +49,14 @@ def test_eq5_hand_example_does_not_pay():
     assert not _check(fixed_overhead=2e-5).migrate
 
 
+def test_cached_prefix_of_the_target_is_not_overhead():
+    # The device lost the race with the 50-token prompt prefilled: only the 10 delivered tokens are new.
+    # remaining 30: saving 9e-6; overhead 0.20e-6 · (60 − 50) = 2e-6 → now it pays (without the cache it did not).
+    d = _check(expected_remaining=30.0, cached_tokens=50)
+    assert d.migrate and d.overhead == pytest.approx(2e-6)
+    assert _check(cached_tokens=500).overhead == 0.0  # never negative
+
+
 def test_exact_break_even_does_not_migrate():
     # saving == overhead: Eq. 4 is strict (">"). Exact binary numbers: Δc = 3 − 1 = 2, saving 2·30 = 60,
     # overhead 1·(50 + 10) = 60.

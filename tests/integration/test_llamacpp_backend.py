@@ -1,0 +1,44 @@
+"""The llama.cpp device backend on the bundled 0.5B: KV prefix reuse is measured, not assumed.
+
+A migration to the device continues from prompt + delivered tokens; llama.cpp reuses the longest prefix its
+KV cache still holds (e.g. the prompt, when the device lost the first-token race), and DiSCo's migration cost
+(Eq. 5) and booking count only what is really prefilled. The backend's prediction (`cached_prefix`) and what
+it reports on the first event (`cached_tokens`) must agree with each other and with what llama.cpp did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from clients.base import GenerationRequest
+from clients.llamacpp import LlamaCppBackend
+from deploy.models import model_path
+
+
+async def _collect(backend: LlamaCppBackend, request: GenerationRequest):
+    return [e async for e in backend.stream(request)]
+
+
+def test_kv_prefix_reuse_is_predicted_and_reported() -> None:
+    async def run() -> None:
+        backend = LlamaCppBackend("device", model_path("qwen2.5-coder-0.5b-instruct"), "qwen", n_ctx=512, n_threads=1)
+        await backend.start()
+        try:
+            chat = backend.render_chat([{"role": "user", "content": "Count from one to twenty, in words."}])
+            prompt = tuple(backend.tokenize_prompt(chat))
+            first = await _collect(backend, GenerationRequest("", prompt_ids=prompt, max_tokens=4, temperature=0.0))
+            assert first[0].cached_tokens == 0  # nothing evaluated before: a cold cache
+            assert all(e.cached_tokens is None for e in first[1:])
+            delivered = [e.token_id for e in first[:2]]
+            predicted = backend.cached_prefix([*prompt, *delivered])
+            assert predicted == len(prompt) + 1  # the prompt and the first delivered token are still in the cache
+            cont = GenerationRequest("", prompt_ids=prompt, prefix_ids=tuple(delivered), max_tokens=2, temperature=0.0)
+            again = await _collect(backend, cont)
+            assert again[0].cached_tokens == predicted
+            assert [e.token_id for e in again] == [e.token_id for e in first[2:4]]  # same greedy continuation
+            other = backend.tokenize_prompt("A different prompt entirely.")
+            assert backend.cached_prefix(other) == 0
+        finally:
+            await backend.close()
+
+    asyncio.run(run())
