@@ -144,12 +144,13 @@ class _Chunks:
 
 async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], chunks: _Chunks) -> AsyncIterator[bytes]:
     try:
-        if chunks.chat:
-            yield chunks.role()
+        # The role chunk goes out with the first token's chunk: one write, one wake-up of the client.
+        head = chunks.role() if chunks.chat else b""
         delta = first
         while True:
             if delta.text or delta.finish_reason is not None:
-                yield chunks.text(delta.text, delta.finish_reason)
+                yield head + chunks.text(delta.text, delta.finish_reason)
+                head = b""
             if delta.finish_reason is not None:
                 break
             try:
