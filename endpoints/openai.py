@@ -66,25 +66,32 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-async def _first(request: Request, stream: AsyncIterator[Delta]) -> Delta:
-    """Wait for the first token, but not for a client that has gone: before the response
-    starts nothing else watches the connection, and a cancelled request must not keep
-    a model busy."""
-    first = asyncio.ensure_future(anext(stream))
+async def _while_connected(request: Request, work: asyncio.Future, what: str):
+    """The result of `work`, unless the client disconnects first: then `work` is cancelled (a request nobody
+    waits for must not keep a model busy) and the answer is a 499. Before a streamed response starts, and for
+    the whole of a non-streamed one, nothing else watches the connection."""
     gone = asyncio.ensure_future(_client_gone(request))
     try:
-        await asyncio.wait((first, gone), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not first.done():
-            first.cancel()
+        if not work.done():
+            work.cancel()
             with anyio.CancelScope(shield=True):
-                await asyncio.gather(first, return_exceptions=True)
-                await stream.aclose()
-    if first.cancelled():
-        raise ApiError(499, "client closed the request before the first token")
+                await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise ApiError(499, f"client closed the request {what}")
+    return work.result()
+
+
+async def _first(request: Request, stream: AsyncIterator[Delta]) -> Delta:
+    """Wait for the first token (an error before it is a real HTTP error)."""
     try:
-        return first.result()
+        return await _while_connected(request, asyncio.ensure_future(anext(stream)), "before the first token")
+    except ApiError:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
     except BackendError as exc:
         await stream.aclose()
         retry = exc.status >= 500 and exc.status != 501
@@ -205,7 +212,7 @@ async def _answer(request: Request, body, job: Job, chat: bool):
     first = await _first(request, stream)
     if body.stream:
         return _sse_response(request, job, first, stream, _Chunks(job, body.model, chat, body.include_usage))
-    text, finish = await _collect(first, stream)
+    text, finish = await _while_connected(request, asyncio.ensure_future(_collect(first, stream)), "mid-answer")
     if chat:
         obj = "chat.completion"
         choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}

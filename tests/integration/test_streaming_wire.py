@@ -87,6 +87,18 @@ def test_disconnect_mid_stream_cancels_backend_work(gateway, model):
     assert time.monotonic() - t0 < 10  # 396 leftover tokens would take 10-20 s on this CPU
 
 
+def test_disconnect_during_a_non_streamed_answer_cancels_backend_work(gateway):
+    body = {"model": "device", "messages": MESSAGES, "max_tokens": 400, "temperature": 0}
+    before = gateway.metric("tandem_backend_generated_tokens", backend="device")
+    with pytest.raises(httpx.TimeoutException):  # the client gives up while the answer is being collected
+        httpx.post(gateway.v1 + "/chat/completions", json=body, timeout=1.5)
+    assert wait_until(lambda: gateway.metric("tandem_backend_active_streams", backend="device") == 0, 5.0)
+    assert gateway.metric("tandem_in_flight_requests") == 0
+    time.sleep(0.5)
+    generated = gateway.metric("tandem_backend_generated_tokens", backend="device") - before
+    assert 0 < generated < 200, generated  # stopped soon after the client left, far short of 400
+
+
 def test_disconnect_before_first_token_cancels(gateway):
     """A client that leaves while its request waits in the device queue, before its first
     token, frees its place: the model never generates for it."""
