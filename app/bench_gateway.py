@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         gw = start_gateway(
             f'[gateway]\npolicy = "cloud"\ncloud = "fast"\nfallback = false\n'
-            f'[device]\nmodel = "smollm2-135m-instruct"\n{clouds}'
+            f'[device]\nmodel = "qwen2.5-coder-0.5b-instruct"\n{clouds}'
         )
         results = asyncio.run(_measure(direct, gw.v1, gw.process.pid, args.rounds))
     finally:

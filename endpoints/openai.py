@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 
 import anyio
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import ServerSentEvent
 
 from app.orchestrator import Delta, Job
 from clients.base import BackendError
@@ -27,6 +27,7 @@ from endpoints.schemas import ChatCompletionRequest, CompletionRequest
 log = logging.getLogger(__name__)
 
 _DONE = b"data: [DONE]\n\n"
+_PING = ServerSentEvent(comment="ping", sep="\n").encode()  # b": ping\n\n"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -176,15 +177,67 @@ async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], chunks: _Ch
             await stream.aclose()
 
 
-def _sse_response(request: Request, job: Job, first: Delta, stream, chunks: _Chunks) -> EventSourceResponse:
+class _SSEResponse(Response):
+    """text/event-stream over raw ASGI, with only the concurrency it needs: the stream runs in the request's
+    own task; one watcher task turns a client disconnect into cancelling it and sends `: ping` comments when
+    the stream has been quiet for `ping` seconds. sse-starlette's EventSourceResponse starts a task group of
+    four tasks per response, which under load cost the first token tens of milliseconds (BENCHMARKS.md)."""
+
+    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str], ping: float) -> None:
+        self.stream = body
+        self.ping = ping
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
+        ]
+
+    async def __call__(self, scope, receive, send) -> None:
+        loop = asyncio.get_running_loop()
+        streamer = asyncio.current_task()
+        lock = asyncio.Lock()
+        last = loop.time()
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone, last
+            while True:
+                try:
+                    async with asyncio.timeout(max(0.0, last + self.ping - loop.time())):
+                        message = await receive()
+                except TimeoutError:
+                    if loop.time() - last >= self.ping:
+                        async with lock:
+                            await send({"type": "http.response.body", "body": _PING, "more_body": True})
+                        last = loop.time()
+                    continue
+                if message["type"] == "http.disconnect":
+                    gone = True
+                    streamer.cancel()
+                    return
+
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        watcher = loop.create_task(watch())
+        try:
+            async for chunk in self.stream:
+                async with lock:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                last = loop.time()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            streamer.uncancel()  # the client left: a normal end for us, not a cancelled server
+        finally:
+            watcher.cancel()
+            with anyio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+
+def _sse_response(request: Request, job: Job, first: Delta, stream, chunks: _Chunks) -> _SSEResponse:
     gw = _gateway(request)
-    return EventSourceResponse(
-        _sse(job, first, stream, chunks),
-        sep="\n",
-        ping=gw.settings.gateway.ping_seconds,
-        ping_message_factory=lambda: ServerSentEvent(comment="ping", sep="\n"),
-        headers={**_SSE_HEADERS, "x-request-id": job.id, "x-tandem-backend": job.backend or ""},
-    )
+    headers = {**_SSE_HEADERS, "x-request-id": job.id, "x-tandem-backend": job.backend or ""}
+    return _SSEResponse(_sse(job, first, stream, chunks), headers, gw.settings.gateway.ping_seconds)
 
 
 async def _collect(first: Delta, stream: AsyncIterator[Delta]) -> tuple[str, str]:

@@ -13,7 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from app.launcher import GatewayProcess, free_port, start_gateway, stop_gateway
+from app.launcher import GatewayProcess, start_gateway, stop_gateway
+
+_RESERVED: list[socket.socket] = []
+
+
+def dead_port() -> int:
+    """A loopback port where nothing listens, for the whole session: the socket stays bound but never
+    listens (connections are refused), so no server started later can be handed the same port."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _RESERVED.append(s)
+    return s.getsockname()[1]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +95,7 @@ API_KEY = "test-key-7f3a"
 def faulty_gateway(silent_server) -> Iterator[GatewayProcess]:
     """A gateway whose cloud is down (nothing listens) and a second cloud that stalls,
     with no failover, an API key, and the small SmolLM2 as its device model."""
-    dead = free_port()
+    dead = dead_port()
     gw = start_gateway(
         f"""
 [gateway]
@@ -113,7 +124,7 @@ read_timeout = 1.5
 @pytest.fixture(scope="session")
 def fallback_gateway() -> Iterator[GatewayProcess]:
     """Cloud policy, cloud down, failover on: answers must come from the device."""
-    dead = free_port()
+    dead = dead_port()
     gw = start_gateway(
         f"""
 [gateway]
