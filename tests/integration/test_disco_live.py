@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import free_port, start_gateway, stop_gateway
+from app.launcher import free_port, start_gateway, stop_gateway
 from tests.integration.disco_helpers import independent_continuation, stream_chunks, trace
 
 ADMIN = {"authorization": "Bearer admin-secret"}
