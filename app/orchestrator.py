@@ -315,6 +315,8 @@ class Orchestrator:
                     attempt.outcome = "finished"
                     attempt.ended = not stopped
                     self._account(job, produced, event.usage)
+                    # The trace exists before the client sees the end of the answer (it may ask for it at once).
+                    self._remember(job, final=False)
                     yield Delta(text, finish)
                     return
                 yield Delta(text)
@@ -467,11 +469,11 @@ class Orchestrator:
         job.cost = total
         self.metrics.delayed_tokens.inc(job.delayed_tokens)
 
-    def _remember(self, job: Job) -> None:
+    def _remember(self, job: Job, final: bool = True) -> None:
         self.traces[job.id] = trace_of(job)
         while len(self.traces) > self.history:
             self.traces.popitem(last=False)
-        if self._trace_out is not None and job.finish_reason is not None:
+        if final and self._trace_out is not None and job.finish_reason is not None:
             self._trace_out.write(json.dumps(replay_row(job)) + "\n")
 
     def close(self) -> None:
