@@ -81,6 +81,9 @@ class Job:
     migrations: list[dict] = field(default_factory=list)
     delayed_tokens: int = 0
     cost: float = 0.0
+    # (the device's evaluation count, its cached prefix then): Eq. 5 asks after every token, and the answer
+    # only changes when the device has run something since.
+    cache_probe: tuple[int, int] | None = None
     error: str | None = None
 
 
@@ -388,10 +391,17 @@ class Orchestrator:
     def _cached_prefix(self, name: str | None, job: Job, ids: list[int] | None) -> int:
         """Context tokens a migration target would take from its own KV cache (e.g. the device that lost the
         first-token race has the prompt cached): Eq. 5's overhead and the buffer's t_m leave them out."""
-        probe = getattr(self.backends.get(name), "cached_prefix", None) if name else None
+        backend = self.backends.get(name) if name else None
+        probe = getattr(backend, "cached_prefix", None)
         if probe is None or ids is None or job.gen.prompt_ids is None or not self._takes_ids(name):
             return 0
-        return probe([*job.gen.prompt_ids, *ids])
+        evaluations = getattr(backend, "evaluations", None)
+        if evaluations is not None and job.cache_probe is not None and job.cache_probe[0] == evaluations:
+            return job.cache_probe[1]
+        cached = probe([*job.gen.prompt_ids, *ids])
+        if evaluations is not None:
+            job.cache_probe = (evaluations, cached)
+        return cached
 
     def _fault_target(self, job: Job, attempt: Attempt) -> str | None:
         if job.pinned is not None or job.cloud is None:

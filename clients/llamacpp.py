@@ -40,6 +40,7 @@ class LlamaCppBackend:
         self.active = 0
         self._count_lock = threading.Lock()
         self.tokens_generated = 0
+        self.evaluations = 0  # generate calls started: the KV cache can only have changed if this moved
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -182,6 +183,7 @@ class LlamaCppBackend:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         produced = 0
         cached: int | None = self.cached_prefix(ids)
+        self.evaluations += 1
         for token in llm.generate(
             ids,
             temp=0.0 if greedy else request.temperature,

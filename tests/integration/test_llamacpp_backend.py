@@ -27,6 +27,7 @@ def test_kv_prefix_reuse_is_predicted_and_reported() -> None:
             chat = backend.render_chat([{"role": "user", "content": "Count from one to twenty, in words."}])
             prompt = tuple(backend.tokenize_prompt(chat))
             first = await _collect(backend, GenerationRequest("", prompt_ids=prompt, max_tokens=4, temperature=0.0))
+            assert backend.evaluations == 1  # the orchestrator re-asks cached_prefix only when this moves
             assert first[0].cached_tokens == 0  # nothing evaluated before: a cold cache
             assert all(e.cached_tokens is None for e in first[1:])
             delivered = [e.token_id for e in first[:2]]
