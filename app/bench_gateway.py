@@ -9,6 +9,9 @@ alternating rounds, so machine noise hits them alike. Reports:
 - relayed chunk throughput at 32 streams, gateway / direct, for an upstream paced like a
   fast LLM (10 ms per chunk = 100 tok/s per stream) and for an unpaced one (saturation);
 - the gateway process's CPU time per relayed chunk.
+
+`--busy` keeps one core spinning in another process for the whole run, as a device model generating on
+the same machine would: it shows what the gateway pays for each wake-up of a peer process.
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ async def _measure(direct: dict[str, str], gateway: str, gw_pid: int, rounds: in
         # TTFT at 1 and 32 concurrent streams (4-chunk answers, unpaced upstream).
         for conc in (1, 32):
             d_ttft, g_ttft = [], []
-            reps = rounds * (8 if conc == 1 else 1)
+            reps = rounds * (100 if conc == 1 else 1)  # single requests are cheap: enough for a stable p99
             for _ in range(reps):
                 d_ttft += (await _round(client, direct["fast"], "fast", conc, 4))[0]
                 g_ttft += (await _round(client, gateway, "fast", conc, 4))[0]
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench gateway", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per measurement")
     parser.add_argument("--out", default="var/bench/gateway.md")
+    parser.add_argument("--busy", action="store_true", help="keep one core busy in another process meanwhile")
     parser.add_argument("--upstream", nargs=2, metavar=("PORT", "GAP"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.upstream:
@@ -180,12 +184,14 @@ def main(argv: list[str] | None = None) -> int:
 
     ports = {"fast": free_port(), "paced": free_port()}
     gaps = {"fast": 0.0, "paced": 0.01}
-    ups = [
+    children = [
         subprocess.Popen([sys.executable, "-m", "app.bench_gateway", "--upstream", str(ports[m]), str(gaps[m])])
         for m in ports
     ]
     direct = {m: f"http://127.0.0.1:{p}/v1" for m, p in ports.items()}
     gw = None
+    if args.busy:
+        children.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
     try:
         for url in direct.values():
             for _ in range(100):
@@ -205,13 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if gw is not None:
             stop_gateway(gw)
-        for p in ups:
+        for p in children:
             p.terminate()
             p.wait()
     table = _report(results, args.rounds)
     header = (
-        f"tandem bench gateway --rounds {args.rounds}  ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, "
-        "upstream, gateway and load generator on one machine)\n\n"
+        f"tandem bench gateway --rounds {args.rounds}{' --busy' if args.busy else ''}  "
+        f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, upstream, gateway and load generator on one machine"
+        f"{'; one core kept busy' if args.busy else ''})\n\n"
     )
     print(header + table)
     out = Path(args.out)

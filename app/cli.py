@@ -19,6 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from app.config import ConfigError, load_settings
     from app.gateway import create_gateway
+    from app.http_protocol import HttpProtocol
     from deploy.models import ModelError
 
     try:
@@ -40,7 +41,15 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=host, port=port, log_level=gw.log_level, access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        http=HttpProtocol,
+        log_level=gw.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
     return 0
 
 

@@ -20,6 +20,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 
+import httpcore
 import httpx
 
 from app.config import CloudSettings
@@ -57,11 +58,10 @@ class OpenAICompatBackend:
                 pool=settings.pool_timeout,
             ),
             transport=transport
-            or httpx.AsyncHTTPTransport(
+            or _OneWriteTransport(
                 limits=httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=16),
-                # httpx writes a request's headers and body separately; on a reused connection Nagle's
-                # algorithm then holds the body back until the server ACKs the headers (delayed ACK):
-                # milliseconds added to every time to first token.
+                # A reused connection must not hold small writes back (Nagle waits for the server's
+                # delayed ACK: milliseconds added to every time to first token).
                 socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
             ),
         )
@@ -194,3 +194,65 @@ class OpenAICompatBackend:
                     yield TokenEvent(text=text)
                 finish = choice.get("finish_reason") or finish
         yield TokenEvent(text="", finish_reason=finish or "stop", usage=usage)
+
+
+class _RequestInOneWrite(httpcore.AsyncNetworkStream):
+    """httpcore writes a request as separate writes (headers, body, end of message), each a trip through the
+    event loop and a wake-up of the server, which on a small machine often takes the gateway's own core
+    before the rest is written. This stream keeps the writes and sends them as one when the response is
+    first read (HTTP/1.1: httpcore writes the whole request before it reads)."""
+
+    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
+        self._stream = stream
+        self._pending: list[bytes] = []
+        self._write_timeout: float | None = None
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 (httpcore's interface)
+        if buffer:
+            self._pending.append(buffer)
+            self._write_timeout = timeout
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 (httpcore's interface)
+        if self._pending:
+            data, self._pending = b"".join(self._pending), []
+            await self._stream.write(data, timeout=self._write_timeout)
+        return await self._stream.read(max_bytes, timeout=timeout)
+
+    async def aclose(self) -> None:
+        self._pending = []
+        await self._stream.aclose()
+
+    async def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> httpcore.AsyncNetworkStream:  # noqa: ASYNC109 (httpcore's interface)
+        return _RequestInOneWrite(await self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str):
+        return self._stream.get_extra_info(info)
+
+
+class _OneWriteBackend(httpcore.AsyncNetworkBackend):
+    def __init__(self) -> None:
+        from httpcore._backends.auto import AutoBackend
+
+        self._backend = AutoBackend()
+
+    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):  # noqa: ASYNC109 (httpcore's interface)
+        stream = await self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
+        return _RequestInOneWrite(stream)
+
+    async def connect_unix_socket(self, path, timeout=None, socket_options=None):  # noqa: ASYNC109 (httpcore's interface)
+        return _RequestInOneWrite(await self._backend.connect_unix_socket(path, timeout, socket_options))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+
+class _OneWriteTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport with each request sent in one write (`_RequestInOneWrite`). httpx does not take a
+    network backend, so the pool it builds gets ours (httpx and httpcore are pinned; a test covers this)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        pool = self._pool
+        if not isinstance(getattr(pool, "_network_backend", None), httpcore.AsyncNetworkBackend):
+            raise RuntimeError("httpcore's connection pool changed: cannot send requests in one write")
+        pool._network_backend = _OneWriteBackend()
