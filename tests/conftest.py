@@ -26,6 +26,7 @@ def dead_port() -> int:
     _RESERVED.append(s)
     return s.getsockname()[1]
 
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
