@@ -49,7 +49,7 @@ class Attempt:
     started: float
     context_tokens: int  # its context: prompt (+ delivered prefix for a migration target)
     migration: bool = False
-    cached_tokens: int = 0  # of those, taken from its own KV cache (a migration target says so)
+    cached_tokens: int = 0  # of those, taken from its own KV cache (the device says so on its first event)
     stream: AsyncIterator[TokenEvent] | None = None
     first_at: float | None = None
     decode_tokens: int = 0
@@ -176,8 +176,15 @@ class Orchestrator:
     def _won(self, job: Job, attempt: Attempt, event: TokenEvent) -> None:
         attempt.first_at = event.t
         attempt.outcome = "won"
+        # A device that had the prompt's start in its KV cache (a repeated system prompt, the same
+        # conversation again) computed only the rest: that is what costs energy and what T_d(l) must see.
+        attempt.cached_tokens = event.cached_tokens or 0
         self.disco.observe_first_token(
-            attempt.role, job.cloud, attempt.context_tokens, event.t - attempt.started, attempt.migration
+            attempt.role,
+            job.cloud,
+            attempt.context_tokens - attempt.cached_tokens,
+            event.t - attempt.started,
+            attempt.migration,
         )
 
     # -- start: plan and race ----------------------------------------------------------------------

@@ -185,6 +185,26 @@ def test_no_migration_when_it_does_not_pay(disco_gateway):
     assert trace(disco_gateway, rid)["migrations"] == []
 
 
+def test_a_device_answer_books_only_the_prompt_it_computed(disco_gateway):
+    """The same prompt again: llama.cpp reuses it from its KV cache, and the ledger books only the rest."""
+    knobs(disco_gateway, policy="device", migration=False)
+    prompt = [{"role": "user", "content": "Name three prime numbers between 100 and 200."}]
+    stream_chunks(disco_gateway, prompt, max_tokens=3)  # leaves this prompt in the device's KV cache
+
+    def device_prefill() -> int:
+        spend = httpx.get(disco_gateway.v1 + "/budget", headers=ADMIN, timeout=10).json()["spend"]
+        return spend["endpoints"]["device"]["prefill_tokens"]
+
+    before = device_prefill()
+    rid, pieces, _ = stream_chunks(disco_gateway, prompt, max_tokens=3)
+    t = trace(disco_gateway, rid)
+    (device,) = t["endpoints"]
+    assert pieces and device["endpoint"] == "device"
+    assert t["prompt_tokens"] - 1 <= device["cached_tokens"] < t["prompt_tokens"]  # llama.cpp re-reads the last
+    assert device["prefill_tokens"] + device["cached_tokens"] == t["prompt_tokens"]
+    assert device_prefill() - before == device["prefill_tokens"]
+
+
 # --- the budget API ------------------------------------------------------------------------------------
 
 
