@@ -450,12 +450,8 @@ class Orchestrator:
             raise BackendError(
                 f"{source.name} failed mid-answer ({reason}) and {target} could not continue: {exc}", exc.status, target
             ) from exc
-        attempt.first_at = event.t
-        attempt.outcome = "won"
-        attempt.cached_tokens = event.cached_tokens or 0
+        self._won(job, attempt, event)
         record["t_m_ms"] = _ms(event.t - attempt.started)
-        computed = context - attempt.cached_tokens
-        self.disco.observe_first_token(attempt.role, job.cloud, computed, event.t - attempt.started, True)
         job.backend = target
         return attempt, event
 

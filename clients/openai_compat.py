@@ -231,9 +231,7 @@ class _RequestInOneWrite(httpcore.AsyncNetworkStream):
 
 class _OneWriteBackend(httpcore.AsyncNetworkBackend):
     def __init__(self) -> None:
-        from httpcore._backends.auto import AutoBackend
-
-        self._backend = AutoBackend()
+        self._backend = httpcore.AnyIOBackend()  # what httpcore's default picks on asyncio
 
     async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):  # noqa: ASYNC109 (httpcore's interface)
         stream = await self._backend.connect_tcp(host, port, timeout, local_address, socket_options)

@@ -18,6 +18,7 @@ import uvicorn
 from app.http_protocol import HttpProtocol, _HeadersWithFirstBody
 from app.launcher import free_port
 from clients.openai_compat import _OneWriteTransport, _RequestInOneWrite
+from tests.conftest import dead_port
 
 
 class _RecordingTransport:
@@ -224,11 +225,8 @@ def test_large_requests_and_refused_connections_behave_as_with_plain_httpx() -> 
             big = b"y" * (3 << 20)  # larger than any socket buffer: written while the server reads
             response = await client.post(f"http://127.0.0.1:{port}/", content=big)
             assert response.text == str(len(big))
-        with socket.socket() as s:  # a port that is bound and not listening
-            s.bind(("127.0.0.1", 0))
-            dead = s.getsockname()[1]
-            async with httpx.AsyncClient(transport=_OneWriteTransport()) as client:
-                with pytest.raises(httpx.ConnectError):
-                    await client.get(f"http://127.0.0.1:{dead}/")
+        async with httpx.AsyncClient(transport=_OneWriteTransport()) as client:
+            with pytest.raises(httpx.ConnectError):
+                await client.get(f"http://127.0.0.1:{dead_port()}/")
 
     asyncio.run(main())
