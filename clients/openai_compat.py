@@ -17,14 +17,13 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator, Callable
 
-import httpcore
 import httpx
 
 from app.config import CloudSettings
 from clients.base import BackendError, GenerationRequest, TokenEvent, Usage
+from clients.http_transport import AsyncioHTTPTransport
 from clients.tokencount import estimate_tokens
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,9 @@ class OpenAICompatBackend:
         self._count_exact = count_exact if settings.tokenizer == "device" else None
         self.can_continue = settings.continuation == "completions"
         self.accepts_token_ids = settings.token_id_prompts
-        headers = {}
+        # Uncompressed answers: a compressed stream holds tokens back in the compressor, and raw bytes are
+        # what `_sse_lines` reads.
+        headers = {"Accept-Encoding": "identity"}
         if settings.api_key is not None:
             headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
         self._client = httpx.AsyncClient(
@@ -58,13 +59,10 @@ class OpenAICompatBackend:
                 pool=settings.pool_timeout,
             ),
             transport=transport
-            or _OneWriteTransport(
-                limits=httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=16),
-                # A reused connection must not hold small writes back (Nagle waits for the server's
-                # delayed ACK: milliseconds added to every time to first token).
-                socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
-            ),
+            or AsyncioHTTPTransport(max_connections=settings.max_connections, max_keepalive_connections=16),
         )
+        # Absolute URLs parsed once: httpx parses and merges a relative one on every request.
+        self._urls = {path: httpx.URL(settings.base_url + path) for path in ("/chat/completions", "/completions")}
         self.active = 0
         self.tokens_generated = 0  # streamed text pieces received from upstream
 
@@ -120,10 +118,10 @@ class OpenAICompatBackend:
     # -- streaming ---------------------------------------------------------------------------
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         path, body = self._body(request)
-        url = self.settings.base_url + path
+        url = self._urls[path]
         self.active += 1
         try:
-            async with self._client.stream("POST", path, json=body) as response:
+            async with self._client.stream("POST", url, json=body) as response:
                 if response.status_code != 200:
                     await response.aread()
                     raise self._upstream_error(response)
@@ -161,12 +159,12 @@ class OpenAICompatBackend:
     async def _events(self, response: httpx.Response, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         finish: str | None = None
         usage: Usage | None = None
-        lines = response.aiter_lines()
+        lines = _sse_lines(response)
         async for line in lines:
-            if not line.startswith("data:"):
+            if not line.startswith(b"data:"):
                 continue  # blank separators, comments (keep-alive pings), event names
             data = line[5:].strip()
-            if data == "[DONE]":
+            if data == b"[DONE]":
                 # Read the response to its end so the connection goes back to the pool: closing a
                 # half-read response costs a new TCP connection on the next request.
                 with contextlib.suppress(TimeoutError):
@@ -196,61 +194,20 @@ class OpenAICompatBackend:
         yield TokenEvent(text="", finish_reason=finish or "stop", usage=usage)
 
 
-class _RequestInOneWrite(httpcore.AsyncNetworkStream):
-    """httpcore writes a request as separate writes (headers, body, end of message), each a trip through the
-    event loop and a wake-up of the server, which on a small machine often takes the gateway's own core
-    before the rest is written. This stream keeps the writes and sends them as one when the response is
-    first read (HTTP/1.1: httpcore writes the whole request before it reads)."""
-
-    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
-        self._stream = stream
-        self._pending: list[bytes] = []
-        self._write_timeout: float | None = None
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 (httpcore's interface)
-        if buffer:
-            self._pending.append(buffer)
-            self._write_timeout = timeout
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 (httpcore's interface)
-        if self._pending:
-            data, self._pending = b"".join(self._pending), []
-            await self._stream.write(data, timeout=self._write_timeout)
-        return await self._stream.read(max_bytes, timeout=timeout)
-
-    async def aclose(self) -> None:
-        self._pending = []
-        await self._stream.aclose()
-
-    async def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> httpcore.AsyncNetworkStream:  # noqa: ASYNC109 (httpcore's interface)
-        return _RequestInOneWrite(await self._stream.start_tls(ssl_context, server_hostname, timeout))
-
-    def get_extra_info(self, info: str):
-        return self._stream.get_extra_info(info)
-
-
-class _OneWriteBackend(httpcore.AsyncNetworkBackend):
-    def __init__(self) -> None:
-        self._backend = httpcore.AnyIOBackend()  # what httpcore's default picks on asyncio
-
-    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):  # noqa: ASYNC109 (httpcore's interface)
-        stream = await self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
-        return _RequestInOneWrite(stream)
-
-    async def connect_unix_socket(self, path, timeout=None, socket_options=None):  # noqa: ASYNC109 (httpcore's interface)
-        return _RequestInOneWrite(await self._backend.connect_unix_socket(path, timeout, socket_options))
-
-    async def sleep(self, seconds: float) -> None:
-        await self._backend.sleep(seconds)
-
-
-class _OneWriteTransport(httpx.AsyncHTTPTransport):
-    """httpx's transport with each request sent in one write (`_RequestInOneWrite`). httpx does not take a
-    network backend, so the pool it builds gets ours (httpx and httpcore are pinned; a test covers this)."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        pool = self._pool
-        if not isinstance(getattr(pool, "_network_backend", None), httpcore.AsyncNetworkBackend):
-            raise RuntimeError("httpcore's connection pool changed: cannot send requests in one write")
-        pool._network_backend = _OneWriteBackend()
+async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The lines of an SSE body, without their line ends (LF, CRLF or CR), as the transport delivers them:
+    httpx's text decoding layers cost the first token more than the split itself."""
+    if response.headers.get("content-encoding", "identity").lower() != "identity":
+        chunks = response.aiter_bytes()  # a server that compressed anyway: httpx decodes it
+    else:
+        chunks = response.aiter_raw()
+    rest = b""
+    async for chunk in chunks:
+        lines = (rest + chunk).splitlines(keepends=True)
+        # The last piece without a line end continues in the next chunk. (A CRLF split between two chunks
+        # reads as two line ends: one blank line more, which SSE ignores.)
+        rest = lines.pop() if lines and not lines[-1].endswith((b"\n", b"\r")) else b""
+        for line in lines:
+            yield line.rstrip(b"\r\n")
+    if rest:
+        yield rest

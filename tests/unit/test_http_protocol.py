@@ -1,0 +1,130 @@
+"""Fewer socket writes on the first token's path: the gateway's HTTP protocol sends a response's headers with
+its first body bytes (app/http_protocol.py). How many writes happen is pinned on a recording fake (a socket on
+an idle machine may merge two writes anyway); that HTTP still works is checked over real loopback sockets.
+The cloud transport's one write per request is in test_http_transport.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from app.http_protocol import HttpProtocol, _HeadersWithFirstBody
+from app.launcher import free_port
+
+
+class _RecordingTransport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default=None):
+        return ("peer", name)
+
+
+def test_held_headers_go_out_with_the_first_body_write() -> None:
+    async def main() -> list[bytes]:
+        raw = _RecordingTransport()
+        t = _HeadersWithFirstBody(raw)
+        t.write(b"before ")  # nothing held: written through
+        t.hold_next_write()
+        t.write(b"HEADERS ")
+        assert raw.writes == [b"before "]
+        t.write(b"BODY")
+        t.write(b" more")  # only the one write after the headers is joined
+        await asyncio.sleep(0)  # the end-of-turn flush finds nothing left to send
+        return raw.writes
+
+    assert asyncio.run(main()) == [b"before ", b"HEADERS BODY", b" more"]
+
+
+def test_held_headers_are_sent_alone_when_no_body_follows_in_the_same_loop_turn() -> None:
+    async def main() -> tuple[list[bytes], list[bytes], _RecordingTransport]:
+        raw = _RecordingTransport()
+        t = _HeadersWithFirstBody(raw)
+        t.hold_next_write()
+        t.write(b"HEADERS")
+        await asyncio.sleep(0.01)
+        after_turn = list(raw.writes)
+        t.hold_next_write()
+        t.write(b"H2")
+        t.close()  # closing sends what is held first
+        return after_turn, raw.writes, raw
+
+    after_turn, writes, raw = asyncio.run(main())
+    assert after_turn == [b"HEADERS"]
+    assert writes == [b"HEADERS", b"H2"] and raw.closed
+    assert _HeadersWithFirstBody(raw).get_extra_info("socket") == ("peer", "socket")  # the rest is delegated
+
+
+async def _app(scope, receive, send) -> None:
+    """Streams `n` events; `gap` seconds before the first, so the headers must go out on their own."""
+    if scope["type"] != "http":
+        return
+    query = dict(p.split("=") for p in scope["query_string"].decode().split("&") if p)
+    gap, n = float(query.get("gap", 0)), int(query.get("n", 3))
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    if gap:
+        await asyncio.sleep(gap)
+    for i in range(n):
+        await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    port = free_port()
+    config = uvicorn.Config(_app, host="127.0.0.1", port=port, http=HttpProtocol, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def _read_until(sock: socket.socket, end: bytes) -> bytes:
+    data = b""
+    while not data.endswith(end):
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed early: {data!r}"
+        data += chunk
+    return data
+
+
+def test_streamed_responses_arrive_whole_on_a_kept_alive_connection(server_url: str) -> None:
+    port = int(server_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        for _ in range(3):  # every response on the connection is held and released, not just the first
+            sock.sendall(b"GET /?n=3 HTTP/1.1\r\nHost: x\r\n\r\n")
+            response = _read_until(sock, b"0\r\n\r\n")
+            assert response.startswith(b"HTTP/1.1 200 OK\r\n")
+            assert response.count(b"data: ") == 3 and b"data: 2\n\n" in response
+
+
+def test_headers_still_arrive_while_the_body_is_late(server_url: str) -> None:
+    with httpx.Client(timeout=5) as client, client.stream("GET", server_url + "/?gap=0.5&n=1") as response:
+        t_headers = time.monotonic()
+        assert response.status_code == 200
+        body = response.read()
+        t_body = time.monotonic()
+    assert body == b"data: 0\n\n"
+    assert t_body - t_headers > 0.3  # the headers did not wait for the body
