@@ -31,6 +31,10 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or gw.host
     port = gw.port if args.port is None else args.port
     logging.basicConfig(level=gw.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if gw.log_level != "debug":
+        # httpx logs every upstream request at INFO, before it hands the answer over: a log write on each
+        # first token's path that the request trace (GET /v1/requests/{id}) already covers.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         app = create_gateway(settings)
     except ModelError as exc:

@@ -152,25 +152,22 @@ class _Chunks:
 
 async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], chunks: _Chunks) -> AsyncIterator[bytes]:
     try:
-        # The role chunk goes out with the first token's chunk: one write, one wake-up of the client.
+        # The role chunk goes out with the first token's chunk, and the last one with the usage chunk and
+        # [DONE] (which `_SSEResponse` sends with the end of the body): one write, one wake-up of the client.
         head = chunks.role() if chunks.chat else b""
         delta = first
-        while True:
-            if delta.text or delta.finish_reason is not None:
-                yield head + chunks.text(delta.text, delta.finish_reason)
+        while delta.finish_reason is None:
+            if delta.text:
+                yield head + chunks.text(delta.text)
                 head = b""
-            if delta.finish_reason is not None:
-                break
             try:
                 delta = await anext(stream)
             except BackendError as exc:
                 log.warning("request %s failed mid-stream: %s", job.id, exc)
-                yield ("data: " + json.dumps(_error_body(exc)) + "\n\n").encode()
-                yield _DONE
+                yield head + ("data: " + json.dumps(_error_body(exc)) + "\n\n").encode() + _DONE
                 return
-        if chunks.include_usage:
-            yield chunks.usage()
-        yield _DONE
+        usage = chunks.usage() if chunks.include_usage else b""
+        yield head + chunks.text(delta.text, delta.finish_reason) + usage + _DONE
     finally:
         # Client gone or done: stop the backend's work now (llama.cpp thread, upstream HTTP).
         with anyio.CancelScope(shield=True):
@@ -220,10 +217,14 @@ class _SSEResponse(Response):
         watcher = loop.create_task(watch())
         try:
             async for chunk in self.stream:
+                end = chunk.endswith(_DONE)  # nothing follows [DONE]: the body's end goes in the same write
                 async with lock:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await send({"type": "http.response.body", "body": chunk, "more_body": not end})
+                if end:
+                    break
                 last = loop.time()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not gone:
                 raise

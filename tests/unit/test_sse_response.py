@@ -59,3 +59,20 @@ def test_client_disconnect_closes_the_stream_without_an_error() -> None:
     sent, closed = _run(body, disconnect_after=0.2, ping=10)
     assert closed  # the generator's cleanup ran: the backend is told to stop
     assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n"]
+
+
+def test_done_goes_out_with_the_end_of_the_body() -> None:
+    async def body(closed: asyncio.Event):
+        try:
+            yield b"data: 1\n\n"
+            yield b"data: last\n\ndata: [DONE]\n\n"
+            yield b"data: never\n\n"  # nothing may follow [DONE]
+        finally:
+            closed.set()
+
+    sent, closed = _run(body, disconnect_after=None, ping=10)
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == [
+        (b"data: 1\n\n", True),
+        (b"data: last\n\ndata: [DONE]\n\n", False),  # one write: the last chunk, [DONE] and the body's end
+    ]
+    assert closed
