@@ -21,6 +21,7 @@ from pathlib import Path
 
 from clients.base import BackendError, GenerationRequest, TokenEvent
 from clients.chat_template import render_chat
+from clients.prompt_tokens import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class LlamaCppBackend:
         import llama_cpp
 
         self._is_eog = lambda tok: bool(llama_cpp.llama_vocab_is_eog(vocab, tok))
+        self._prompt_tokens = PromptTokenizer(self._llm)
         self._bos = self._token_text(self._llm.token_bos())
         self._eos = self._token_text(self._llm.token_eos())
         log.info("device model %s loaded (%s)", self.model_id, self.model_path.name)
@@ -85,8 +87,9 @@ class LlamaCppBackend:
         return render_chat(self.chat_template, messages, bos_token=self._bos, eos_token=self._eos)
 
     def tokenize_prompt(self, text: str) -> list[int]:
-        """Tokenise a rendered prompt: special tokens in it (e.g. <|im_start|>) are honoured."""
-        return self._llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+        """Tokenise a rendered prompt: special tokens in it (e.g. <|im_start|>) are honoured; the text
+        between them is remembered (clients/prompt_tokens.py)."""
+        return self._prompt_tokens(text)
 
     def tokenize(self, text: str) -> list[int]:
         """Tokenise generated text: no BOS, special-token text stays plain text."""
