@@ -1,13 +1,16 @@
-"""uvicorn's httptools protocol, with a response's status line and headers sent in the same `send()` as its
-first body bytes.
+"""uvicorn's httptools protocol, writing to the socket as few times as a response allows.
 
-uvicorn writes `http.response.start` to the socket at once and the first body chunk in a second write. On
-loopback each write wakes the client, and on a small machine the kernel often runs the woken client on the
-gateway's own core, ahead of the gateway: the gateway then waits ~0.4 ms before it can write the first token
-behind the headers (BENCHMARKS.md, gateway overhead). Holding the headers until the first body write, or at
-most until the end of the current event-loop turn, makes that one write and one wake-up. A streamed answer
-sends its headers and first token back to back (the status is held until the first token exists anyway), so
-nothing reaches the client later than before.
+On a small machine a socket write that wakes the client costs the writer ~0.1 ms and the client a wake-up
+(BENCHMARKS.md, gateway overhead), so:
+
+- a response's status line and headers go out in the same write as its first body bytes (uvicorn writes
+  `http.response.start` at once and the first body chunk in a second write). A streamed answer sends its
+  headers and first token back to back anyway (the status is held until the first token exists), so
+  nothing reaches the client later than before;
+- within one turn of the event loop the first write goes out at once and any later ones are joined and sent
+  at the end of the turn: chunks the upstream delivered together (a burst under load, the answer's last
+  token with its usage and [DONE]) cost one write, while a token that arrives on its own, as they do from a
+  generating model, is written the moment it is relayed.
 """
 
 from __future__ import annotations
@@ -17,39 +20,56 @@ import asyncio
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
-class _HeadersWithFirstBody:
-    """Wraps the connection's transport. After `hold_next_write()`, the next write is held back and sent
-    together with the write after it, or alone when the loop turn ends without one."""
+class _CoalescingWrites:
+    """Wraps the connection's transport (see the module's docstring). `hold_next_write()` makes the next
+    write wait for the one after it (the headers for the first body bytes), or for the end of the turn."""
 
-    __slots__ = ("_held", "_hold_next", "_transport")
+    __slots__ = ("_held", "_hold_next", "_later", "_transport")
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self._transport = transport
-        self._held: bytes | None = None
+        self._held: bytes | None = None  # the headers, waiting for the first body bytes
         self._hold_next = False
+        self._later: list[bytes] | None = None  # None: nothing written yet in this turn
 
     def hold_next_write(self) -> None:
         self._hold_next = True
 
     def write(self, data: bytes) -> None:
-        if self._held is not None:
-            data, self._held = self._held + data, None
-        elif self._hold_next:
+        if self._hold_next:
             self._hold_next = False
             self._held = bytes(data)
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._end_turn_soon()
             return
-        self._transport.write(data)
+        if self._held is not None:  # the first body bytes: out now, behind the headers
+            data = b"".join([*(self._later or ()), self._held, data])
+            self._held = None
+            self._later = []  # the turn's end is already scheduled (by the hold)
+            self._transport.write(data)
+        elif self._later is None:
+            self._transport.write(data)
+            self._later = []
+            self._end_turn_soon()
+        else:
+            self._later.append(bytes(data))
 
-    def _flush(self) -> None:
+    def _end_turn_soon(self) -> None:
+        asyncio.get_running_loop().call_soon(self._end_turn)
+
+    def _end_turn(self) -> None:
+        parts, self._later = self._later or [], None
         if self._held is not None:
-            data, self._held = self._held, None
-            if not self._transport.is_closing():
-                self._transport.write(data)
+            parts.append(self._held)
+            self._held = None
+        if parts and not self._transport.is_closing():
+            self._transport.write(b"".join(parts))
 
     def close(self) -> None:
-        self._flush()
+        self._end_turn()
         self._transport.close()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._later or ()))
 
     def __getattr__(self, name: str):
         return getattr(self._transport, name)
@@ -59,7 +79,7 @@ class HttpProtocol(HttpToolsProtocol):
     """`uvicorn.run(..., http=HttpProtocol)`."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(_HeadersWithFirstBody(transport))  # type: ignore[arg-type]
+        super().connection_made(_CoalescingWrites(transport))  # type: ignore[arg-type]
 
     def on_headers_complete(self) -> None:
         # A request is complete enough for the app to answer: its response's first write is the headers.

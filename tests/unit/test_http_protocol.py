@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from app.http_protocol import HttpProtocol, _HeadersWithFirstBody
+from app.http_protocol import HttpProtocol, _CoalescingWrites
 from app.launcher import free_port
 
 
@@ -37,25 +37,50 @@ class _RecordingTransport:
 
 
 def test_held_headers_go_out_with_the_first_body_write() -> None:
-    async def main() -> list[bytes]:
+    async def main() -> None:
         raw = _RecordingTransport()
-        t = _HeadersWithFirstBody(raw)
-        t.write(b"before ")  # nothing held: written through
+        t = _CoalescingWrites(raw)
+        t.write(b"before ")  # nothing held, first in its turn: written through
         t.hold_next_write()
         t.write(b"HEADERS ")
         assert raw.writes == [b"before "]
-        t.write(b"BODY")
-        t.write(b" more")  # only the one write after the headers is joined
-        await asyncio.sleep(0)  # the end-of-turn flush finds nothing left to send
-        return raw.writes
+        t.write(b"BODY")  # the first body bytes go out at once, behind the headers
+        assert raw.writes == [b"before ", b"HEADERS BODY"]
+        t.write(b" more")
+        await asyncio.sleep(0)
+        assert raw.writes == [b"before ", b"HEADERS BODY", b" more"]
 
-    assert asyncio.run(main()) == [b"before ", b"HEADERS BODY", b" more"]
+    asyncio.run(main())
+
+
+def test_writes_of_one_loop_turn_after_its_first_are_joined_in_order() -> None:
+    async def main() -> None:
+        raw = _RecordingTransport()
+        t = _CoalescingWrites(raw)
+        t.write(b"a")
+        t.write(b"b")
+        t.write(b"c")
+        assert raw.writes == [b"a"]  # the first of the turn at once, the rest at its end
+        await asyncio.sleep(0)
+        assert raw.writes == [b"a", b"bc"]
+        t.write(b"d")  # a new turn: at once again (a token relayed on its own is never held back)
+        assert raw.writes == [b"a", b"bc", b"d"]
+        t.write(b"e")
+        t.hold_next_write()
+        t.write(b"H")
+        t.write(b"X")  # what waited goes first, then the headers and their body
+        assert raw.writes == [b"a", b"bc", b"d", b"eHX"]
+        t.write(b"y")
+        t.close()  # closing sends what waits first
+        assert raw.writes == [b"a", b"bc", b"d", b"eHX", b"y"] and raw.closed
+
+    asyncio.run(main())
 
 
 def test_held_headers_are_sent_alone_when_no_body_follows_in_the_same_loop_turn() -> None:
     async def main() -> tuple[list[bytes], list[bytes], _RecordingTransport]:
         raw = _RecordingTransport()
-        t = _HeadersWithFirstBody(raw)
+        t = _CoalescingWrites(raw)
         t.hold_next_write()
         t.write(b"HEADERS")
         await asyncio.sleep(0.01)
@@ -68,7 +93,7 @@ def test_held_headers_are_sent_alone_when_no_body_follows_in_the_same_loop_turn(
     after_turn, writes, raw = asyncio.run(main())
     assert after_turn == [b"HEADERS"]
     assert writes == [b"HEADERS", b"H2"] and raw.closed
-    assert _HeadersWithFirstBody(raw).get_extra_info("socket") == ("peer", "socket")  # the rest is delegated
+    assert _CoalescingWrites(raw).get_extra_info("socket") == ("peer", "socket")  # the rest is delegated
 
 
 async def _app(scope, receive, send) -> None:
