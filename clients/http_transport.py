@@ -238,7 +238,9 @@ class AsyncioHTTPTransport(httpx.AsyncBaseTransport):
         self,
         max_connections: int = 100,
         max_keepalive_connections: int = 20,
-        keepalive_expiry: float = 5.0,
+        # Below the 5 s after which uvicorn (llama.cpp's Python server, vLLM) closes an idle connection: a
+        # request must not go out on a connection the server is closing at that moment.
+        keepalive_expiry: float = 4.0,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._max = max_connections

@@ -261,6 +261,19 @@ async def test_a_server_closing_an_idle_connection_costs_nothing() -> None:
         assert server.connections == 2
 
 
+async def test_connections_idle_past_their_expiry_are_not_reused() -> None:
+    async with (
+        _Server(lambda n, head, body: _ok(b"r%d" % n)) as server,
+        httpx.AsyncClient(transport=AsyncioHTTPTransport(keepalive_expiry=0.2)) as client,
+    ):
+        assert (await client.get(server.url + "/")).text == "r1"
+        assert (await client.get(server.url + "/")).text == "r2"
+        assert server.connections == 1
+        await asyncio.sleep(0.3)  # the server still holds it open, but it may be about to close it
+        assert (await client.get(server.url + "/")).text == "r3"
+        assert server.connections == 2
+
+
 async def test_large_bodies_both_ways_survive_flow_control() -> None:
     big_answer = bytes(range(256)) * (24 << 10)  # 6 MiB: reading pauses and resumes
 
