@@ -82,8 +82,13 @@ def _serve_upstream(port: int, gap: float) -> None:
 # --- load generation ---------------------------------------------------------------------------
 
 
+def _request(model: str, n: int) -> dict:
+    """The request both load generators send: an n-token streamed answer to a one-word prompt."""
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": n, "stream": True}
+
+
 async def _one(client: httpx.AsyncClient, url: str, model: str, n: int) -> tuple[float, int]:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": n, "stream": True}
+    body = _request(model, n)
     t0 = time.perf_counter()
     ttft = None
     chunks = 0
@@ -108,9 +113,7 @@ class _RawClient:
     def __init__(self, url: str, n: int) -> None:
         parsed = httpx.URL(url)
         self.host, self.port = parsed.host, parsed.port
-        body = json.dumps(
-            {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": n, "stream": True}
-        )
+        body = json.dumps(_request("fast", n))
         self.request = (
             f"POST {parsed.path}/chat/completions HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n{body}"

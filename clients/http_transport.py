@@ -38,7 +38,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.state = "connecting"  # connecting | active | idle | closed
         self.idle_since = 0.0  # loop time
-        self.read_timeout: float | None = None
+        self.read_timeout: float | None = None  # httpx's read timeout of the request in flight: each wait for bytes
         self._parser: httptools.HttpResponseParser | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._status: int | None = None
@@ -147,17 +147,18 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _wait(self, read_timeout: float | None, what: str) -> None:
+    async def _wait(self, what: str) -> None:
         self._waiter = asyncio.get_running_loop().create_future()
         try:
-            async with asyncio.timeout(read_timeout):
+            async with asyncio.timeout(self.read_timeout):
                 await self._waiter
         except TimeoutError:
-            raise httpx.ReadTimeout(f"no {what} from the server within {read_timeout:g} s") from None
+            raise httpx.ReadTimeout(f"no {what} from the server within {self.read_timeout:g} s") from None
         finally:
             self._waiter = None
 
     async def send(self, head: bytes, body: bytes, timeouts: dict) -> None:
+        self.read_timeout = timeouts.get("read")
         self._parser = httptools.HttpResponseParser(self)
         self._headers, self._status, self._head_ready = [], None, False
         self._complete = self._length_known = self._keep_alive = False
@@ -175,7 +176,7 @@ class _Connection(asyncio.Protocol):
         while not self._head_ready:
             if self._error is not None:
                 raise self._error
-            await self._wait(timeouts.get("read"), "answer")
+            await self._wait("answer")
 
     def response(self) -> httpx.Response:
         return httpx.Response(
@@ -185,7 +186,7 @@ class _Connection(asyncio.Protocol):
             extensions={"http_version": b"HTTP/1.1"},
         )
 
-    async def next_chunk(self, read_timeout: float | None) -> bytes | None:
+    async def next_chunk(self) -> bytes | None:
         """The next piece of the body, or None at its end."""
         while True:
             if self._chunks:
@@ -199,7 +200,7 @@ class _Connection(asyncio.Protocol):
                 return None
             if self._error is not None:
                 raise self._error
-            await self._wait(read_timeout, "data")
+            await self._wait("data")
 
     @property
     def reusable(self) -> bool:
@@ -221,8 +222,7 @@ class _Body(httpx.AsyncByteStream):
         connection = self._connection
         if connection is None:
             raise httpx.StreamClosed()
-        timeout = connection.read_timeout
-        while (chunk := await connection.next_chunk(timeout)) is not None:
+        while (chunk := await connection.next_chunk()) is not None:
             yield chunk
 
     async def aclose(self) -> None:
@@ -269,7 +269,6 @@ class AsyncioHTTPTransport(httpx.AsyncBaseTransport):
         head.append(b"\r\n")
         key = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
         connection = await self._check_out(key, timeouts)
-        connection.read_timeout = timeouts.get("read")
         try:
             await connection.send(b"".join(head), body, timeouts)
         except BaseException:

@@ -31,11 +31,11 @@ class PromptTokenizer:
         self._llm = llm
         vocab = llm._model.vocab
         specials: dict[str, int] = {}
-        plain = llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN  # matched by llama.cpp too: never cache around it
+        unknown = llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN  # llama.cpp splits at these too: no caching around them
         exact = not llama_cpp.llama_vocab_get_add_eos(vocab)
         for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
             attr = llama_cpp.llama_vocab_get_attr(vocab, token)
-            if attr & plain or (attr & _SPLIT_AT and attr & _STRIPS):
+            if attr & unknown or (attr & _SPLIT_AT and attr & _STRIPS):
                 exact = False
             elif attr & _SPLIT_AT:
                 text = llama_cpp.llama_vocab_get_text(vocab, token).decode("utf-8", errors="replace")
