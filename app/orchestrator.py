@@ -211,8 +211,8 @@ class Orchestrator:
             attempt = self._open(job, name, job.gen, job.prompt_tokens, False)
             try:
                 event = await anext(attempt.stream)
-            except (BackendError, StopAsyncIteration) as exc:
-                exc = exc if isinstance(exc, BackendError) else BackendError(f"{name} produced nothing", 502, name)
+            except Exception as exc:
+                exc = _backend_error(name, exc)
                 self._failed(attempt, exc)
                 await self._close(attempt)
                 log.warning("request %s: %s failed before its first token: %s", job.id, name, exc)
@@ -256,8 +256,7 @@ class Orchestrator:
                         self._won(job, attempt, event)
                         self.metrics.races.labels(winner=attempt.role).inc()
                         return attempt, event
-                    if isinstance(exc, StopAsyncIteration):
-                        exc = BackendError(f"{attempt.name} produced nothing", 502, attempt.name)
+                    exc = _backend_error(attempt.name, exc)
                     self._failed(attempt, exc)
                     await self._close(attempt)
                     errors.append(exc)
@@ -331,34 +330,32 @@ class Orchestrator:
                     return
                 yield Delta(text)
 
-                # Cost-driven migration (Eqs. 4-6): only at a clean text boundary, once per answer.
+                # Cost-driven migration (Eqs. 4-6): only at a clean text boundary, once per answer. The source
+                # keeps its stream until the target's first token: if the target fails, the answer goes on here.
                 target = self._migration_target(job, attempt, event, produced, t_first, ids)
-                reason = "cost" if target else None
-                if target is None:
-                    try:
-                        # asyncio.timeout, not wait_for: no extra task per token on the hot path.
-                        async with asyncio.timeout(self.stall_timeout):
-                            event = await anext(attempt.stream)
-                    except (BackendError, TimeoutError, StopAsyncIteration) as exc:
-                        target = self._fault_target(job, attempt)
-                        reason = "stall" if isinstance(exc, TimeoutError) else "error"
-                        if isinstance(exc, StopAsyncIteration):
-                            exc = BackendError(f"{attempt.name} ended its stream without finishing", 502)
-                        if isinstance(exc, TimeoutError):
-                            exc = BackendError(
-                                f"{attempt.name} sent nothing for {self.stall_timeout:g} s (stalled)", 504, attempt.name
-                            )
-                        self._failed(attempt, exc)
-                        if target is None:
-                            raise exc from None
-                    else:
-                        self.metrics.inter_token.labels(backend=attempt.name).observe(event.t - last_t)
+                if target is not None:
+                    moved = await self._migrate(job, attempt, target, "cost", ids, "".join(text_so_far), produced)
+                    if moved is not None:
+                        attempt, event = moved
                         last_t = event.t
                         continue
-                attempt, event = await self._migrate(job, attempt, target, reason, ids, "".join(text_so_far), produced)
+                try:
+                    # asyncio.timeout, not wait_for: no extra task per token on the hot path.
+                    async with asyncio.timeout(self.stall_timeout):
+                        event = await anext(attempt.stream)
+                except Exception as exc:
+                    attempt, event = await self._recover(job, attempt, exc, ids, "".join(text_so_far), produced)
+                    last_t = event.t
+                    continue
+                self.metrics.inter_token.labels(backend=attempt.name).observe(event.t - last_t)
                 last_t = event.t
-        except BackendError as exc:
+        except Exception as exc:
             job.error = str(exc)
+            if attempt is not None and attempt.outcome in ("running", "won"):
+                self._failed(attempt, exc)  # the trace must not show a crashed answer's endpoint as the winner
+            if not isinstance(exc, BackendError):
+                log.exception("request %s failed", job.id)
+                raise BackendError(f"internal error: {type(exc).__name__}: {exc}", 500) from exc
             raise
         finally:
             self.metrics.in_flight.dec()
@@ -383,6 +380,9 @@ class Orchestrator:
         ):
             return None
         target_role = "cloud" if attempt.role == "device" else "device"
+        target = self._name_of(job, target_role)
+        if not self._can_continue(target):
+            return None
         decision = self.disco.check_migration(
             attempt.role,
             target_role,
@@ -391,9 +391,9 @@ class Orchestrator:
             produced,
             job.gen.max_tokens,
             lead(produced, time.monotonic(), t_first, self.disco.knobs.consumption_rate),
-            self._cached_prefix(self._name_of(job, target_role), job, ids),
+            self._cached_prefix(target, job, ids),
         )
-        return self._name_of(job, target_role) if decision.start_now else None
+        return target if decision.start_now else None
 
     def _cached_prefix(self, name: str | None, job: Job, ids: list[int] | None) -> int:
         """Context tokens a migration target would take from its own KV cache (e.g. the device that lost the
@@ -410,20 +410,50 @@ class Orchestrator:
             job.cache_probe = (evaluations, cached)
         return cached
 
-    def _fault_target(self, job: Job, attempt: Attempt) -> str | None:
+    def _can_continue(self, name: str) -> bool:
+        """Whether a backend can continue an answer from a delivered prefix (a chat-only upstream cannot)."""
+        return getattr(self.backends[name], "can_continue", True)
+
+    def _fault_targets(self, job: Job, source: Attempt) -> list[str]:
+        """Where an answer may go on after `source` failed mid-answer: the other endpoint of the request's DiSCo
+        pair first, then every other configured endpoint; never one that cannot continue from a prefix or that
+        already failed in this request (so a chain of faults ends)."""
         if job.pinned is not None or job.cloud is None:
-            return None
-        target = job.cloud if attempt.role == "device" else self.device
-        tried_after_fault = any(m["reason"] != "cost" and m["to"] == target for m in job.migrations)
-        return None if tried_after_fault else target
+            return []
+        failed = {a.name for a in job.attempts if a.outcome == "failed"}
+        pair = job.cloud if source.role == "device" else self.device
+        order = [pair, *(n for n in self.backends if n != pair)]
+        return [n for n in order if n != source.name and n not in failed and self._can_continue(n)]
+
+    async def _recover(
+        self, job: Job, source: Attempt, exc: BaseException, ids, text: str, produced: int
+    ) -> tuple[Attempt, TokenEvent]:
+        """The serving endpoint failed or stalled mid-answer: continue on the next endpoint that can, from
+        exactly the delivered prefix, or raise when none can."""
+        reason = "stall" if isinstance(exc, TimeoutError) else "error"
+        if isinstance(exc, TimeoutError):
+            exc = BackendError(f"{source.name} sent nothing for {self.stall_timeout:g} s (stalled)", 504, source.name)
+        exc = _backend_error(source.name, exc, "ended its stream without finishing")
+        self._failed(source, exc)
+        await self._close(source)
+        errors = [f"{source.name}: {exc}"]
+        for target in self._fault_targets(job, source):
+            moved = await self._migrate(job, source, target, reason, ids, text, produced)
+            if moved is not None:
+                return moved
+            errors.append(f"{target}: {job.migrations[-1]['error']}")
+        if len(errors) == 1:
+            raise exc
+        raise BackendError(
+            f"the answer failed mid-way and no endpoint could continue it ({'; '.join(errors)})", exc.status, None
+        )
 
     async def _migrate(
         self, job: Job, source: Attempt, target: str, reason: str, ids, text: str, produced: int
-    ) -> tuple[Attempt, TokenEvent]:
-        """Stop the source, continue on `target` from exactly the delivered prefix."""
-        if source.outcome in ("running", "won"):
-            source.outcome = "migrated-from"
-        await self._close(source)
+    ) -> tuple[Attempt, TokenEvent] | None:
+        """Start `target` from exactly the delivered prefix; once its first token is here, stop the source. If the
+        target fails or stays silent first, it is closed, the trace says why, and None is returned: a healthy
+        source (a cost migration) still holds its stream, unread, and the answer goes on there."""
         gen = self._continuation(job, ids, text, produced)
         context = job.prompt_tokens + produced
         log.info("request %s: migrating %s -> %s at token %d (%s)", job.id, source.name, target, produced, reason)
@@ -437,19 +467,24 @@ class Orchestrator:
             "prefix_ids": ids is not None and self._takes_ids(target),
         }
         job.migrations.append(record)
-        self.metrics.migrations.labels(source=source.role, target=attempt.role, reason=reason).inc()
+        # A target that stays silent: after a fault the device may need long for a long context; a cost move
+        # was predicted to fit the client's buffer, so waiting longer than a stall only starves the reader.
+        patience = self.stall_timeout if reason == "cost" else self.stall_timeout + 60
         try:
-            event = await asyncio.wait_for(anext(attempt.stream), self.stall_timeout + 60)
-        except (BackendError, TimeoutError, StopAsyncIteration) as exc:
-            exc = (
-                exc
-                if isinstance(exc, BackendError)
-                else BackendError(f"migration target {target} produced nothing", 502, target)
-            )
+            event = await asyncio.wait_for(anext(attempt.stream), patience)
+        except Exception as exc:
+            if isinstance(exc, TimeoutError):
+                exc = BackendError(f"migration target {target} sent nothing for {patience:g} s", 504, target)
+            exc = _backend_error(target, exc)
             self._failed(attempt, exc)
-            raise BackendError(
-                f"{source.name} failed mid-answer ({reason}) and {target} could not continue: {exc}", exc.status, target
-            ) from exc
+            await self._close(attempt)
+            record["error"] = str(exc)
+            log.warning("request %s: migration %s -> %s failed: %s", job.id, source.name, target, exc)
+            return None
+        if source.outcome in ("running", "won"):
+            source.outcome = "migrated-from"
+        await self._close(source)
+        self.metrics.migrations.labels(source=source.role, target=attempt.role, reason=reason).inc()
         self._won(job, attempt, event)
         record["t_m_ms"] = _ms(event.t - attempt.started)
         job.backend = target
@@ -492,6 +527,17 @@ class Orchestrator:
     def close(self) -> None:
         if self._trace_out is not None:
             self._trace_out.close()
+
+
+def _backend_error(name: str, exc: BaseException, ended: str = "produced nothing") -> BackendError:
+    """Whatever a backend's stream raised, as a BackendError (a bug in a backend is a fault like any other:
+    it fails over or migrates, and the client gets an answer or an error in the OpenAI envelope)."""
+    if isinstance(exc, BackendError):
+        return exc
+    if isinstance(exc, StopAsyncIteration):
+        return BackendError(f"{name} {ended}", 502, name)
+    log.error("backend %s raised", name, exc_info=exc)
+    return BackendError(f"{name} failed: {type(exc).__name__}: {exc}", 500, name)
 
 
 def _ms(seconds: float | None) -> float | None:

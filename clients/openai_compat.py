@@ -157,6 +157,9 @@ class OpenAICompatBackend:
         return BackendError(f"cloud backend {self.name!r} answered {status}: {message}", mapped, self.name)
 
     async def _events(self, response: httpx.Response, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        kind = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if kind and kind != "text/event-stream":  # e.g. a proxy's HTML page, or a server that ignored stream=true
+            raise self._malformed(f"answered 200 with content-type {kind!r}, not an event stream")
         finish: str | None = None
         usage: Usage | None = None
         lines = _sse_lines(response)
@@ -175,23 +178,60 @@ class OpenAICompatBackend:
             try:
                 chunk = json.loads(data)
             except ValueError as exc:
-                raise BackendError(f"cloud backend {self.name!r} sent malformed SSE data: {data[:100]!r}") from exc
+                raise self._malformed(f"sent malformed SSE data: {data[:100]!r}") from exc
+            if not isinstance(chunk, dict):
+                raise self._malformed(f"sent a chunk that is not a JSON object: {data[:100]!r}")
             if "error" in chunk:
                 err = chunk["error"]
                 message = err.get("message") if isinstance(err, dict) else str(err)
                 raise BackendError(f"cloud backend {self.name!r} failed mid-stream: {message}", 502, self.name)
             if chunk.get("usage"):
-                u = chunk["usage"]
-                usage = Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0), exact=True)
-            for choice in chunk.get("choices") or ():
-                text = choice.get("text")
-                if text is None:
-                    text = (choice.get("delta") or {}).get("content") or ""
+                usage = self._usage(chunk["usage"], data)
+            for text, reason in self._choices(chunk, data):
                 if text:
                     self.tokens_generated += 1
                     yield TokenEvent(text=text)
-                finish = choice.get("finish_reason") or finish
+                finish = reason or finish
+        else:
+            if finish is None:
+                # Neither a finish reason nor [DONE]: the upstream stopped before saying the answer is complete.
+                raise self._malformed("ended its stream without a finish reason or [DONE] (truncated answer)")
         yield TokenEvent(text="", finish_reason=finish or "stop", usage=usage)
+
+    def _malformed(self, what: str) -> BackendError:
+        return BackendError(f"cloud backend {self.name!r} {what}", 502, self.name)
+
+    def _choices(self, chunk: dict, data: bytes) -> list[tuple[str, str | None]]:
+        """(text, finish reason) of each choice of a chunk; a chunk of any other shape is an upstream fault."""
+        choices = chunk.get("choices")
+        if choices is None:
+            return []
+        if not isinstance(choices, list):
+            raise self._malformed(f"sent a chunk whose 'choices' is not a list: {data[:100]!r}")
+        out = []
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise self._malformed(f"sent a choice that is not a JSON object: {data[:100]!r}")
+            if "text" in choice:
+                text = choice["text"]
+            else:
+                delta = choice.get("delta")
+                if delta is None:
+                    delta = {}
+                if not isinstance(delta, dict):
+                    raise self._malformed(f"sent a delta that is not a JSON object: {data[:100]!r}")
+                text = delta.get("content")
+            reason = choice.get("finish_reason")
+            if not isinstance(text, str | None) or not isinstance(reason, str | None):
+                raise self._malformed(f"sent a choice whose text or finish_reason is not a string: {data[:100]!r}")
+            out.append((text or "", reason))
+        return out
+
+    def _usage(self, u, data: bytes) -> Usage:
+        counts = (u.get("prompt_tokens", 0), u.get("completion_tokens", 0)) if isinstance(u, dict) else None
+        if counts is None or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+            raise self._malformed(f"sent a malformed usage object: {data[:100]!r}")
+        return Usage(*counts, exact=True)
 
 
 async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:

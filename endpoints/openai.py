@@ -93,11 +93,12 @@ async def _while_connected(request: Request, work: Awaitable, what: str):
         watcher.cancel()
 
 
-async def _first(request: Request, stream: AsyncIterator[Delta]) -> Delta:
-    """Wait for the first token (an error before it is a real HTTP error)."""
+async def _first(request: Request, job: Job, stream: AsyncIterator[Delta]) -> Delta:
+    """Wait for the first token (an error before it is a real HTTP error, carrying the id of its trace)."""
     try:
         return await _while_connected(request, anext(stream), "before the first token")
-    except ApiError:
+    except ApiError as exc:
+        exc.headers["x-request-id"] = job.id
         with anyio.CancelScope(shield=True):
             await stream.aclose()
         raise
@@ -105,7 +106,11 @@ async def _first(request: Request, stream: AsyncIterator[Delta]) -> Delta:
         await stream.aclose()
         retry = exc.status >= 500 and exc.status != 501
         raise ApiError(
-            exc.status, str(exc), code="backend_error" if exc.status >= 500 else "invalid_request", retry=retry
+            exc.status,
+            str(exc),
+            code="backend_error" if exc.status >= 500 else "invalid_request",
+            retry=retry,
+            headers={"x-request-id": job.id},
         ) from exc
 
 
@@ -170,7 +175,7 @@ async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], chunks: _Ch
                 head = b""
             try:
                 delta = await anext(stream)
-            except BackendError as exc:
+            except Exception as exc:  # the orchestrator raises BackendError; anything else is a bug, still framed
                 log.warning("request %s failed mid-stream: %s", job.id, exc)
                 yield head + ("data: " + json.dumps(_error_body(exc)) + "\n\n").encode() + _DONE
                 return
@@ -249,7 +254,7 @@ def _sse_response(request: Request, job: Job, first: Delta, stream, chunks: _Chu
     return _SSEResponse(_sse(job, first, stream, chunks), headers, gw.settings.gateway.ping_seconds)
 
 
-async def _collect(first: Delta, stream: AsyncIterator[Delta]) -> tuple[str, str]:
+async def _collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> tuple[str, str]:
     parts = [first.text]
     delta = first
     try:
@@ -257,7 +262,9 @@ async def _collect(first: Delta, stream: AsyncIterator[Delta]) -> tuple[str, str
             delta = await anext(stream)
             parts.append(delta.text)
     except BackendError as exc:
-        raise ApiError(exc.status, f"the answer failed midway: {exc}", code="backend_error") from exc
+        raise ApiError(
+            exc.status, f"the answer failed midway: {exc}", code="backend_error", headers={"x-request-id": job.id}
+        ) from exc
     finally:
         await stream.aclose()
     return "".join(parts), delta.finish_reason
@@ -271,10 +278,10 @@ def _usage(job: Job) -> dict:
 async def _answer(request: Request, body, job: Job, chat: bool):
     """Stream or collect one answer; the first token decides between an HTTP error and a 200."""
     stream = _gateway(request).orchestrator.generate(job)
-    first = await _first(request, stream)
+    first = await _first(request, job, stream)
     if body.stream:
         return _sse_response(request, job, first, stream, _Chunks(job, body.model, chat, body.include_usage))
-    text, finish = await _while_connected(request, _collect(first, stream), "mid-answer")
+    text, finish = await _while_connected(request, _collect(job, first, stream), "mid-answer")
     if chat:
         obj = "chat.completion"
         choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
@@ -297,12 +304,12 @@ async def _answer(request: Request, body, job: Job, chat: bool):
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    return await _answer(request, body, _gateway(request).prepare_chat(body), chat=True)
+    return await _answer(request, body, await _gateway(request).prepare_chat(body), chat=True)
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
-    return await _answer(request, body, _gateway(request).prepare_completion(body), chat=False)
+    return await _answer(request, body, await _gateway(request).prepare_completion(body), chat=False)
 
 
 @router.get("/requests/{request_id}")

@@ -1,0 +1,184 @@
+"""A real OpenAI-compatible upstream on loopback that fails exactly as a test scripts it.
+
+Raw asyncio sockets on a thread of its own (not a framework), so a test can choose the bytes: close the
+connection mid-chunk or at a chunk boundary, reset it, stall, send only pings, garbage, JSON of the wrong
+shape, an error event, a clean end without `[DONE]`, an HTTP error or a hang before the first byte, or a
+200 HTML page. Each request takes the next scripted `Answer` (a normal answer when none is left) and is
+recorded, so a test can also assert what reached the upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+PIECES = (" The", " answer", " is", " forty", " two", ",", " as", " everyone", " knows", ".")
+
+
+@dataclass
+class Answer:
+    """How to answer one request.
+
+    status: an HTTP status other than 200 answers with the OpenAI error envelope and nothing else.
+    before: what happens before any byte of a 200 answer: "" (nothing), "hang" or "html".
+    pieces: the text pieces streamed, one SSE chunk each, `gap` seconds apart.
+    then: how the stream ends after them: "done" (finish reason + [DONE]), "close" (connection closed at a
+      chunk boundary), "close-mid-chunk", "reset", "stall", "pings" (keep-alive comments only), "end" (a clean
+      end of the body without a finish reason or [DONE]), or "raw" (the bytes in `raw`, then a clean end).
+    """
+
+    status: int = 200
+    before: str = ""
+    pieces: tuple[str, ...] = PIECES
+    gap: float = 0.01
+    then: str = "done"
+    raw: bytes = b""
+
+
+@dataclass
+class Request:
+    path: str
+    body: dict = field(default_factory=dict)
+
+
+class ScriptedUpstream:
+    def __init__(self) -> None:
+        self.script: deque[Answer] = deque()
+        self.requests: list[Request] = []
+        self._loop = asyncio.new_event_loop()
+        self._writers: set[asyncio.StreamWriter] = set()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(sock,), daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def push(self, *answers: Answer) -> None:
+        self.script.extend(answers)
+
+    def completions(self) -> list[Request]:
+        return [r for r in self.requests if r.path.endswith("/completions")]
+
+    def reset(self) -> None:
+        self.script.clear()
+        self.requests.clear()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop)
+        self._thread.join(10)
+
+    # -- server ------------------------------------------------------------------------------------
+    def _run(self, sock: socket.socket) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, sock=sock))
+        self._ready.set()
+        self._loop.run_forever()
+
+    def _stop(self) -> None:
+        self._server.close()
+        for writer in self._writers:
+            writer.transport.abort()
+        self._loop.stop()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                if method == "GET":
+                    payload = json.dumps({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+                    writer.write(_response(200, "application/json", payload.encode()))
+                    await writer.drain()
+                    continue
+                self.requests.append(Request(path, json.loads(body or b"{}")))
+                answer = self.script.popleft() if self.script else Answer()
+                if not await self._answer(answer, path, writer):
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            if not writer.transport.is_closing():
+                writer.close()
+
+    async def _answer(self, answer: Answer, path: str, writer: asyncio.StreamWriter) -> bool:
+        """Writes one answer; False when the connection is finished with."""
+        if answer.status != 200:
+            err = {"error": {"message": f"scripted {answer.status}", "type": "server_error", "code": None}}
+            writer.write(_response(answer.status, "application/json", json.dumps(err).encode()))
+            await writer.drain()
+            return True
+        if answer.before == "hang":
+            await asyncio.sleep(3600)
+        if answer.before == "html":
+            writer.write(_response(200, "text/html", b"<html><body>Service maintenance</body></html>"))
+            await writer.drain()
+            return True
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+            b"connection: close\r\n\r\n"
+        )
+        chat = path.endswith("/chat/completions")
+        for piece in answer.pieces:
+            writer.write(_chunked(_event(_chunk(piece, None, chat))))
+            await writer.drain()
+            await asyncio.sleep(answer.gap)
+        then = answer.then
+        if then == "done":
+            writer.write(_chunked(_event(_chunk("", "stop", chat)) + b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        elif then == "close-mid-chunk":
+            event = _event(_chunk(" half", None, chat))
+            writer.write(f"{len(event):x}\r\n".encode() + event[: len(event) // 2])
+        elif then == "reset":
+            writer.transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
+            writer.transport.abort()
+            return False
+        elif then == "stall":
+            await asyncio.sleep(3600)
+        elif then == "pings":
+            for _ in range(3600):
+                writer.write(_chunked(b": ping\n\n"))
+                await writer.drain()
+                await asyncio.sleep(0.2)
+        elif then == "end":
+            writer.write(b"0\r\n\r\n")
+        elif then == "raw":
+            writer.write(_chunked(answer.raw) + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+        return False
+
+
+def _response(status: int, kind: str, body: bytes) -> bytes:
+    return f"HTTP/1.1 {status} Scripted\r\ncontent-type: {kind}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body
+
+
+def _chunked(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _chunk(text: str, finish: str | None, chat: bool) -> dict:
+    choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+    choice["finish_reason"] = finish
+    return {"id": "scripted-1", "object": "chunk", "model": "scripted", "choices": [choice]}
