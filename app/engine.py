@@ -59,7 +59,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -92,6 +92,7 @@ class Reason(enum.StrEnum):
     CONTEXT = "context"
     OPEN = "open"
     FULL = "full"
+    BACKLOG = "backlog"
     IDLE = "idle"
     CLOSED = "closed"
     INTERNAL = "internal"
@@ -110,7 +111,13 @@ class EngineLimits:
     max_sessions: int = 16
     max_context: int = 4096  # positions per session (capped by the model's max_position_embeddings)
     idle_timeout: float = 300.0  # seconds without a frame before a session is dropped
-    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES  # payload bytes of one frame
+    # Payload bytes of one frame; None: a whole context of hidden states (no frame can carry more positions).
+    max_frame_bytes: int | None = None
+    # What one session may have waiting (held behind a sequence gap or queued for the engine thread); a frame
+    # past either bound fails alone with 429. None: a context's worth of states plus a quarter (a device has at
+    # most its prompt's chunks in flight at once, then one verification round at a time).
+    max_session_bytes: int | None = None
+    max_session_frames: int = 256
     max_batch_tokens: int = 4096  # tokens per forward pass (a single larger frame still runs, alone)
     wire_dtype: torch.dtype = torch.float32  # dtype of hidden states in both directions
     max_reorder: int = 64  # how far ahead of the next expected seq a frame may arrive
@@ -164,6 +171,8 @@ class Session:
     on_expire: Callable[[str], None] | None = None
     frames: int = 0
     tokens: int = 0
+    waiting_bytes: int = 0  # frames accepted and not yet answered (Engine._pending_lock)
+    waiting_frames: int = 0
 
     @property
     def hex(self) -> str:
@@ -336,6 +345,12 @@ class Engine:
         self.m = stack.layer_range.start
         max_pos = getattr(cfg, "max_position_embeddings", None)
         self.max_context = min(self.limits.max_context, int(max_pos)) if max_pos else self.limits.max_context
+        context_bytes = self.max_context * self.hidden_size * self.limits.wire_dtype.itemsize
+        self.limits = replace(
+            self.limits,
+            max_frame_bytes=self.limits.max_frame_bytes or context_bytes,
+            max_session_bytes=self.limits.max_session_bytes or context_bytes * 5 // 4,
+        )
         self.wire_dtype = self.limits.wire_dtype
         self.wire_dtype_name = next(k for k, v in _DTYPES.items() if v == self.wire_dtype)
         self.ragged = RaggedMiddle(stack, self.limits.min_rows, self.limits.batch_invariant)
@@ -345,6 +360,7 @@ class Engine:
         self._sessions: dict[bytes, Session] = {}
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
+        self._pending_lock = threading.Lock()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._ready: OrderedDict[bytes, Session] = OrderedDict()  # engine thread: sessions with queued frames
         self._thread: threading.Thread | None = None
@@ -495,6 +511,13 @@ class Engine:
             self.count_rejection(Reason.SEQ)
             _resolve(fut, [self._error(session.id, seq, far)])
             return fut
+        if err is None and frame is not None and frame.kind == wire.Kind.CLOSE:
+            # Applied at once, wherever it falls in the sequence: a close must not wait behind a gap.
+            _resolve(fut, [])
+            self.close(session, "closed by the device")
+            return fut
+        if err is None:
+            err = self._admit(session, len(data), fut)
         if err is not None:
             _resolve(fut, [self._error(session.id, seq, err)])
             frame = tensor = None
@@ -511,6 +534,31 @@ class Engine:
         for item in released:
             self._inbox.put(("frame", item))
         return fut
+
+    def _admit(self, session: Session, size: int, fut: Future[list[bytes]]) -> EngineError | None:
+        """Count a frame against its session's backlog until it is answered; an error when the backlog is full."""
+        limits = self.limits
+        with self._pending_lock:
+            frames, waiting = session.waiting_frames + 1, session.waiting_bytes + size
+            full = frames > limits.max_session_frames or waiting > limits.max_session_bytes  # type: ignore[operator]
+            if not full:
+                session.waiting_frames, session.waiting_bytes = frames, waiting
+        if full:
+            self.count_rejection(Reason.BACKLOG)
+            return EngineError(
+                429,
+                Reason.BACKLOG,
+                f"session has {session.waiting_frames} frames ({session.waiting_bytes} bytes) waiting; the limit is "
+                f"{limits.max_session_frames} frames and {limits.max_session_bytes} bytes: wait for replies",
+            )
+
+        def answered(_: Future) -> None:
+            with self._pending_lock:
+                session.waiting_frames -= 1
+                session.waiting_bytes -= size
+
+        fut.add_done_callback(answered)
+        return None
 
     def _validate(
         self, session: Session, data: bytes
@@ -640,7 +688,8 @@ class Engine:
         limit = self.limits.idle_timeout
         now = self.clock()
         for session in list(self._sessions.values()):
-            if session.queue or session.held or now - session.last_active <= limit:
+            # Frames held behind a sequence gap do not keep a session alive: a gap nobody fills is idleness too.
+            if session.queue or now - session.last_active <= limit:
                 continue
             self.stats.sessions_expired += 1
             self.count_rejection(Reason.IDLE)
@@ -666,12 +715,6 @@ class Engine:
                     session.queue.popleft()
                     self._rollback(item)
                     continue
-                if frame.kind == wire.Kind.CLOSE:
-                    session.queue.popleft()
-                    _resolve(item.future, [])
-                    self.close(session, "closed by the device")
-                    self._drop(session)
-                    break
                 n = item.tensor.shape[0]  # type: ignore[union-attr]
                 err = self._check_positions(session, frame.arg, n)
                 if err is not None:

@@ -51,7 +51,10 @@ class WorkerSettings(BaseModel):
     max_sessions: Annotated[int, Field(ge=1)] = 16
     max_context: Annotated[int, Field(ge=16)] = 4096
     idle_timeout: Annotated[float, Field(gt=0)] = 300.0
-    max_frame_bytes: Annotated[int, Field(ge=4096)] = wire.DEFAULT_MAX_FRAME_BYTES
+    # None: one context of the model's hidden states (EngineLimits).
+    max_frame_bytes: Annotated[int, Field(ge=4096)] | None = None
+    max_session_bytes: Annotated[int, Field(ge=4096)] | None = None
+    max_session_frames: Annotated[int, Field(ge=1)] = 256
     # Dtype of hidden states on the wire (both directions). The middle computes in float32 on CPU either way;
     # float16 halves the bytes at a small accuracy cost.
     dtype: Literal["float32", "float16"] = "float32"
@@ -68,6 +71,8 @@ class WorkerSettings(BaseModel):
             max_context=self.max_context,
             idle_timeout=self.idle_timeout,
             max_frame_bytes=self.max_frame_bytes,
+            max_session_bytes=self.max_session_bytes,
+            max_session_frames=self.max_session_frames,
             max_batch_tokens=self.max_batch_tokens,
             wire_dtype=wire_dtype(self.dtype),
             batch_invariant=self.batch_invariant,
@@ -247,7 +252,8 @@ def uvicorn_config_kwargs(settings: WorkerSettings) -> dict[str, Any]:
     return {
         "host": settings.host,
         "port": settings.port,
-        "ws_max_size": 2 * settings.max_frame_bytes + 64 * 1024,
+        # The model (and so the derived frame limit) is not loaded yet: cap at the wire's own limit.
+        "ws_max_size": 2 * (settings.max_frame_bytes or wire.DEFAULT_MAX_FRAME_BYTES) + 64 * 1024,
         "ws_per_message_deflate": False,
         "log_level": settings.log_level,
         "access_log": False,

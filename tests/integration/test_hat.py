@@ -420,6 +420,71 @@ async def test_idle_session_is_dropped_with_4408(smol) -> None:
         server.stop()
 
 
+async def test_a_sequence_gap_neither_keeps_a_session_alive_nor_delays_its_close(smol) -> None:
+    model, _ = smol
+    x = shallow_of(model, [1, 2, 3])
+    expiring = WorkerServer(model, SMOL, idle_timeout=0.5).start()
+    try:
+        # Frame 2 arrives, frame 1 never does: the session still expires once it has been idle.
+        ws, sid, _ = await open_raw(expiring)
+        await ws.send(wire.encode_tensor(Kind.PREFILL_CHUNK, sid, 2, x))
+        reply = wire.decode_frame(await asyncio.wait_for(ws.recv(), 5))
+        assert reply.kind == Kind.ERROR and reply.arg == 408
+        await wait_for(lambda: expiring.engine.session_count == 0)
+        await ws.close()
+    finally:
+        expiring.stop()
+    server = WorkerServer(model, SMOL, idle_timeout=60).start()
+    try:
+        # The device's CLOSE does not wait behind the gap either (POST transport: no connection whose end
+        # would close the session anyway).
+        opened = await http(
+            "POST",
+            server.http + "/v1/hidden/sessions",
+            content=wire.encode_text(Kind.OPEN, bytes(16), 0, json.dumps(open_params(server))),
+            headers=AUTH,
+        )
+        sid = opened.headers["x-tandem-session"]
+        url = f"{server.http}/v1/hidden/sessions/{sid}/frames"
+        held = asyncio.create_task(
+            http("POST", url, content=wire.encode_tensor(Kind.PREFILL_CHUNK, bytes.fromhex(sid), 2, x), headers=AUTH)
+        )
+        await wait_for(lambda: bool(server.engine.session(sid).held))
+        r = await http("POST", url, content=wire.encode_control(Kind.CLOSE, bytes.fromhex(sid), 3), headers=AUTH)
+        assert r.status_code == 200 and server.engine.session_count == 0
+        assert (await held).status_code == 200  # the held frame's request ends too, with no frame
+    finally:
+        server.stop()
+
+
+async def test_one_sessions_backlog_is_bounded_and_fails_alone(smol, reference) -> None:
+    model, tok = smol
+    ref, gaps = reference
+    server = WorkerServer(model, SMOL, max_session_bytes=256 * 1024).start()
+    try:
+        ws, sid, info = await open_raw(server)
+        hidden = info["hidden_size"]
+        # Defaults come from the model: one frame may carry a whole context of states, no more.
+        assert info["max_frame_bytes"] == server.engine.max_context * hidden * 4
+        backend = server.backend(model, tok, SMOL)
+        await backend.start()
+        good = asyncio.create_task(collect(backend, prompt_ids(tok)))
+        chunk = torch.randn(32, hidden)  # 72 KiB a frame: the backlog bound holds about three
+        for i in range(48):
+            await ws.send(wire.encode_tensor(Kind.PREFILL_CHUNK, sid, 1 + i, chunk, arg=32 * i))
+        replies = [wire.decode_frame(await asyncio.wait_for(ws.recv(), 60)) for _ in range(48)]
+        refused = [r for r in replies if r.kind == Kind.ERROR and r.arg == 429]
+        assert refused and all(r.text().startswith("backlog") for r in refused), [r.text() for r in refused][:3]
+        assert all(r.kind == Kind.DEEP_STATE or r.arg in (409, 429) for r in replies)
+        assert [r.seq for r in replies] == list(range(1, 49))  # every frame answered once, in order
+        check_against_reference(token_ids(await good), ref, gaps)  # the other session did not notice
+        assert server.engine.stats.rejected["backlog"] == len(refused)
+        await ws.close()
+        await backend.close()
+    finally:
+        server.stop()
+
+
 # --- batching -----------------------------------------------------------------------------------------
 
 
