@@ -55,6 +55,13 @@ class GatewaySettings(_Strict):
     # answer migrates to the other endpoint.
     stall_timeout: Annotated[float, Field(gt=0)] = 10.0
     trace_history: Annotated[int, Field(gt=0)] = 1000
+    # Request bodies larger than this are refused with 413 before they are read whole.
+    max_body_bytes: Annotated[int, Field(gt=0)] = 2 * 1024 * 1024
+    # A client must send a request's headers and body within this many seconds of its first byte (or of
+    # connecting), or the connection is closed: half-sent requests must not hold connections open for good.
+    request_read_timeout: Annotated[float, Field(gt=0)] = 15.0
+    # Connections and requests served at once; beyond it new requests get 503 (uvicorn's limit_concurrency).
+    max_connections: Annotated[int, Field(gt=0)] = 256
     # Append one JSON line per finished request (the format `tandem bench disco --trace` replays).
     trace_file: str = ""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

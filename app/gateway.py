@@ -26,6 +26,7 @@ from clients.openai_compat import OpenAICompatBackend
 from deploy import models as bundled
 from deploy.models import resolve_model
 from endpoints.errors import ApiError, install_error_handlers
+from endpoints.guard import RequestGuard
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
 from policies import cost
 from policies.dispatch import canonical_name
@@ -39,6 +40,9 @@ _BUNDLED_ARCH = {
 }
 
 log = logging.getLogger(__name__)
+
+# Prompts longer than this (in characters) are tokenised off the event loop (~1 ms of tokenising at most here).
+_INLINE_TOKENIZE_CHARS = 16_384
 
 
 def _device_arch(spec: str, path: Path) -> cost.ModelArch:
@@ -257,15 +261,20 @@ class Gateway:
             )
         return limit
 
-    def prepare_chat(self, body: ChatCompletionRequest) -> Job:
-        route = self._route(body.model, body.tandem)
-        self._require_loaded()
-        messages = tuple(
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
-        )
-        prompt_text = self.device.render_chat(messages)
-        prompt_ids = tuple(self.device.tokenize_prompt(prompt_text))
-        gen = GenerationRequest(
+    async def _tokenize_prompt(self, text: str) -> tuple[int, ...]:
+        """A long prompt is tokenised on a worker thread: seconds of tokenising must not hold up every other
+        stream's tokens on the event loop. A short one (nearly every chat turn, mostly from the prompt cache) is
+        tokenised here, where it costs less than the hop to a thread."""
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return tuple(self.device.tokenize_prompt(text))
+        return tuple(await asyncio.to_thread(self.device.tokenize_prompt, text))
+
+    def _generation(self, body, prompt_text: str, prompt_ids: tuple[int, ...], messages=None) -> GenerationRequest:
+        if not prompt_ids:
+            raise ApiError(
+                400, "The prompt is empty: send at least one token of prompt.", param="prompt", code="invalid_value"
+            )
+        return GenerationRequest(
             prompt_text=prompt_text,
             prompt_ids=prompt_ids,
             messages=messages,
@@ -275,14 +284,24 @@ class Gateway:
             stop=body.stop_sequences,
             seed=body.seed,
         )
+
+    async def prepare_chat(self, body: ChatCompletionRequest) -> Job:
+        route = self._route(body.model, body.tandem)
+        self._require_loaded()
+        messages = tuple(
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+        )
+        prompt_text = self.device.render_chat(messages)
+        prompt_ids = await self._tokenize_prompt(prompt_text)
+        gen = self._generation(body, prompt_text, prompt_ids, messages)
         return self._job("chatcmpl", gen, len(prompt_ids), route)
 
-    def prepare_completion(self, body: CompletionRequest) -> Job:
+    async def prepare_completion(self, body: CompletionRequest) -> Job:
         route = self._route(body.model, body.tandem)
         self._require_loaded()
         if isinstance(body.prompt, str):
             prompt_text = body.prompt
-            prompt_ids = tuple(self.device.tokenize_prompt(prompt_text))
+            prompt_ids = await self._tokenize_prompt(prompt_text)
         else:
             prompt_ids = tuple(body.prompt)
             vocab = self.device.vocab_size
@@ -294,15 +313,7 @@ class Gateway:
                     code="invalid_value",
                 )
             prompt_text = self.device.detokenize(prompt_ids)
-        gen = GenerationRequest(
-            prompt_text=prompt_text,
-            prompt_ids=prompt_ids,
-            max_tokens=self._limits(body, len(prompt_ids)),
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            stop=body.stop_sequences,
-            seed=body.seed,
-        )
+        gen = self._generation(body, prompt_text, prompt_ids)
         return self._job("cmpl", gen, len(prompt_ids), route)
 
 
@@ -323,7 +334,8 @@ def create_gateway(settings: Settings) -> FastAPI:
     app = FastAPI(title="Tandem gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.gateway = gateway
     install_error_handlers(app)
-    app.add_middleware(RequestMetricsMiddleware, metrics=gateway.metrics)
+    app.add_middleware(RequestGuard, max_body_bytes=settings.gateway.max_body_bytes)
+    app.add_middleware(RequestMetricsMiddleware, metrics=gateway.metrics)  # outermost: counts the guard's answers
     from endpoints import budget, openai, ops
 
     app.include_router(openai.router)

@@ -76,12 +76,50 @@ class _CoalescingWrites:
 
 
 class HttpProtocol(HttpToolsProtocol):
-    """`uvicorn.run(..., http=HttpProtocol)`."""
+    """`uvicorn.run(..., http=HttpProtocol.reading_within(seconds))`.
+
+    A request must arrive whole (headers and body) within `read_timeout` seconds of the connection being made
+    or of its first byte, or the connection is closed: uvicorn bounds only the idle time between requests, so a
+    client that connects and sends nothing, or half a request, would hold a connection for good."""
+
+    read_timeout: float = 15.0
+
+    @classmethod
+    def reading_within(cls, seconds: float) -> type[HttpProtocol]:
+        return type(cls.__name__, (cls,), {"read_timeout": seconds})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_CoalescingWrites(transport))  # type: ignore[arg-type]
+        self._read_deadline: asyncio.TimerHandle | None = None
+        self._start_read_deadline()
+
+    def _start_read_deadline(self) -> None:
+        self._stop_read_deadline()
+        self._read_deadline = self.loop.call_later(self.read_timeout, self._read_too_slow)
+
+    def _stop_read_deadline(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _read_too_slow(self) -> None:
+        self._read_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_read_deadline()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        self._start_read_deadline()
+        super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         # A request is complete enough for the app to answer: its response's first write is the headers.
         self.transport.hold_next_write()
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._stop_read_deadline()
+        super().on_message_complete()

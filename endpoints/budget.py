@@ -96,6 +96,8 @@ async def put_budget(request: Request) -> dict[str, Any]:
         patch = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "The JSON body of your request is nested too deeply.", code="invalid_json") from None
     if not isinstance(patch, dict):
         raise ApiError(
             400,

@@ -53,8 +53,11 @@ class ApiError(Exception):
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
     errors = exc.errors()
+    # A value that fails every member of a union (`prompt`: a string or a list of token ids) gets one error per
+    # member; a member of the value's own kind says what is wrong, "should be a valid string" does not.
+    errors = sorted(errors, key=lambda e: str(e.get("type", "")).endswith("_type"))
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_member(p)]
     kind = first.get("type", "")
     if kind == "json_invalid":
         return ApiError(
@@ -78,6 +81,11 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     shown = first.get("input")
     got = f" (got {shown!r})" if isinstance(shown, str | int | float | bool) and len(repr(shown)) < 60 else ""
     return ApiError(400, f"Invalid value for '{param}': {msg}{got}.", param=param, code="invalid_value")
+
+
+def _union_member(part) -> bool:
+    """pydantic names the member of a union it tried in an error's location (`str`, `list[int]`): not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -11,9 +11,35 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# Integers are bounded where they enter: Python's are unbounded, and a max_tokens of 10**400 would only fail
+# deep inside (float conversion in the estimators, ctypes in llama.cpp) as a server error.
+_MAX_COUNT = 2**31 - 1
+_INT64 = 2**63
+
+
+def _check_text(value) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = value[exc.start]
+            raise ValueError(
+                f"contains a lone UTF-16 surrogate ({bad!a}) at character {exc.start}, which is not valid Unicode text"
+            ) from None
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_text(item)
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value):
+        # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer or upstream request can encode.
+        _check_text(value)
+        return value
 
 
 class StreamOptions(_Request):
@@ -56,11 +82,11 @@ class _Sampling(_Request):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-_INT64, lt=_INT64)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     tandem: TandemOptions | None = None
@@ -103,8 +129,8 @@ class _Sampling(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
     logprobs: Literal[False] | None = None
 
     @property
@@ -113,8 +139,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the OpenAI default for this endpoint
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0, le=_MAX_COUNT)]], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = 16  # the OpenAI default for this endpoint
     echo: Literal[False] | None = None
     suffix: None = None
     best_of: Literal[1] | None = None

@@ -95,7 +95,7 @@ API_KEY = "test-key-7f3a"
 @pytest.fixture(scope="session")
 def faulty_gateway(silent_server) -> Iterator[GatewayProcess]:
     """A gateway whose cloud is down (nothing listens) and a second cloud that stalls,
-    with no failover, an API key, and the small SmolLM2 as its device model."""
+    with no failover, an API key, a 1 s read timeout for requests, and the small SmolLM2 as its device model."""
     dead = dead_port()
     gw = start_gateway(
         f"""
@@ -104,6 +104,7 @@ policy = "cloud"
 cloud = "cloud"
 fallback = false
 api_keys = ["{API_KEY}", "second-key"]
+request_read_timeout = 1
 [device]
 model = "smollm2-135m-instruct"
 n_ctx = 2048
