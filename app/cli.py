@@ -18,8 +18,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.config import ConfigError, load_settings
-    from app.gateway import create_gateway
     from app.http_protocol import HttpProtocol
+    from app.serving.gateway import create_gateway
     from deploy.models import ModelError
 
     try:
@@ -65,7 +65,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from app.worker import WorkerSettings, serve_worker
+    from app.worker.server import WorkerSettings, serve_worker
 
     values: dict = {}
     if args.config:
@@ -92,7 +92,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _train_adapter(args: argparse.Namespace) -> int:
-    from app.train_adapter import main
+    from app.training.train_adapter import main
 
     return main(args.rest)
 
@@ -110,13 +110,13 @@ def _models(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "gateway":
-        from app.bench_gateway import main
+        from app.bench.gateway import main
     elif args.what == "disco":
-        from app.disco_sim import main
+        from app.bench.disco_sim import main
     elif args.what == "disco-live":
-        from app.bench_disco_live import main
+        from app.bench.disco_live import main
     elif args.what == "hat":
-        from app.bench_hat import main
+        from app.bench.hat import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)

@@ -163,7 +163,7 @@ class EmbeddedWorkerSettings(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 0
     num_threads: Annotated[int, Field(ge=1)] | None = None
     cpus: list[int] | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # where the worker computes (see app/worker.py)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # where the worker computes (see app/worker/server.py)
     startup_timeout: Annotated[float, Field(gt=0)] = 300.0
 
 

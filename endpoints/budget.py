@@ -1,4 +1,4 @@
-"""GET/PUT /v1/budget: a thin HTTP view over the ledger (app/ledger.py), the one source of truth.
+"""GET/PUT /v1/budget: a thin HTTP view over the ledger (app/serving/ledger.py), the one source of truth.
 
 Why the handlers hold no state and do no arithmetic: dispatch, booking and this
 API all read the same `Ledger`, so what an operator sets here is what the next
@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from app.ledger import BudgetValidationError, Ledger, LedgerStateError
+from app.serving.ledger import BudgetValidationError, Ledger, LedgerStateError
 from endpoints.errors import ApiError
 
 

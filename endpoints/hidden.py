@@ -1,6 +1,6 @@
 """The worker's HTTP surface: hidden-state transports, health and metrics.
 
-Two transports carry the same binary frames (clients/hat/wire.py; protocol in app/engine.py):
+Two transports carry the same binary frames (clients/hat/wire.py; protocol in app/worker/engine.py):
 
 WebSocket `/v1/hidden/ws` — one session per connection. Binary messages only, one frame per message. The first
 message is the device's OPEN frame; the worker answers with its OPEN frame (JSON session info), then one reply
@@ -42,12 +42,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from app.engine import Engine, EngineError, Reason, Session, peek_kind
+from app.worker.engine import Engine, EngineError, Reason, Session, peek_kind
 from clients.hat import wire
 from endpoints.errors import ApiError
 
 if TYPE_CHECKING:
-    from app.worker import Worker
+    from app.worker.server import Worker
 
 log = logging.getLogger(__name__)
 router = APIRouter()

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import ServerSentEvent
 
-from app.orchestrator import Delta, Job
+from app.serving.orchestrator import Delta, Job
 from clients.base import BackendError
 from endpoints.errors import ApiError
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest

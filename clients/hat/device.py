@@ -1,7 +1,7 @@
 """The HAT device half: a Backend that keeps raw tokens on the device and borrows a worker's middle layers.
 
 On the device: the input submodel (embedding + layers 0..m-1), the output submodel (final norm + LM head) and the
-adapter Lambda, which together form the draft model w_S = H o Lambda o w^m. On the worker (app/engine.py): the
+adapter Lambda, which together form the draft model w_S = H o Lambda o w^m. On the worker (app/worker/engine.py): the
 middle layers m..n-1 and their KV cache. Only hidden states and control frames cross the link — never token ids
 or text (the OPEN frame carries structural facts only: hidden size, layer counts, m, dtype, model name).
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app import bench_hat
+from app.bench import hat as bench_hat
 from app.cli import main as tandem
 
 

@@ -26,7 +26,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from app.launcher import free_port
-from app.worker import WorkerSettings, create_worker, uvicorn_config_kwargs
+from app.worker.server import WorkerSettings, create_worker, uvicorn_config_kwargs
 from clients.base import BackendError, GenerationRequest, TokenEvent
 from clients.hat import wire
 from clients.hat.adapter import draft_files

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 import endpoints.budget as budget
-from app.ledger import BudgetSettings, Ledger, Price
+from app.serving.ledger import BudgetSettings, Ledger, Price
 from endpoints.errors import install_error_handlers
 
 ADMIN = "adm-secret-1"
@@ -140,7 +140,7 @@ def test_state_write_failure_is_500_and_changes_nothing(tmp_path, monkeypatch):
     def crash(src, dst):
         raise OSError(13, "Permission denied")
 
-    monkeypatch.setattr("app.ledger.os.replace", crash)
+    monkeypatch.setattr("app.serving.ledger.os.replace", crash)
     resp = client.put("/v1/budget", json={"budget": 0.9})
     err = assert_envelope(resp, 500, None, "state_write_failed")
     assert "not changed" in err["message"]

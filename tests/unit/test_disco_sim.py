@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.disco_sim import (
+from app.bench.disco_sim import (
     SERVER_PRESETS,
     SimConfig,
     Trace,

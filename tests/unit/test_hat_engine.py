@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.engine import Engine, EngineError, EngineLimits
+from app.worker.engine import Engine, EngineError, EngineLimits
 from clients.hat import wire
 from clients.hat.device import probabilities, speculative_sample
 from clients.hat.link import DelayLine, LinkProfile
@@ -320,7 +320,7 @@ async def test_delay_line_delivers_in_order_after_the_delay() -> None:
 
 
 def test_worker_compute_device_setting() -> None:
-    from app.worker import WorkerSettings, compute_device
+    from app.worker.server import WorkerSettings, compute_device
 
     assert WorkerSettings().device == "auto"
     assert compute_device("cpu") == torch.device("cpu")

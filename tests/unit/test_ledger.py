@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-import app.ledger as ledger_mod
-from app.ledger import BudgetSettings, BudgetValidationError, Ledger, LedgerStateError, Price
+import app.serving.ledger as ledger_mod
+from app.serving.ledger import BudgetSettings, BudgetValidationError, Ledger, LedgerStateError, Price
 from policies.cost import QWEN2_5_0_5B, DeviceEnergy, TokenPrices, usd_per_pflop
 from policies.dispatch import POLICY_NAMES, make_policy
 

@@ -1,4 +1,4 @@
-"""`tandem train-adapter` (app/train_adapter.py) on tiny data: SmolLM2-135M, a handful of prompts, a few steps."""
+"""`tandem train-adapter` (app/training/) on tiny data: SmolLM2-135M, a handful of prompts, a few steps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import train_adapter as ta
+from app.training import train_adapter as ta
 from clients.hat.adapter import Adapter, draft_files, shipped_adapter_path
 from deploy.models import model_path
 from policies.drafting import DraftStopRule

@@ -441,8 +441,8 @@ class Ledger:
             return new
 
     def knobs(self):
-        """The settings as app.disco.DiscoKnobs for the DiSCo runtime (every cloud's prices)."""
-        from app.disco import DiscoKnobs  # lazy: app.disco is the consumer, not a dependency
+        """The settings as app.serving.disco.DiscoKnobs for the DiSCo runtime (every cloud's prices)."""
+        from app.serving.disco import DiscoKnobs  # lazy: app.serving.disco is the consumer, not a dependency
 
         s = self._settings
         return DiscoKnobs(

@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 DEFAULT_LINK = "latency=10ms,up=7.5MB/s,down=12.5MB/s"
-_CODE_FILES = ("app/orchestrator.py", "app/engine.py", "clients/hat/device.py", "policies/dispatch.py")
+_CODE_FILES = ("app/serving/orchestrator.py", "app/worker/engine.py", "clients/hat/device.py", "policies/dispatch.py")
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class Bench:
         return [*ids_head, *body[:room], *ids_tail]
 
     def held_out_prompts(self, n: int) -> list[list[int]]:
-        from app.train_adapter import chat_ids, is_held_out, load_prompts
+        from app.training.train_adapter import chat_ids, is_held_out, load_prompts
 
         prompts = load_prompts(ROOT / "deploy" / "adapter_prompts.txt")
         held = [p for i, p in enumerate(prompts) if is_held_out(i)]

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from app.engine import Engine, EngineLimits, FrameHook, wire_dtype
+from app.worker.engine import Engine, EngineLimits, FrameHook, wire_dtype
 from clients.hat import wire
 from deploy.models import resolve_model
 

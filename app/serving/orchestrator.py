@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 
-from app.metrics import Metrics
+from app.serving.metrics import Metrics
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from clients.stops import StopMatcher
 from policies.dispatch import DispatchPlan
@@ -551,7 +551,7 @@ def _plan_kind(plan: DispatchPlan) -> str:
 
 
 def replay_row(job: Job) -> dict:
-    """One line of a recorded trace for `tandem bench disco --trace` (format in app/disco_sim.py):
+    """One line of a recorded trace for `tandem bench disco --trace` (format in app/bench/disco_sim.py):
     each endpoint's time from its own start to its first token, when it got there."""
 
     def ttft(role: str, migration: bool) -> float | None:

@@ -16,11 +16,11 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from app.config import Settings
-from app.disco import DiscoRuntime
 from app.embedded import EmbeddedServer, EmbeddedWorker
-from app.ledger import Ledger
-from app.metrics import Metrics, RequestMetricsMiddleware
-from app.orchestrator import Job, Orchestrator
+from app.serving.disco import DiscoRuntime
+from app.serving.ledger import Ledger
+from app.serving.metrics import Metrics, RequestMetricsMiddleware
+from app.serving.orchestrator import Job, Orchestrator
 from clients.base import Backend, GenerationRequest
 from clients.openai_compat import OpenAICompatBackend
 from deploy import models as bundled

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ports = {"fast": free_port(), "paced": free_port()}
     gaps = {"fast": 0.0, "paced": 0.01}
     children = [
-        subprocess.Popen([sys.executable, "-m", "app.bench_gateway", "--upstream", str(ports[m]), str(gaps[m])])
+        subprocess.Popen([sys.executable, "-m", "app.bench.gateway", "--upstream", str(ports[m]), str(gaps[m])])
         for m in ports
     ]
     direct = {m: f"http://127.0.0.1:{p}/v1" for m, p in ports.items()}

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_M = 2
 DEFAULT_PROMPTS = ROOT / "deploy" / "adapter_prompts.txt"

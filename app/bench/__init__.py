@@ -1,0 +1,1 @@
+"""`tandem bench ...`: benchmarks against real servers, and the DiSCo trace simulator."""
