@@ -24,7 +24,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from app.serving.ledger import BudgetValidationError, Ledger, LedgerStateError
+from app.serving.budget import BudgetValidationError
+from app.serving.ledger import Ledger, LedgerStateError
 from endpoints.errors import ApiError
 
 
@@ -65,12 +66,10 @@ router = APIRouter(prefix="/v1", tags=["budget"], dependencies=[Depends(require_
 
 
 def _snapshot(request: Request) -> dict[str, Any]:
-    """The ledger's knobs and spend, plus DiSCo's live state (thresholds, estimates) when running."""
-    snap = _ledger(request).snapshot()
-    disco = getattr(request.app.state.gateway, "disco", None)
-    if disco is not None:
-        snap["dispatch"] = disco.describe()
-    return snap
+    """The ledger's knobs and spend, the constrained side in force for the configured policy, and DiSCo's live
+    state (thresholds, estimates)."""
+    disco = request.app.state.gateway.disco
+    return {**_ledger(request).snapshot(), "effective_side": disco.side(), "dispatch": disco.describe()}
 
 
 @router.get("/budget")
@@ -105,8 +104,8 @@ async def put_budget(request: Request) -> dict[str, Any]:
             code="invalid_request",
         )
     try:
-        # On the loop on purpose: the ledger's change listeners recompute DiSCo state that
-        # the loop owns; the fsync of a few hundred bytes is a rare, admin-only cost.
+        # On the loop on purpose: the ledger tells DiSCo's runtime, which recomputes state the loop owns;
+        # the fsync of a few hundred bytes is a rare, admin-only cost.
         ledger.update(patch)
     except BudgetValidationError as exc:
         raise ApiError(400, exc.message, param=exc.field, code="invalid_value") from None

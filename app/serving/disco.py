@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
 
-from policies.cost import CostModel, DeviceEnergy, ModelArch, Side, TokenPrices, usd_per_pflop
+from app.serving.budget import BudgetSettings, pinned_side
+from app.serving.ledger import Ledger
+from policies.cost import CostModel, DeviceEnergy, ModelArch, Side, TokenPrices
 from policies.dispatch import DispatchPlan, DispatchPolicy, canonical_name, make_policy
 from policies.estimate import Estimators
 from policies.migration import MigrationDecision, buffer_tokens, should_migrate
@@ -20,34 +21,24 @@ from policies.migration import MigrationDecision, buffer_tokens, should_migrate
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DiscoKnobs:
-    """The user-set part of DiSCo (GET/PUT /v1/budget)."""
-
-    policy: str
-    side: str  # "auto" | "server" | "device"
-    budget: float
-    alpha: float
-    exchange_rate: float  # λ in USD per 10^15 FLOPs
-    consumption_rate: float  # r_c, tokens/s
-    cloud_prices: dict[str, TokenPrices]  # per cloud backend, USD per token
-    migration: bool = True
-
-
 class DiscoRuntime:
     """One device, one or more cloud endpoints. Each request plays DiSCo between the device
     and one cloud (the primary unless the request names another): estimators, cost model,
-    constrained side and policy thresholds are kept per cloud."""
+    constrained side and policy thresholds are kept per cloud.
+
+    The knobs are the ledger's `BudgetSettings`, read from it at start and on every change (the ledger tells
+    the runtime; nothing flows back). This is the one place that resolves the constrained side."""
 
     def __init__(
         self,
+        ledger: Ledger,
         primary: str | None,
         device_arch: ModelArch,
-        knobs: DiscoKnobs,
         window: int = 2000,
         recompute_every: int = 10,
         rng: random.Random | None = None,
     ):
+        self.ledger = ledger
         self.primary = primary
         self.energy = DeviceEnergy.from_arch(device_arch)
         self.estimators = Estimators(window=window)
@@ -55,34 +46,35 @@ class DiscoRuntime:
         self._rng = rng or random.Random()
         self._policies: dict[tuple[str, str], DispatchPolicy] = {}
         self._since_recompute = 0
-        self.set_knobs(knobs)
+        self.apply(ledger.settings)
+        ledger.on_change(lambda: self.apply(ledger.settings))
 
     # -- knobs and derived state -----------------------------------------------------------------
-    def set_knobs(self, knobs: DiscoKnobs) -> None:
-        self.knobs = knobs
-        lam = usd_per_pflop(knobs.exchange_rate)
-        override = None if knobs.side == "auto" else knobs.side
-        self._costs = {name: CostModel(p, self.energy, lam) for name, p in knobs.cloud_prices.items()}
-        self._sides: dict[str, Side] = {name: c.constrained_side(override) for name, c in self._costs.items()}
+    def apply(self, settings: BudgetSettings) -> None:
+        self.settings = settings
+        self._costs = {name: settings.cost_model(name, self.energy) for name in settings.prices}
         self._recompute_all()
 
     def cost(self, cloud: str) -> CostModel:
         if cloud not in self._costs:  # a cloud without a price: free, so the device is the dear side
-            self._costs[cloud] = CostModel(TokenPrices(0.0, 0.0), self.energy, usd_per_pflop(self.knobs.exchange_rate))
+            self._costs[cloud] = CostModel(TokenPrices(0.0, 0.0), self.energy, self.settings.lam_usd_per_flop)
         return self._costs[cloud]
 
-    def side(self, cloud: str | None = None) -> Side:
-        cloud = cloud or self.primary or "cloud"
-        if cloud not in self._sides:
-            self._sides[cloud] = self.cost(cloud).constrained_side(
-                None if self.knobs.side == "auto" else self.knobs.side
-            )
-        return self._sides[cloud]
+    def side(self, cloud: str | None = None, policy: str | None = None) -> Side:
+        """The constrained side of a request DiSCo plays against `cloud` under `policy` (the configured one if
+        None): fixed by the policy's name (the -s / -d variants) or by the operator, else Alg. 1 from prices.
+        Dispatch, booking and GET /v1/budget all ask here."""
+        pinned = pinned_side(policy or self.settings.policy, self.settings.constrained_side)
+        return pinned or self.cost(cloud or self.primary or "cloud").constrained_side()
 
     def _recompute(self, key: tuple[str, str]) -> None:
-        _, cloud = key
+        policy, cloud = key
         self._policies[key].recompute_from(
-            self.estimators, cloud, budget=self.knobs.budget, alpha=self.knobs.alpha, side=self.side(cloud)
+            self.estimators,
+            cloud,
+            budget=self.settings.budget,
+            alpha=self.settings.alpha,
+            side=self.side(cloud, policy),
         )
 
     def _recompute_all(self) -> None:
@@ -135,7 +127,7 @@ class DiscoRuntime:
             expected_remaining=self.estimators.output_lengths.expected_remaining(delivered, max_tokens=max_tokens),
             cached_tokens=cached_tokens,
             client_lead=lead,
-            buffer=buffer_tokens(self.knobs.consumption_rate, t_m),
+            buffer=buffer_tokens(self.settings.consumption_rate, t_m),
         )
 
     def cost_of(self, role: str, cloud: str, prefill_tokens: int, decode_tokens: int) -> float:
@@ -174,7 +166,7 @@ class DiscoRuntime:
                 "prefill": self.energy.prefill_per_token,
                 "decode": self.energy.decode_per_token,
             },
-            "policy_state": _plain(self.policy(self.knobs.policy, cloud).describe()),
+            "policy_state": _plain(self.policy(self.settings.policy, cloud).describe()),
             "estimates": {
                 "device_ttft_line": {
                     "seconds_per_token": float(self.estimators.device_ttft.k),

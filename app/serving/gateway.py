@@ -88,14 +88,12 @@ class Gateway:
         cloud = settings.gateway.cloud if settings.gateway.cloud in self.backends else None
         self.ledger = Ledger.from_settings(settings)
         self.disco = DiscoRuntime(
+            self.ledger,
             cloud,
             _device_arch(settings.device.model, self.device.model_path),
-            self.ledger.knobs(),
             window=settings.disco.window,
             recompute_every=settings.disco.recompute_every,
         )
-        self.ledger.on_change(lambda: self.disco.set_knobs(self.ledger.knobs()))
-        self.ledger.side_resolver = lambda _settings: self.disco.side()
         self.metrics.budget_ratio.set_function(self.ledger.realised_ratio)
         self.orchestrator = Orchestrator(
             self.backends,

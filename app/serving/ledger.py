@@ -1,42 +1,24 @@
-"""DiSCo's spend and budget state: the one source of truth for cost.
+"""DiSCo's budget settings and spend: the one source of truth for cost.
 
-Why one object: the budget a request is dispatched under, the prices its cost is
-booked at and the spend the operator sees on GET /v1/budget must never disagree
-(openai-wire.md pitfall 8: gateways that track spend in one place and check
-budgets in another end up with keys or model names that bypass the budget). So
-DiSCo's runtime takes its knobs and cloud prices from `Ledger.knobs()` (and is
-told of every change through `on_change`), the orchestrator books every endpoint's
-work through `Ledger.record`, and the HTTP API is a thin view over `snapshot()`
-and `update()`.
+Why one object: the budget a request is dispatched under, the prices its cost is booked at and the spend the
+operator sees on GET /v1/budget must never disagree (gateways that track spend in one place and check budgets
+in another end up with keys or model names that bypass the budget). So the ledger holds the current
+`BudgetSettings` (app/serving/budget.py); DiSCo's runtime reads them from here and is told of every change
+(`on_change`: data flows one way, from the ledger to the runtime); the orchestrator books every endpoint's work
+through `record`; the HTTP API is a thin view over `snapshot()` and `update()`.
 
-Settings (`BudgetSettings`, immutable; an update swaps in a new object):
+Persistence: settings survive a restart. Each update is written as JSON to a temp file in the state file's
+directory, fsync'd and `os.replace`d over the old file, so a crash leaves either the old or the new settings,
+never half of each. A file that cannot be read back is an error naming the file: silently falling back to
+defaults would quietly lift a budget the operator set.
 
-* policy — a dispatch policy name (policies.dispatch.POLICY_NAMES), stored canonical;
-* constrained_side — "auto" (Alg. 1 decides from prices), "server" or "device";
-* budget b ∈ [0, 1] — share of input tokens the constrained endpoint may process;
-* alpha α ∈ (0, 1) — tail ratio. Open interval because that is what
-  policies.dispatch accepts: α = 0 or 1 would pass here and then make every
-  recompute raise, turning a bad PUT into broken dispatch;
-* exchange_rate λ ≥ 0 — USD per 10^15 device FLOPs (see policies.cost.usd_per_pflop);
-* consumption_rate r_c > 0 — client reading speed, tokens/s (Eq. 6's buffer);
-* migration — whether DiSCo may migrate generation mid-answer;
-* prices — per cloud backend, USD per million prompt (prefill) / generated (decode) tokens.
+Spend is kept in memory only (per-endpoint totals since start, plus a rolling window of the last N requests for
+the realised budget ratio). Persisting it would put an fsync on every request; long-run spend belongs in metrics.
 
-Persistence: settings survive a restart. Each update is written as JSON to a
-temp file in the state file's directory, fsync'd and `os.replace`d over the old
-file, so a crash leaves either the old or the new settings, never half of each.
-A file that cannot be read back is an error naming the file: silently falling
-back to defaults would quietly lift a budget the operator set.
-
-Spend is kept in memory only (per-endpoint totals since start, plus a rolling
-window of the last N requests for the realised budget ratio). Persisting it
-would put an fsync on every request; long-run spend belongs in metrics.
-
-Concurrency: every method is synchronous (no awaits) and holds a
-`threading.Lock` only for plain-Python bookkeeping, so it is safe from the event
-loop and from backend threads alike. `update` does its file I/O outside that
-lock (serialised by a second lock), so booking a request from another thread
-never waits for a disk flush.
+Concurrency: every method is synchronous (no awaits) and holds a `threading.Lock` only for plain-Python
+bookkeeping, so it is safe from the event loop and from backend threads alike. `update` does its file I/O
+outside that lock (serialised by a second lock), so booking a request from another thread never waits for a
+disk flush.
 """
 
 from __future__ import annotations
@@ -52,233 +34,19 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
-from policies.cost import SIDES, CostModel, DeviceEnergy, Side, TokenPrices, usd_per_pflop
-from policies.dispatch import DEFAULT_ALPHA, POLICY_NAMES, canonical_name
+from app.serving.budget import UNITS, BudgetSettings, BudgetValidationError, Price, apply_patch
+from policies.dispatch import POLICY_NAMES
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 DEFAULT_WINDOW = 1000
-CONSTRAINED_SIDES: tuple[str, ...] = ("auto", *SIDES)
-# Policies whose name fixes the constrained side (the "-s"/"-d" variants and baselines).
-POLICY_SIDE: dict[str, Side] = {"disco-s": "server", "stoch-s": "server", "disco-d": "device", "stoch-d": "device"}
-DEFAULT_EXCHANGE_RATE = 0.3  # USD per PFLOP: App. E's server-constrained λ (policies.cost)
-# r_c: a typical reader (§2.2: 4-5 tok/s); matches the config's default, a little above
-# policies.migration.READING_RATE (4.5), the simulator's default.
-DEFAULT_CONSUMPTION_RATE = 4.8
-
-UNITS = {
-    "budget": "share of input tokens the constrained endpoint may process, [0, 1]",
-    "alpha": "tail ratio, (0, 1)",
-    "exchange_rate": "USD per 1e15 device FLOPs",
-    "consumption_rate": "tokens per second",
-    "migration": "whether DiSCo may move generation between endpoints mid-answer",
-    "prices": "USD per 1M tokens",
-    "cost_usd": "USD",
-}
-
-
-class BudgetValidationError(ValueError):
-    """A budget setting is invalid. `field` names it (dotted, e.g. "prices.cloud.decode"),
-    or is None when the update as a whole is malformed (not an object)."""
-
-    def __init__(self, field: str | None, message: str):
-        super().__init__(message)
-        self.field = field
-        self.message = message
 
 
 class LedgerStateError(RuntimeError):
     """The state file cannot be read, parsed or written; the message names the file."""
-
-
-def _number(name: str, value: Any) -> float:
-    # bool is an int in Python, but `"budget": true` is a client bug, not 1.0.
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BudgetValidationError(name, f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise BudgetValidationError(name, f"{name} must be finite, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class Price:
-    """A cloud backend's list price, USD per million tokens (as providers publish it, Table 8)."""
-
-    prefill: float
-    decode: float
-
-    def token_prices(self) -> TokenPrices:
-        """USD per token, the unit policies.cost works in."""
-        return TokenPrices.per_million(self.prefill, self.decode)
-
-    def to_dict(self) -> dict[str, float]:
-        return {"prefill": self.prefill, "decode": self.decode}
-
-
-_PRICE_KEYS = ("prefill", "decode")
-
-
-def _price(backend: str, value: Any, base: Price | None = None) -> Price:
-    """A Price from a Price, a {"prefill", "decode"} mapping (partial if `base` fills the gaps)
-    or a (prefill, decode) pair; each non-negative."""
-    where = f"prices.{backend}"
-    if isinstance(value, Price):
-        value = value.to_dict()
-    elif isinstance(value, tuple | list) and len(value) == 2:
-        value = dict(zip(_PRICE_KEYS, value, strict=True))
-    if not isinstance(value, Mapping):
-        raise BudgetValidationError(where, f"{where} must be an object with 'prefill' and 'decode', got {value!r}")
-    for key in value:
-        if key not in _PRICE_KEYS:
-            raise BudgetValidationError(f"{where}.{key}", f"unknown field {where}.{key}; expected prefill or decode")
-    out = {}
-    for key in _PRICE_KEYS:
-        name = f"{where}.{key}"
-        if key in value:
-            out[key] = _number(name, value[key])
-            if out[key] < 0:
-                raise BudgetValidationError(name, f"{name} must be ≥ 0 (USD per 1M tokens), got {out[key]!r}")
-        elif base is not None:
-            out[key] = getattr(base, key)
-        else:
-            raise BudgetValidationError(name, f"{name} is required")
-    return Price(**out)
-
-
-@dataclass(frozen=True)
-class BudgetSettings:
-    """DiSCo's user-set knobs. Validated on construction, so an invalid object cannot exist:
-    the config's defaults fail fast at start-up with the same messages a bad PUT gets."""
-
-    policy: str = "disco"
-    constrained_side: str = "auto"
-    budget: float = 0.5
-    alpha: float = DEFAULT_ALPHA
-    exchange_rate: float = DEFAULT_EXCHANGE_RATE
-    consumption_rate: float = DEFAULT_CONSUMPTION_RATE
-    migration: bool = True
-    prices: Mapping[str, Price] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        if not isinstance(self.policy, str):
-            raise BudgetValidationError("policy", f"policy must be a string, got {self.policy!r}")
-        try:
-            set_(self, "policy", canonical_name(self.policy))
-        except ValueError as exc:
-            raise BudgetValidationError("policy", str(exc)) from None
-        if self.constrained_side not in CONSTRAINED_SIDES:
-            raise BudgetValidationError(
-                "constrained_side",
-                f"constrained_side must be one of {', '.join(CONSTRAINED_SIDES)}, got {self.constrained_side!r}",
-            )
-        budget = _number("budget", self.budget)
-        if not 0.0 <= budget <= 1.0:
-            raise BudgetValidationError("budget", f"budget must be in [0, 1], got {budget!r}")
-        alpha = _number("alpha", self.alpha)
-        if not 0.0 < alpha < 1.0:
-            raise BudgetValidationError("alpha", f"alpha must be in (0, 1) (exclusive), got {alpha!r}")
-        lam = _number("exchange_rate", self.exchange_rate)
-        if lam < 0:
-            raise BudgetValidationError("exchange_rate", f"exchange_rate must be ≥ 0 (USD per PFLOP), got {lam!r}")
-        r_c = _number("consumption_rate", self.consumption_rate)
-        if r_c <= 0:
-            raise BudgetValidationError("consumption_rate", f"consumption_rate must be > 0 tokens/s, got {r_c!r}")
-        if not isinstance(self.migration, bool):
-            raise BudgetValidationError("migration", f"migration must be true or false, got {self.migration!r}")
-        if not isinstance(self.prices, Mapping):
-            raise BudgetValidationError("prices", f"prices must be an object keyed by backend, got {self.prices!r}")
-        prices = {}
-        for name, value in self.prices.items():
-            if not isinstance(name, str) or not name:
-                raise BudgetValidationError("prices", f"prices keys must be backend names, got {name!r}")
-            prices[name] = _price(name, value)
-        implied = POLICY_SIDE.get(self.policy)
-        if implied is not None and self.constrained_side not in ("auto", implied):
-            raise BudgetValidationError(
-                "constrained_side",
-                f"policy {self.policy!r} is {implied}-constrained; constrained_side {self.constrained_side!r} "
-                f"contradicts it (use 'auto' or {implied!r}, or policy 'disco')",
-            )
-        for name, value in (("budget", budget), ("alpha", alpha), ("exchange_rate", lam), ("consumption_rate", r_c)):
-            set_(self, name, value)
-        set_(self, "prices", MappingProxyType(prices))
-
-    @property
-    def side_override(self) -> Side | None:
-        """The side pinned by the policy name or by the operator; None = let Alg. 1 decide from prices."""
-        implied = POLICY_SIDE.get(self.policy)
-        if implied is not None:
-            return implied
-        return None if self.constrained_side == "auto" else self.constrained_side  # type: ignore[return-value]
-
-    @property
-    def lam_usd_per_flop(self) -> float:
-        """λ in the unit CostModel takes."""
-        return usd_per_pflop(self.exchange_rate)
-
-    def cost_model(self, backend: str, energy: DeviceEnergy) -> CostModel:
-        """Eq. 8 for one cloud backend at the current prices and λ: what dispatch, migration and
-        booking must all use, so that they agree with what GET /v1/budget shows."""
-        try:
-            price = self.prices[backend]
-        except KeyError:
-            known = ", ".join(self.prices) or "none configured"
-            raise KeyError(f"no price for cloud backend {backend!r}; known: {known}") from None
-        return CostModel(server=price.token_prices(), energy=energy, lam=self.lam_usd_per_flop)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy,
-            "constrained_side": self.constrained_side,
-            "budget": self.budget,
-            "alpha": self.alpha,
-            "exchange_rate": self.exchange_rate,
-            "consumption_rate": self.consumption_rate,
-            "migration": self.migration,
-            "prices": {name: price.to_dict() for name, price in self.prices.items()},
-        }
-
-
-SETTING_FIELDS: tuple[str, ...] = tuple(BudgetSettings.__dataclass_fields__)
-
-
-def apply_patch(base: BudgetSettings, patch: Any, *, unknown_backends: str = "reject") -> BudgetSettings:
-    """`base` with the fields of `patch` replaced (prices merged per backend and per field).
-
-    unknown_backends: "reject" (a PUT naming a backend the gateway does not have is a
-    typo that would otherwise be silently ignored) or "drop" (a state file written
-    when a since-removed cloud was configured).
-    """
-    if not isinstance(patch, Mapping):
-        raise BudgetValidationError(None, f"a budget update must be a JSON object, got {type(patch).__name__}")
-    for key in patch:
-        if key not in SETTING_FIELDS:
-            raise BudgetValidationError(str(key), f"unknown field {key!r}; expected one of {', '.join(SETTING_FIELDS)}")
-    fields = {name: getattr(base, name) for name in SETTING_FIELDS}
-    fields.update({k: v for k, v in patch.items() if k != "prices"})
-    if "prices" in patch:
-        given = patch["prices"]
-        if not isinstance(given, Mapping):
-            raise BudgetValidationError("prices", f"prices must be an object keyed by backend, got {given!r}")
-        prices = dict(base.prices)
-        for name, value in given.items():
-            if name not in base.prices:
-                known = ", ".join(base.prices) or "none configured"
-                if unknown_backends == "drop":
-                    log.warning("budget state: dropping prices for unknown cloud backend %r (known: %s)", name, known)
-                    continue
-                raise BudgetValidationError(
-                    f"prices.{name}", f"prices for unknown cloud backend {name!r}; known: {known}"
-                )
-            prices[name] = _price(str(name), value, base=base.prices[name])
-        fields["prices"] = prices
-    return BudgetSettings(**fields)
 
 
 @dataclass
@@ -321,11 +89,7 @@ class Ledger:
     defaults: settings when there is no state file yet; its `prices` keys are the cloud
       backends prices may be set for.
     window: how many recent requests the realised budget ratio is measured over.
-    side_resolver: given the settings, returns the constrained side Alg. 1 picks when
-      constrained_side is "auto" (it needs the device's FLOPs, which the ledger does not
-      know), e.g. ``lambda s: s.cost_model("cloud", energy).constrained_side()``; only
-      used for the snapshot's `effective_side`.
-    primary_cloud: the cloud backend whose prices `knobs()` hands to DiSCo.
+    primary_cloud: the cloud backend DiSCo plays against the device unless a request names another.
     """
 
     def __init__(
@@ -334,14 +98,12 @@ class Ledger:
         defaults: BudgetSettings | None = None,
         *,
         window: int = DEFAULT_WINDOW,
-        side_resolver: Callable[[BudgetSettings], Side] | None = None,
         primary_cloud: str | None = None,
     ):
         if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
             raise ValueError(f"window must be a positive int, got {window!r}")
         self.state_file = Path(state_file).expanduser() if state_file not in (None, "") else None
         self.window = window
-        self.side_resolver = side_resolver
         self._lock = threading.Lock()  # bookkeeping: settings swap, spend, window
         self._update_lock = threading.Lock()  # serialises update() including its file write
         self._settings = defaults if defaults is not None else BudgetSettings()
@@ -439,37 +201,6 @@ class Ledger:
             if first_error is not None:
                 raise first_error
             return new
-
-    def knobs(self):
-        """The settings as app.serving.disco.DiscoKnobs for the DiSCo runtime (every cloud's prices)."""
-        from app.serving.disco import DiscoKnobs  # lazy: app.serving.disco is the consumer, not a dependency
-
-        s = self._settings
-        return DiscoKnobs(
-            policy=s.policy,
-            side=s.constrained_side,
-            budget=s.budget,
-            alpha=s.alpha,
-            exchange_rate=s.exchange_rate,
-            consumption_rate=s.consumption_rate,
-            cloud_prices={name: price.token_prices() for name, price in s.prices.items()},
-            migration=s.migration,
-        )
-
-    def effective_side(self, settings: BudgetSettings | None = None) -> Side | None:
-        """The constrained side in force: pinned by policy or operator, else the resolver's
-        Alg. 1 answer, else None (unknown). A failing resolver is logged, not raised, so that
-        GET /v1/budget keeps working while a cost model is misconfigured."""
-        s = settings if settings is not None else self._settings
-        pinned = s.side_override
-        if pinned is not None or self.side_resolver is None:
-            return pinned
-        try:
-            side = self.side_resolver(s)
-        except Exception:
-            log.exception("constrained-side resolver failed")
-            return None
-        return side if side in SIDES else None
 
     @staticmethod
     def _load(path: Path, defaults: BudgetSettings) -> BudgetSettings:
@@ -586,7 +317,6 @@ class Ledger:
     def snapshot(self) -> dict[str, Any]:
         """Settings and live spend as plain JSON-able data, for GET /v1/budget."""
         settings = self._settings
-        side = self.effective_side(settings)
         with self._lock:
             spend = {
                 "requests": self._requests,
@@ -611,7 +341,6 @@ class Ledger:
             version = self._version
         return {
             **settings.to_dict(),
-            "effective_side": side,
             "primary_cloud": self.primary_cloud,
             "known_policies": list(POLICY_NAMES),
             "units": dict(UNITS),

@@ -294,7 +294,7 @@ class Orchestrator:
             job.ttft = now - job.started
             self.metrics.ttft.labels(backend=attempt.name).observe(job.ttft)
             t_first = now
-            r_c = self.disco.knobs.consumption_rate
+            r_c = self.disco.settings.consumption_rate
             matcher = StopMatcher(job.gen.stop)
             limit = job.gen.max_tokens
             produced = 0
@@ -373,7 +373,7 @@ class Orchestrator:
         if (
             job.pinned is not None
             or job.migrations
-            or not self.disco.knobs.migration
+            or not self.disco.settings.migration
             or job.cloud is None
             or not event.text
             or produced >= job.gen.max_tokens
@@ -390,7 +390,7 @@ class Orchestrator:
             job.prompt_tokens,
             produced,
             job.gen.max_tokens,
-            lead(produced, time.monotonic(), t_first, self.disco.knobs.consumption_rate),
+            lead(produced, time.monotonic(), t_first, self.disco.settings.consumption_rate),
             self._cached_prefix(target, job, ids),
         )
         return target if decision.start_now else None
@@ -498,6 +498,8 @@ class Orchestrator:
         if finished:
             self.disco.observe_output(completion)
         total = 0.0
+        # The side this request was dispatched under: its own policy's, which may differ from the configured one.
+        constrained_role = "cloud" if self.disco.side(job.cloud, job.policy) == "server" else "device"
         for a in job.attempts:
             prefilled = a.context_tokens - a.cached_tokens
             cost = self.disco.cost_of(a.role, job.cloud or a.name, prefilled, a.decode_tokens)
@@ -508,7 +510,7 @@ class Orchestrator:
                 prefilled,
                 a.decode_tokens,
                 cost,
-                constrained=a.role == ("cloud" if self.disco.side(job.cloud) == "server" else "device"),
+                constrained=a.role == constrained_role,
                 prompt_tokens=job.prompt_tokens,
             )
             self.metrics.tokens.labels(backend=a.name, phase="prompt").inc(prefilled)

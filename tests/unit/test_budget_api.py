@@ -1,8 +1,7 @@
 """GET/PUT /v1/budget on a minimal app: round trip, the error envelope, admin auth, persistence.
 
-Why a stand-in gateway: the router only needs `app.state.gateway.ledger` and
-`.settings.gateway.{admin_keys, api_keys}`, so the tests pin that contract
-without loading models.
+Why a stand-in gateway: the router only needs `app.state.gateway.ledger`, `.disco` (DiSCo's runtime: pure
+logic) and `.settings.gateway.{admin_keys, api_keys}`, so the tests pin that contract without loading models.
 """
 
 from __future__ import annotations
@@ -15,8 +14,11 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 import endpoints.budget as budget
-from app.serving.ledger import BudgetSettings, Ledger, Price
+from app.serving.budget import BudgetSettings, Price
+from app.serving.disco import DiscoRuntime
+from app.serving.ledger import Ledger
 from endpoints.errors import install_error_handlers
+from policies.cost import QWEN2_5_0_5B
 
 ADMIN = "adm-secret-1"
 
@@ -26,7 +28,8 @@ def make_app(ledger: Ledger, *, admin_keys=(), api_keys=()) -> FastAPI:
     install_error_handlers(app)
     app.include_router(budget.router)
     gw = SimpleNamespace(admin_keys=[SecretStr(k) for k in admin_keys], api_keys=[SecretStr(k) for k in api_keys])
-    app.state.gateway = SimpleNamespace(ledger=ledger, settings=SimpleNamespace(gateway=gw))
+    disco = DiscoRuntime(ledger, "cloud", QWEN2_5_0_5B)
+    app.state.gateway = SimpleNamespace(ledger=ledger, disco=disco, settings=SimpleNamespace(gateway=gw))
     return app
 
 

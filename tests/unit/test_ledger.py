@@ -1,7 +1,7 @@
 """The ledger: validated budget settings that survive restarts, and spend accounting.
 
-Why these tests: the ledger is the one source of truth for spend (openai-wire.md
-pitfall 8), so a bad value must be refused with the field named, an accepted one
+Why these tests: the ledger is the one source of truth for spend (a gateway that checks budgets in one place and
+books spend in another can be bypassed), so a bad value must be refused with the field named, an accepted one
 must outlive the process, a failed write must leave the old state intact, and the
 realised budget ratio must follow the paper's definition (constrained endpoint's
 share of input tokens, prompt counted once).
@@ -16,7 +16,9 @@ import os
 import pytest
 
 import app.serving.ledger as ledger_mod
-from app.serving.ledger import BudgetSettings, BudgetValidationError, Ledger, LedgerStateError, Price
+from app.serving.budget import BudgetSettings, BudgetValidationError, Price
+from app.serving.disco import DiscoRuntime
+from app.serving.ledger import Ledger, LedgerStateError
 from policies.cost import QWEN2_5_0_5B, DeviceEnergy, TokenPrices, usd_per_pflop
 from policies.dispatch import POLICY_NAMES, make_policy
 
@@ -164,27 +166,20 @@ def test_cost_model_uses_current_prices_and_lambda(ledger):
         ledger.settings.cost_model("nope", energy)
 
 
-def test_effective_side(ledger):
-    energy = DeviceEnergy.from_arch(QWEN2_5_0_5B)
-    assert ledger.effective_side() is None  # auto and nobody to ask
-    ledger.side_resolver = lambda s: s.cost_model("cloud", energy).constrained_side()
+def test_constrained_side(ledger):
+    """One place resolves the side (DiscoRuntime.side), from the ledger's settings and the request's policy."""
+    disco = DiscoRuntime(ledger, "cloud", QWEN2_5_0_5B)
     ledger.update({"exchange_rate": 0.3})
-    assert ledger.effective_side() == "server"  # λ·FLOPs cheaper than gpt-4o-mini
+    assert disco.side() == "server"  # λ·FLOPs cheaper than gpt-4o-mini
     ledger.update({"exchange_rate": 5.0})
-    assert ledger.effective_side() == "device"
+    assert disco.side() == "device"
     ledger.update({"constrained_side": "server"})
-    assert ledger.effective_side() == "server"  # operator pin wins
+    assert disco.side() == "server"  # operator pin wins
     ledger.update({"constrained_side": "auto", "policy": "disco-s"})
-    assert ledger.effective_side() == "server"  # the policy name fixes it
-
-
-def test_failing_resolver_gives_unknown_side_not_an_error(ledger):
-    def boom(_):
-        raise RuntimeError("no energy model")
-
-    ledger.side_resolver = boom
-    assert ledger.effective_side() is None
-    assert ledger.snapshot()["effective_side"] is None
+    assert disco.side() == "server"  # the policy name fixes it
+    # A request's own policy fixes its side, whatever the configured one says.
+    ledger.update({"exchange_rate": 0.3, "policy": "disco"})
+    assert disco.side("cloud", "disco-d") == "device" and disco.side("cloud", "disco") == "server"
 
 
 # ------------------------------------------------------------------ persistence
@@ -355,7 +350,6 @@ def test_snapshot_keys_and_json(ledger):
     assert set(snap) == {
         "policy",
         "constrained_side",
-        "effective_side",
         "budget",
         "alpha",
         "exchange_rate",
@@ -433,17 +427,16 @@ def test_state_file_path_expands_home(monkeypatch, tmp_path):
     assert Ledger("~/x/budget.json").state_file == tmp_path / "x" / "budget.json"
 
 
-def test_knobs_for_disco_runtime(tmp_path):
+def test_disco_runtime_reads_the_ledgers_settings(tmp_path):
     ledger = Ledger.from_settings(config(tmp_path))
+    disco = DiscoRuntime(ledger, "cloud", QWEN2_5_0_5B)
     ledger.update({"prices": {"cloud": {"decode": 8.0}}, "migration": False})
-    knobs = ledger.knobs()
-    assert knobs.policy == "disco" and knobs.side == "device" and knobs.budget == 0.3
-    assert knobs.exchange_rate == 5.0 and knobs.consumption_rate == 4.0 and knobs.migration is False
-    assert knobs.cloud_prices == {
-        "cloud": TokenPrices.per_million(1.0, 8.0),
-        "spare": TokenPrices.per_million(3.0, 4.0),
-    }
-    assert Ledger(None).knobs().cloud_prices == {}  # no cloud at all
+    s = disco.settings
+    assert s.policy == "disco" and s.constrained_side == "device" and s.budget == 0.3
+    assert s.exchange_rate == 5.0 and s.consumption_rate == 4.0 and s.migration is False
+    assert disco.cost("cloud").server == TokenPrices.per_million(1.0, 8.0)
+    assert disco.cost("spare").server == TokenPrices.per_million(3.0, 4.0)
+    assert disco.cost("cloud").lam == usd_per_pflop(5.0)
 
 
 def test_on_change_listeners(ledger):

@@ -1,0 +1,247 @@
+"""DiSCo's user-set knobs, as one immutable, validated type: `BudgetSettings`.
+
+The ledger (app/serving/ledger.py) keeps the current value, persists it and books spend; DiSCo's runtime
+(app/serving/disco.py) reads it from the ledger and derives its cost models and thresholds from it; GET/PUT
+/v1/budget shows and patches it. Prices are kept as providers publish them, USD per million tokens; the cost
+model works per token (`Price.token_prices`).
+
+* policy — a dispatch policy name (policies.dispatch.POLICY_NAMES), stored canonical;
+* constrained_side — "auto" (Alg. 1 decides from prices), "server" or "device";
+* budget b ∈ [0, 1] — share of input tokens the constrained endpoint may process;
+* alpha α ∈ (0, 1) — tail ratio. Open interval because that is what policies.dispatch accepts: α = 0 or 1 would
+  pass here and then make every recompute raise, turning a bad PUT into broken dispatch;
+* exchange_rate λ ≥ 0 — USD per 10^15 device FLOPs (see policies.cost.usd_per_pflop);
+* consumption_rate r_c > 0 — client reading speed, tokens/s (Eq. 6's buffer);
+* migration — whether DiSCo may migrate generation mid-answer;
+* prices — per cloud backend, USD per million prompt (prefill) / generated (decode) tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from policies.cost import SIDES, CostModel, DeviceEnergy, Side, TokenPrices, usd_per_pflop
+from policies.dispatch import DEFAULT_ALPHA, canonical_name
+
+log = logging.getLogger(__name__)
+
+CONSTRAINED_SIDES: tuple[str, ...] = ("auto", *SIDES)
+# Policies whose name fixes the constrained side (the "-s"/"-d" variants and baselines).
+POLICY_SIDE: dict[str, Side] = {"disco-s": "server", "stoch-s": "server", "disco-d": "device", "stoch-d": "device"}
+DEFAULT_EXCHANGE_RATE = 0.3  # USD per PFLOP: App. E's server-constrained λ (policies.cost)
+# r_c: a typical reader (§2.2: 4-5 tok/s); matches the config's default, a little above
+# policies.migration.READING_RATE (4.5), the simulator's default.
+DEFAULT_CONSUMPTION_RATE = 4.8
+
+UNITS = {
+    "budget": "share of input tokens the constrained endpoint may process, [0, 1]",
+    "alpha": "tail ratio, (0, 1)",
+    "exchange_rate": "USD per 1e15 device FLOPs",
+    "consumption_rate": "tokens per second",
+    "migration": "whether DiSCo may move generation between endpoints mid-answer",
+    "prices": "USD per 1M tokens",
+    "cost_usd": "USD",
+}
+
+
+class BudgetValidationError(ValueError):
+    """A budget setting is invalid. `field` names it (dotted, e.g. "prices.cloud.decode"),
+    or is None when the update as a whole is malformed (not an object)."""
+
+    def __init__(self, field: str | None, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+def _number(name: str, value: Any) -> float:
+    # bool is an int in Python, but `"budget": true` is a client bug, not 1.0.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BudgetValidationError(name, f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise BudgetValidationError(name, f"{name} must be finite, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Price:
+    """A cloud backend's list price, USD per million tokens (as providers publish it, Table 8)."""
+
+    prefill: float
+    decode: float
+
+    def token_prices(self) -> TokenPrices:
+        """USD per token, the unit policies.cost works in."""
+        return TokenPrices.per_million(self.prefill, self.decode)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
+_PRICE_KEYS = ("prefill", "decode")
+
+
+def _price(backend: str, value: Any, base: Price | None = None) -> Price:
+    """A Price from a Price, a {"prefill", "decode"} mapping (partial if `base` fills the gaps)
+    or a (prefill, decode) pair; each non-negative."""
+    where = f"prices.{backend}"
+    if isinstance(value, Price):
+        value = value.to_dict()
+    elif isinstance(value, tuple | list) and len(value) == 2:
+        value = dict(zip(_PRICE_KEYS, value, strict=True))
+    if not isinstance(value, Mapping):
+        raise BudgetValidationError(where, f"{where} must be an object with 'prefill' and 'decode', got {value!r}")
+    for key in value:
+        if key not in _PRICE_KEYS:
+            raise BudgetValidationError(f"{where}.{key}", f"unknown field {where}.{key}; expected prefill or decode")
+    out = {}
+    for key in _PRICE_KEYS:
+        name = f"{where}.{key}"
+        if key in value:
+            out[key] = _number(name, value[key])
+            if out[key] < 0:
+                raise BudgetValidationError(name, f"{name} must be ≥ 0 (USD per 1M tokens), got {out[key]!r}")
+        elif base is not None:
+            out[key] = getattr(base, key)
+        else:
+            raise BudgetValidationError(name, f"{name} is required")
+    return Price(**out)
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    """DiSCo's user-set knobs. Validated on construction, so an invalid object cannot exist:
+    the config's defaults fail fast at start-up with the same messages a bad PUT gets."""
+
+    policy: str = "disco"
+    constrained_side: str = "auto"
+    budget: float = 0.5
+    alpha: float = DEFAULT_ALPHA
+    exchange_rate: float = DEFAULT_EXCHANGE_RATE
+    consumption_rate: float = DEFAULT_CONSUMPTION_RATE
+    migration: bool = True
+    prices: Mapping[str, Price] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if not isinstance(self.policy, str):
+            raise BudgetValidationError("policy", f"policy must be a string, got {self.policy!r}")
+        try:
+            set_(self, "policy", canonical_name(self.policy))
+        except ValueError as exc:
+            raise BudgetValidationError("policy", str(exc)) from None
+        if self.constrained_side not in CONSTRAINED_SIDES:
+            raise BudgetValidationError(
+                "constrained_side",
+                f"constrained_side must be one of {', '.join(CONSTRAINED_SIDES)}, got {self.constrained_side!r}",
+            )
+        budget = _number("budget", self.budget)
+        if not 0.0 <= budget <= 1.0:
+            raise BudgetValidationError("budget", f"budget must be in [0, 1], got {budget!r}")
+        alpha = _number("alpha", self.alpha)
+        if not 0.0 < alpha < 1.0:
+            raise BudgetValidationError("alpha", f"alpha must be in (0, 1) (exclusive), got {alpha!r}")
+        lam = _number("exchange_rate", self.exchange_rate)
+        if lam < 0:
+            raise BudgetValidationError("exchange_rate", f"exchange_rate must be ≥ 0 (USD per PFLOP), got {lam!r}")
+        r_c = _number("consumption_rate", self.consumption_rate)
+        if r_c <= 0:
+            raise BudgetValidationError("consumption_rate", f"consumption_rate must be > 0 tokens/s, got {r_c!r}")
+        if not isinstance(self.migration, bool):
+            raise BudgetValidationError("migration", f"migration must be true or false, got {self.migration!r}")
+        if not isinstance(self.prices, Mapping):
+            raise BudgetValidationError("prices", f"prices must be an object keyed by backend, got {self.prices!r}")
+        prices = {}
+        for name, value in self.prices.items():
+            if not isinstance(name, str) or not name:
+                raise BudgetValidationError("prices", f"prices keys must be backend names, got {name!r}")
+            prices[name] = _price(name, value)
+        implied = POLICY_SIDE.get(self.policy)
+        if implied is not None and self.constrained_side not in ("auto", implied):
+            raise BudgetValidationError(
+                "constrained_side",
+                f"policy {self.policy!r} is {implied}-constrained; constrained_side {self.constrained_side!r} "
+                f"contradicts it (use 'auto' or {implied!r}, or policy 'disco')",
+            )
+        for name, value in (("budget", budget), ("alpha", alpha), ("exchange_rate", lam), ("consumption_rate", r_c)):
+            set_(self, name, value)
+        set_(self, "prices", MappingProxyType(prices))
+
+
+    @property
+    def lam_usd_per_flop(self) -> float:
+        """λ in the unit CostModel takes."""
+        return usd_per_pflop(self.exchange_rate)
+
+    def cost_model(self, backend: str, energy: DeviceEnergy) -> CostModel:
+        """Eq. 8 for one cloud backend at the current prices and λ: what dispatch, migration and
+        booking must all use, so that they agree with what GET /v1/budget shows."""
+        try:
+            price = self.prices[backend]
+        except KeyError:
+            known = ", ".join(self.prices) or "none configured"
+            raise KeyError(f"no price for cloud backend {backend!r}; known: {known}") from None
+        return CostModel(server=price.token_prices(), energy=energy, lam=self.lam_usd_per_flop)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "constrained_side": self.constrained_side,
+            "budget": self.budget,
+            "alpha": self.alpha,
+            "exchange_rate": self.exchange_rate,
+            "consumption_rate": self.consumption_rate,
+            "migration": self.migration,
+            "prices": {name: price.to_dict() for name, price in self.prices.items()},
+        }
+
+
+SETTING_FIELDS: tuple[str, ...] = tuple(BudgetSettings.__dataclass_fields__)
+
+
+def apply_patch(base: BudgetSettings, patch: Any, *, unknown_backends: str = "reject") -> BudgetSettings:
+    """`base` with the fields of `patch` replaced (prices merged per backend and per field).
+
+    unknown_backends: "reject" (a PUT naming a backend the gateway does not have is a
+    typo that would otherwise be silently ignored) or "drop" (a state file written
+    when a since-removed cloud was configured).
+    """
+    if not isinstance(patch, Mapping):
+        raise BudgetValidationError(None, f"a budget update must be a JSON object, got {type(patch).__name__}")
+    for key in patch:
+        if key not in SETTING_FIELDS:
+            raise BudgetValidationError(str(key), f"unknown field {key!r}; expected one of {', '.join(SETTING_FIELDS)}")
+    fields = {name: getattr(base, name) for name in SETTING_FIELDS}
+    fields.update({k: v for k, v in patch.items() if k != "prices"})
+    if "prices" in patch:
+        given = patch["prices"]
+        if not isinstance(given, Mapping):
+            raise BudgetValidationError("prices", f"prices must be an object keyed by backend, got {given!r}")
+        prices = dict(base.prices)
+        for name, value in given.items():
+            if name not in base.prices:
+                known = ", ".join(base.prices) or "none configured"
+                if unknown_backends == "drop":
+                    log.warning("budget state: dropping prices for unknown cloud backend %r (known: %s)", name, known)
+                    continue
+                raise BudgetValidationError(
+                    f"prices.{name}", f"prices for unknown cloud backend {name!r}; known: {known}"
+                )
+            prices[name] = _price(str(name), value, base=base.prices[name])
+        fields["prices"] = prices
+    return BudgetSettings(**fields)
+
+
+def pinned_side(policy: str, constrained_side: str) -> Side | None:
+    """The constrained side a request's policy name fixes (the -s / -d variants), else the operator's pin;
+    None: Alg. 1 decides from prices."""
+    implied = POLICY_SIDE.get(canonical_name(policy))
+    if implied is not None:
+        return implied
+    return None if constrained_side == "auto" else constrained_side  # type: ignore[return-value]
