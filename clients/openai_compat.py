@@ -18,10 +18,10 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import httpx
 
-from app.config import CloudSettings
 from clients.base import BackendError, GenerationRequest, TokenEvent, Usage
 from clients.http_transport import AsyncioHTTPTransport
 from clients.tokencount import estimate_tokens
@@ -29,40 +29,60 @@ from clients.tokencount import estimate_tokens
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class UpstreamOptions:
+    """What the backend needs to know of its upstream (the composition root builds it from the settings)."""
+
+    base_url: str
+    model: str
+    api_key: str | None = None
+    shares_device_tokenizer: bool = False  # exact usage and token-id continuation with the device's tokenizer
+    continues: bool = False  # continue answers through raw /completions (else fresh chat answers only)
+    token_id_prompts: bool = False  # the upstream takes prompts as token ids
+    connect_timeout: float = 3.0
+    read_timeout: float = 60.0  # the longest silence between two streamed chunks
+    write_timeout: float = 10.0
+    pool_timeout: float = 5.0
+    max_connections: int = 64
+
+    def __repr__(self) -> str:  # never the key
+        return f"UpstreamOptions(base_url={self.base_url!r}, model={self.model!r})"
+
+
 class OpenAICompatBackend:
     def __init__(
         self,
         name: str,
-        settings: CloudSettings,
+        options: UpstreamOptions,
         count_exact: Callable[[str], int] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ):
         self.name = name
-        self.model_id = settings.model
-        self.settings = settings
+        self.model_id = options.model
+        self.options = options
         # The device tokenizer when upstream shares it: exact usage without upstream help.
-        self._count_exact = count_exact if settings.tokenizer == "device" else None
-        self.can_continue = settings.continuation == "completions"
-        self.accepts_token_ids = settings.token_id_prompts
+        self._count_exact = count_exact if options.shares_device_tokenizer else None
+        self.can_continue = options.continues
+        self.accepts_token_ids = options.token_id_prompts
         # Uncompressed answers: a compressed stream holds tokens back in the compressor, and raw bytes are
         # what `_sse_lines` reads.
         headers = {"Accept-Encoding": "identity"}
-        if settings.api_key is not None:
-            headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
+        if options.api_key is not None:
+            headers["Authorization"] = f"Bearer {options.api_key}"
         self._client = httpx.AsyncClient(
-            base_url=settings.base_url,
+            base_url=options.base_url,
             headers=headers,
             timeout=httpx.Timeout(
-                connect=settings.connect_timeout,
-                read=settings.read_timeout,
-                write=settings.write_timeout,
-                pool=settings.pool_timeout,
+                connect=options.connect_timeout,
+                read=options.read_timeout,
+                write=options.write_timeout,
+                pool=options.pool_timeout,
             ),
             transport=transport
-            or AsyncioHTTPTransport(max_connections=settings.max_connections, max_keepalive_connections=16),
+            or AsyncioHTTPTransport(max_connections=options.max_connections, max_keepalive_connections=16),
         )
         # Absolute URLs parsed once: httpx parses and merges a relative one on every request.
-        self._urls = {path: httpx.URL(settings.base_url + path) for path in ("/chat/completions", "/completions")}
+        self._urls = {path: httpx.URL(options.base_url + path) for path in ("/chat/completions", "/completions")}
         self.active = 0
         self.tokens_generated = 0  # streamed text pieces received from upstream
 
@@ -87,7 +107,7 @@ class OpenAICompatBackend:
     # -- request building --------------------------------------------------------------------
     def _body(self, request: GenerationRequest) -> tuple[str, dict]:
         common = {
-            "model": self.settings.model,
+            "model": self.options.model,
             "stream": True,
             "stream_options": {"include_usage": True},
             "max_tokens": request.max_tokens,
@@ -135,7 +155,7 @@ class OpenAICompatBackend:
             ) from exc
         except httpx.ReadTimeout as exc:
             raise BackendError(
-                f"cloud backend {self.name!r} sent nothing for {self.settings.read_timeout:g} s (stalled)",
+                f"cloud backend {self.name!r} sent nothing for {self.options.read_timeout:g} s (stalled)",
                 504,
                 self.name,
             ) from exc

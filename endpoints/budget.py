@@ -6,8 +6,8 @@ request is dispatched under, and what GET shows is what was booked.
 
 Auth: changing the budget is an operator action, so when admin keys are
 configured (`gateway.admin_keys`) only they are accepted — an ordinary API key
-must not be able to lift the budget it is spending against (openai-wire.md
-pitfall 8). With no admin key configured the endpoints behave like the rest of
+must not be able to lift the budget it is spending against. With no admin key
+configured the endpoints behave like the rest of
 /v1: a valid gateway API key if any are configured, else open (a loopback-only
 single-user gateway). Keys are compared in constant time against every key.
 
@@ -18,7 +18,6 @@ answered with the new snapshot, or 400 in the OpenAI error envelope whose
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Any
 
@@ -26,21 +25,8 @@ from fastapi import APIRouter, Depends, Request
 
 from app.serving.budget import BudgetValidationError
 from app.serving.ledger import Ledger, LedgerStateError
+from endpoints.auth import bearer, matches_any
 from endpoints.errors import ApiError
-
-
-def _bearer(request: Request) -> bytes:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip().encode() if scheme.lower() == "bearer" else b""
-
-
-def _matches(given: bytes, keys) -> bool:
-    # Every key is compared, with no early exit, so timing says nothing about which key
-    # (or how much of one) matched.
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(given, key.get_secret_value().encode())
-    return ok
 
 
 async def require_admin_key(request: Request) -> None:
@@ -50,8 +36,8 @@ async def require_admin_key(request: Request) -> None:
     keys = admin or list(getattr(gw_settings, "api_keys", None) or [])
     if not keys:
         return
-    given = _bearer(request)
-    if _matches(given, keys):
+    given = bearer(request.headers.get("authorization"))
+    if matches_any(given, (key.get_secret_value().encode() for key in keys)):
         return
     what = "admin key" if admin else "API key"
     message = f"Missing {what}: send 'Authorization: Bearer <key>'." if not given else f"Incorrect {what} provided."

@@ -8,7 +8,6 @@ a failure after it is an SSE `data: {"error": ...}` event followed by [DONE].
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -21,6 +20,7 @@ from sse_starlette import ServerSentEvent
 
 from app.serving.orchestrator import Delta, Job
 from clients.base import BackendError
+from endpoints.auth import bearer, matches_any
 from endpoints.errors import ApiError
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -39,14 +39,8 @@ async def require_api_key(request: Request) -> None:
     keys = request.app.state.gateway.settings.gateway.api_keys
     if not keys:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    given = token.strip().encode() if scheme.lower() == "bearer" else b""
-    # Compare against every key, without stopping early, in constant time per key.
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(given, key.get_secret_value().encode())
-    if not ok:
+    given = bearer(request.headers.get("authorization"))
+    if not matches_any(given, (key.get_secret_value().encode() for key in keys)):
         message = "Missing API key: send 'Authorization: Bearer <key>'." if not given else "Incorrect API key provided."
         raise ApiError(401, message, code="invalid_api_key", type="authentication_error")
 

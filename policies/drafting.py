@@ -12,35 +12,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-DEFAULT_ALPHA = 0.8  # HAT's moving-average weight of history
+from policies.estimate import DEFAULT_HISTORY_WEIGHT
+
 DEFAULT_ETA = 0.6  # HAT's drafting confidence threshold
 
 
 # --- state monitoring (Eqs. 1-2) ------------------------------------------------------------------
-
-
-@dataclass
-class MovingAverage:
-    """x^t = alpha * x^{t-1} + (1 - alpha) * sample  (HAT Eq. 1; also used for gamma, beta_up, beta_down).
-
-    The first sample initialises the average (no bias toward an arbitrary zero start).
-    """
-
-    alpha: float = DEFAULT_ALPHA
-    value: float | None = None
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
-
-    def update(self, sample: float) -> float:
-        self.value = sample if self.value is None else self.alpha * self.value + (1 - self.alpha) * sample
-        self.count += 1
-        return self.value
-
-    def get(self, default: float = 0.0) -> float:
-        return default if self.value is None else self.value
 
 
 @dataclass
@@ -56,7 +33,7 @@ class DelayPredictor:
     on accelerators and CPUs).
     """
 
-    alpha: float = DEFAULT_ALPHA
+    alpha: float = DEFAULT_HISTORY_WEIGHT
     prior_slope: float = 0.0
     _w: float = 0.0
     _wx: float = 0.0

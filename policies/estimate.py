@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
@@ -42,6 +43,7 @@ PRIOR_DEVICE_C = 0.05  # s: one forward pass for the first token
 PRIOR_OUTPUT_MEDIAN = 100  # tokens
 PRIOR_OUTPUT_SIGMA = 0.7
 PRIOR_PSEUDO_SAMPLES = 64
+DEFAULT_HISTORY_WEIGHT = 0.8  # a moving average's weight of history (HAT's alpha)
 
 
 def lognormal_quantiles(median: float, sigma: float, n: int = PRIOR_PSEUDO_SAMPLES) -> np.ndarray:
@@ -308,19 +310,30 @@ class DeviceTTFTLine:
     __call__ = predict
 
 
+@dataclass
 class MovingAverage:
-    """Exponentially weighted moving average with a prior value."""
+    """x ← alpha·x + (1 − alpha)·sample: `alpha` is the weight of history (HAT Eq. 1's form, also DiSCo's t_m).
 
-    def __init__(self, prior: float, weight: float = 0.2) -> None:
-        if not 0 < weight <= 1:
-            raise ValueError("weight must be in (0, 1]")
-        self.value = float(prior)
-        self.weight = weight
-        self.count = 0
+    `value` is a prior the first sample is averaged with; without one the first sample initialises the average
+    (no bias toward an arbitrary zero start).
+    """
 
-    def add(self, x: float) -> None:
-        self.value += self.weight * (float(x) - self.value)
+    alpha: float = DEFAULT_HISTORY_WEIGHT
+    value: float | None = None
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"alpha (the weight of history) must be in [0, 1), got {self.alpha}")
+
+    def update(self, sample: float) -> float:
+        sample = float(sample)
+        self.value = sample if self.value is None else self.alpha * self.value + (1 - self.alpha) * sample
         self.count += 1
+        return self.value
+
+    def get(self, default: float = 0.0) -> float:
+        return default if self.value is None else self.value
 
 
 class MigrationTimes:
@@ -339,18 +352,18 @@ class MigrationTimes:
     def _get(self, target: str, prior: float | None) -> MovingAverage:
         ma = self._by_target.get(target)
         if ma is None:
-            ma = self._by_target[target] = MovingAverage(self._prior if prior is None else prior, self._weight)
+            ma = self._by_target[target] = MovingAverage(1 - self._weight, self._prior if prior is None else prior)
         return ma
 
     def add(self, target: str, seconds: float) -> None:
-        self._get(target, None).add(seconds)
+        self._get(target, None).update(seconds)
 
     def estimate(self, target: str, prior: float | None = None) -> float:
         """Current t_m for `target`; `prior` seeds it if nothing was observed yet."""
         ma = self._by_target.get(target)
         if ma is None or ma.count == 0:
             return self._prior if prior is None else prior
-        return ma.value
+        return ma.get()
 
 
 class Estimators:

@@ -173,7 +173,6 @@ class BudgetSettings:
             set_(self, name, value)
         set_(self, "prices", MappingProxyType(prices))
 
-
     @property
     def lam_usd_per_flop(self) -> float:
         """λ in the unit CostModel takes."""

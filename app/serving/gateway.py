@@ -15,14 +15,14 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from app.config import Settings
+from app.config import CloudSettings, Settings
 from app.embedded import EmbeddedServer, EmbeddedWorker
 from app.serving.disco import DiscoRuntime
 from app.serving.ledger import Ledger
 from app.serving.metrics import Metrics, RequestMetricsMiddleware
 from app.serving.orchestrator import Job, Orchestrator
 from clients.base import Backend, GenerationRequest
-from clients.openai_compat import OpenAICompatBackend
+from clients.openai_compat import OpenAICompatBackend, UpstreamOptions
 from deploy import models as bundled
 from deploy.models import resolve_model
 from endpoints.errors import ApiError, install_error_handlers
@@ -66,6 +66,22 @@ def _device_backend(settings: Settings) -> Backend:
     return LlamaCppBackend(dev.name, path, model_id, n_ctx=dev.n_ctx, n_threads=dev.n_threads)
 
 
+def _upstream_options(cloud: CloudSettings) -> UpstreamOptions:
+    return UpstreamOptions(
+        base_url=cloud.base_url,
+        model=cloud.model,
+        api_key=cloud.api_key.get_secret_value() if cloud.api_key is not None else None,
+        shares_device_tokenizer=cloud.tokenizer == "device",
+        continues=cloud.continuation == "completions",
+        token_id_prompts=cloud.token_id_prompts,
+        connect_timeout=cloud.connect_timeout,
+        read_timeout=cloud.read_timeout,
+        write_timeout=cloud.write_timeout,
+        pool_timeout=cloud.pool_timeout,
+        max_connections=cloud.max_connections,
+    )
+
+
 class Gateway:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -81,7 +97,7 @@ class Gateway:
                 server = EmbeddedServer(cloud.embedded, resolve_model(cloud.embedded.model), alias=cloud.model)
                 cloud = cloud.model_copy(update={"base_url": server.base_url})
                 self.embedded.append(server)
-            self.backends[name] = OpenAICompatBackend(name, cloud, count_exact=self._count_device)
+            self.backends[name] = OpenAICompatBackend(name, _upstream_options(cloud), count_exact=self._count_device)
         for name, backend in self.backends.items():
             self.metrics.backend_active.labels(backend=name).set_function(lambda b=backend: b.active)
             self.metrics.backend_generated.labels(backend=name).set_function(lambda b=backend: b.tokens_generated)

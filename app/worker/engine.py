@@ -67,7 +67,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clients.hat import wire
 from clients.hat.split import LayerStack, MiddleSubmodel, SplitKVCache, mask_on
-from policies.drafting import DelayPredictor, MovingAverage
+from policies.drafting import DelayPredictor
+from policies.estimate import MovingAverage
 
 log = logging.getLogger(__name__)
 

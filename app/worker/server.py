@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from app.worker.engine import Engine, EngineLimits, FrameHook, wire_dtype
 from clients.hat import wire
 from deploy.models import resolve_model
+from endpoints.auth import bearer, matches_any
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +109,7 @@ class Worker:
 
     def authorized(self, header: str | None) -> bool:
         """Constant-time check of an "Authorization: Bearer <token>" header (always True without a token)."""
-        if self._token is None:
-            return True
-        scheme, _, presented = (header or "").partition(" ")
-        ok = hmac.compare_digest(presented.strip().encode(), self._token)
-        return ok and scheme.lower() == "bearer"
+        return self._token is None or matches_any(bearer(header), (self._token,))
 
     async def start(self) -> None:
         try:

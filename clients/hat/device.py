@@ -63,7 +63,8 @@ from clients.hat.split import SplitKVCache
 from clients.hf_model import HFTokenizerMixin, load_hf_model
 from clients.torch_local import IncrementalDetokenizer, StopMatcher
 from policies.chunking import chunk_bounds, chunk_size, split_prompt
-from policies.drafting import DEFAULT_ETA, DraftStopRule, MovingAverage, parallel_draft_steps
+from policies.drafting import DEFAULT_ETA, DraftStopRule, parallel_draft_steps
+from policies.estimate import MovingAverage
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
+import endpoints.auth as auth_mod
 import endpoints.budget as budget
 from app.serving.budget import BudgetSettings, Price
 from app.serving.disco import DiscoRuntime
@@ -213,13 +214,13 @@ def test_settings_without_admin_keys_field_are_tolerated():
 def test_every_key_is_compared_in_constant_time(monkeypatch):
     """Every configured key goes through hmac.compare_digest, even after a match."""
     calls = []
-    real = budget.hmac.compare_digest
+    real = auth_mod.hmac.compare_digest
 
     def spy(a, b):
         calls.append(b)
         return real(a, b)
 
-    monkeypatch.setattr(budget.hmac, "compare_digest", spy)
+    monkeypatch.setattr(auth_mod.hmac, "compare_digest", spy)
     client = TestClient(make_app(new_ledger(), admin_keys=[ADMIN, "k2", "k3"]))
     assert client.get("/v1/budget", headers=auth(ADMIN)).status_code == 200
     assert calls == [ADMIN.encode(), b"k2", b"k3"]

@@ -168,10 +168,10 @@ def test_output_lengths_prior_before_samples():
 
 
 def test_moving_average_and_migration_times():
-    ma = MovingAverage(1.0, weight=0.5)
-    ma.add(3.0)
+    ma = MovingAverage(alpha=0.5, value=1.0)  # the prior 1.0 weighs like one sample
+    ma.update(3.0)
     assert ma.value == 2.0
-    ma.add(2.0)
+    ma.update(2.0)
     assert ma.value == 2.0 and ma.count == 2
     mt = MigrationTimes(prior=1.0, weight=0.5)
     assert mt.estimate("cloud") == 1.0
@@ -180,7 +180,7 @@ def test_moving_average_and_migration_times():
     assert mt.estimate("cloud") == 2.0
     assert mt.estimate("cloud", prior=9.0) == 2.0  # observations beat the prior
     with pytest.raises(ValueError):
-        MovingAverage(0.0, weight=0.0)
+        MovingAverage(alpha=1.0)  # all history, no sample: it would never learn
 
 
 def test_estimators_keep_one_ttft_distribution_per_backend():

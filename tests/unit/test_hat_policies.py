@@ -11,12 +11,12 @@ from policies.drafting import (
     AcceptanceEstimator,
     DelayPredictor,
     DraftStopRule,
-    MovingAverage,
     best_draft_length,
     expected_tokens_per_verification,
     parallel_draft_steps,
     should_stop_drafting,
 )
+from policies.estimate import MovingAverage
 
 A = 896 * 4  # bytes of one Qwen 0.5B fp32 hidden state
 
