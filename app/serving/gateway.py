@@ -7,7 +7,6 @@ answers at once and `/health/ready` says 503 until every backend can serve.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -17,6 +16,7 @@ from fastapi import FastAPI
 
 from app.config import CloudSettings, Settings
 from app.embedded import EmbeddedServer, EmbeddedWorker
+from app.lifespan import starting_in_background
 from app.serving.disco import DiscoRuntime
 from app.serving.ledger import Ledger
 from app.serving.metrics import Metrics, RequestMetricsMiddleware
@@ -334,17 +334,7 @@ class Gateway:
 def create_gateway(settings: Settings) -> FastAPI:
     gateway = Gateway(settings)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        task = asyncio.create_task(gateway.start())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            await gateway.close()
-
+    lifespan = starting_in_background(gateway.start, gateway.close)
     app = FastAPI(title="Tandem gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.gateway = gateway
     install_error_handlers(app)

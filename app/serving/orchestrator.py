@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import anyio
 
 from app.serving.metrics import Metrics
+from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from clients.stops import StopMatcher
 from policies.dispatch import DispatchPlan
@@ -196,7 +197,7 @@ class Orchestrator:
 
     async def _start(self, job: Job) -> tuple[Attempt, TokenEvent]:
         plan = job.plan = self._plan(job)
-        self.metrics.decisions.labels(policy=plan.policy, plan=_plan_kind(plan)).inc()
+        self.metrics.decisions.labels(policy=plan.policy, plan=plan_kind(plan)).inc()
         if job.pinned is not None:
             names = [job.pinned]
         elif plan.start_cloud and plan.start_device:
@@ -463,7 +464,7 @@ class Orchestrator:
             "from": source.name,
             "to": target,
             "reason": reason,
-            "at_ms": _ms(attempt.started - job.started),
+            "at_ms": ms(attempt.started - job.started),
             "prefix_ids": ids is not None and self._takes_ids(target),
         }
         job.migrations.append(record)
@@ -486,7 +487,7 @@ class Orchestrator:
         await self._close(source)
         self.metrics.migrations.labels(source=source.role, target=attempt.role, reason=reason).inc()
         self._won(job, attempt, event)
-        record["t_m_ms"] = _ms(event.t - attempt.started)
+        record["t_m_ms"] = ms(event.t - attempt.started)
         job.backend = target
         return attempt, event
 
@@ -540,71 +541,3 @@ def _backend_error(name: str, exc: BaseException, ended: str = "produced nothing
         return BackendError(f"{name} {ended}", 502, name)
     log.error("backend %s raised", name, exc_info=exc)
     return BackendError(f"{name} failed: {type(exc).__name__}: {exc}", 500, name)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1e3, 3)
-
-
-def _plan_kind(plan: DispatchPlan) -> str:
-    if plan.start_cloud and plan.start_device:
-        return "race" if plan.device_delay == 0 else "cloud-then-device"
-    return "cloud" if plan.start_cloud else "device"
-
-
-def replay_row(job: Job) -> dict:
-    """One line of a recorded trace for `tandem bench disco --trace` (format in app/bench/disco_sim.py):
-    each endpoint's time from its own start to its first token, when it got there."""
-
-    def ttft(role: str, migration: bool) -> float | None:
-        for a in job.attempts:
-            if a.role == role and a.migration == migration and a.first_at is not None:
-                return round(a.first_at - a.started, 6)
-        return None
-
-    return {
-        "arrival": round(job.started, 6),
-        "prompt_tokens": job.prompt_tokens,
-        "server_ttft": ttft("cloud", False),
-        "device_ttft": ttft("device", False),
-        "output_tokens": job.usage.completion_tokens,
-        "server_ttft_migration": ttft("cloud", True),
-    }
-
-
-def trace_of(job: Job) -> dict:
-    plan = job.plan
-    return {
-        "id": job.id,
-        "policy": job.policy,
-        "plan": None
-        if plan is None
-        else {
-            "kind": _plan_kind(plan),
-            "policy": plan.policy,
-            "reason": plan.reason,
-            "device_delay_ms": _ms(plan.device_delay),
-        },
-        "prompt_tokens": job.prompt_tokens,
-        "completion_tokens": job.usage.completion_tokens,
-        "ttft_ms": _ms(job.ttft),
-        "endpoints": [
-            {
-                "endpoint": a.role,
-                "backend": a.name,
-                "outcome": a.outcome,
-                "started_ms": _ms(a.started - job.started),
-                "first_token_ms": _ms(None if a.first_at is None else a.first_at - job.started),
-                "prefill_tokens": a.context_tokens - a.cached_tokens,
-                "cached_tokens": a.cached_tokens,
-                "decode_tokens": a.decode_tokens,
-                **({"error": a.error} if a.error else {}),
-            }
-            for a in job.attempts
-        ],
-        "migrations": job.migrations,
-        "delayed_tokens": job.delayed_tokens,
-        "cost_usd": job.cost,
-        "finish_reason": job.finish_reason,
-        **({"error": job.error} if job.error else {}),
-    }

@@ -16,7 +16,6 @@ batched forward passes, tokens, frames by kind and frames rejected by reason.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from app.lifespan import starting_in_background
 from app.worker.engine import Engine, EngineLimits, FrameHook, wire_dtype
 from clients.hat import wire
 from deploy.models import resolve_model
@@ -222,18 +222,7 @@ def create_worker(settings: WorkerSettings, *, model: Any = None, frame_hook: Fr
 
     worker = Worker(settings, model, frame_hook)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        task = asyncio.create_task(worker.start())
-        try:
-            yield
-        finally:
-            if not task.done():
-                task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            await worker.stop()
-
+    lifespan = starting_in_background(worker.start, worker.stop)
     app = FastAPI(title="Tandem HAT worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     install_error_handlers(app)

@@ -75,7 +75,8 @@ class ScriptedUpstream:
         self.requests.clear()
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._stop)
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
     # -- server ------------------------------------------------------------------------------------
@@ -85,11 +86,14 @@ class ScriptedUpstream:
         self._ready.set()
         self._loop.run_forever()
 
-    def _stop(self) -> None:
+    async def _stop(self) -> None:
         self._server.close()
         for writer in self._writers:
             writer.transport.abort()
-        self._loop.stop()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:  # stalled and hanging answers
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)

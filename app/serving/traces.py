@@ -1,0 +1,79 @@
+"""A request's trace (GET /v1/requests/{id}) and its line in a recorded trace file (`tandem bench disco --trace`),
+both read from the orchestrator's `Job`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from policies.dispatch import DispatchPlan
+
+if TYPE_CHECKING:
+    from app.serving.orchestrator import Job
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def plan_kind(plan: DispatchPlan) -> str:
+    if plan.start_cloud and plan.start_device:
+        return "race" if plan.device_delay == 0 else "cloud-then-device"
+    return "cloud" if plan.start_cloud else "device"
+
+
+def replay_row(job: Job) -> dict:
+    """One line of a recorded trace for `tandem bench disco --trace` (format in app/bench/disco_sim.py):
+    each endpoint's time from its own start to its first token, when it got there."""
+
+    def ttft(role: str, migration: bool) -> float | None:
+        for a in job.attempts:
+            if a.role == role and a.migration == migration and a.first_at is not None:
+                return round(a.first_at - a.started, 6)
+        return None
+
+    return {
+        "arrival": round(job.started, 6),
+        "prompt_tokens": job.prompt_tokens,
+        "server_ttft": ttft("cloud", False),
+        "device_ttft": ttft("device", False),
+        "output_tokens": job.usage.completion_tokens,
+        "server_ttft_migration": ttft("cloud", True),
+    }
+
+
+def trace_of(job: Job) -> dict:
+    plan = job.plan
+    return {
+        "id": job.id,
+        "policy": job.policy,
+        "plan": None
+        if plan is None
+        else {
+            "kind": plan_kind(plan),
+            "policy": plan.policy,
+            "reason": plan.reason,
+            "device_delay_ms": ms(plan.device_delay),
+        },
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": job.usage.completion_tokens,
+        "ttft_ms": ms(job.ttft),
+        "endpoints": [
+            {
+                "endpoint": a.role,
+                "backend": a.name,
+                "outcome": a.outcome,
+                "started_ms": ms(a.started - job.started),
+                "first_token_ms": ms(None if a.first_at is None else a.first_at - job.started),
+                "prefill_tokens": a.context_tokens - a.cached_tokens,
+                "cached_tokens": a.cached_tokens,
+                "decode_tokens": a.decode_tokens,
+                **({"error": a.error} if a.error else {}),
+            }
+            for a in job.attempts
+        ],
+        "migrations": job.migrations,
+        "delayed_tokens": job.delayed_tokens,
+        "cost_usd": job.cost,
+        "finish_reason": job.finish_reason,
+        **({"error": job.error} if job.error else {}),
+    }
