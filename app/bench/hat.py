@@ -145,7 +145,7 @@ class Bench:
         return [*ids_head, *body[:room], *ids_tail]
 
     def held_out_prompts(self, n: int) -> list[list[int]]:
-        from app.training.train_adapter import chat_ids, is_held_out, load_prompts
+        from app.training.corpus import chat_ids, is_held_out, load_prompts
 
         prompts = load_prompts(ROOT / "deploy" / "adapter_prompts.txt")
         held = [p for i, p in enumerate(prompts) if is_held_out(i)]
