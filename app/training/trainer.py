@@ -1,9 +1,15 @@
-"""The adapter's training loop: AdamW with warm-up and cosine, right-padded batches, exact checkpoints.
+"""The adapter's training loop: HAT's distillation loss, AdamW with warm-up and cosine, exact checkpoints.
 
-The loss is HAT's Eq. 4 (clients.hat.adapter.distillation_loss), its CE on a vocabulary subset for speed: the
-corpus' most frequent tokens, the batch's own next tokens and a random slice. Batches are right-padded whole
-sequences. Checkpoints (adapter + AdamW moments as safetensors, scalars as JSON; never pickle) resume to the
-batches and vocabulary slices of the uninterrupted run.
+The adapter (clients.hat.adapter.Adapter) is trained so its output features match the LLM's deep features at the
+same positions (HAT Eq. 4):
+
+    Loss = SmoothL1(f_L, f_S) + w_ce * CE(softmax(H(f_L)), H(f_S)),   w_ce = 0.1
+
+Features are compared after the final norm (what the LM head actually reads; raw deep states of Qwen carry huge
+outlier dimensions that would dominate a SmoothL1 on unnormalised values). The CE is a soft cross-entropy against
+the LLM's own distribution, on a vocabulary subset for speed: the corpus' most frequent tokens, the batch's own
+next tokens and a random slice. Batches are right-padded whole sequences. Checkpoints (adapter + AdamW moments as
+safetensors, scalars as JSON; never pickle) resume to the batches and vocabulary slices of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -18,10 +24,34 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from app.training.features import Features
 from app.training.report import top1_agreement
-from clients.hat.adapter import distillation_loss
+
+
+def distillation_loss(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    split: Any,
+    w_ce: float = 0.1,
+    vocab_subset: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """HAT Eq. 4 on features [.., hidden]: SmoothL1 on normed features + w_ce * soft CE through the LM head."""
+    norm, head = split.output.norm, split.output.lm_head
+    weight = head.weight if vocab_subset is None else head.weight[vocab_subset]
+    bias = getattr(head, "bias", None)
+    if bias is not None and vocab_subset is not None:
+        bias = bias[vocab_subset]
+    with torch.no_grad():
+        ft = norm(teacher)
+        p_teacher = F.softmax(F.linear(ft, weight, bias).float(), dim=-1)
+    fs = norm(student)
+    sl = F.smooth_l1_loss(fs, ft)
+    log_p_student = F.log_softmax(F.linear(fs, weight, bias).float(), dim=-1)
+    ce = -(p_teacher * log_p_student).sum(-1).mean()
+    loss = sl + w_ce * ce
+    return loss, {"loss": float(loss.detach()), "smooth_l1": float(sl.detach()), "ce": float(ce.detach())}
 
 
 @dataclass

@@ -1,12 +1,15 @@
-"""`tandem train-adapter` (app/training/) on tiny data: SmolLM2-135M, a handful of prompts, a few steps."""
+"""`tandem train-adapter` (app/training/) on tiny data: SmolLM2-135M, a handful of prompts, a few steps; the loss
+and the trainer's learning also on a tiny random Llama (no weights needed)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from app.training import train_adapter as ta
 from app.training.corpus import (
@@ -20,10 +23,11 @@ from app.training.corpus import (
     load_prompts,
     load_tokenizer,
 )
-from app.training.features import compute_features, load_features
+from app.training.features import Features, compute_features, load_features
 from app.training.report import accept_length, simulate_rounds, top1_agreement
-from app.training.trainer import Trainer, TrainOptions, batch_indices, lr_at
+from app.training.trainer import Trainer, TrainOptions, batch_indices, distillation_loss, lr_at
 from clients.hat.adapter import Adapter, draft_files, shipped_adapter_path
+from clients.hat.split import split_model
 from deploy.models import model_path
 from policies.drafting import DraftStopRule
 
@@ -106,6 +110,54 @@ def test_batches_are_a_pure_function_of_the_step() -> None:
     assert sorted(flat[:7]) == list(range(7))  # each epoch is a permutation
     assert lr_at(0, 100, TrainOptions(warmup=10)) == pytest.approx(1e-4)
     assert lr_at(100, 100, TrainOptions(warmup=10)) == pytest.approx(1e-4)
+
+
+def _teacher(split, ids: list[int], index: int = 0) -> Features:
+    """Teacher features of a bare token sequence (no prompt part), with the LLM's argmax."""
+    return compute_features(split, Example(index, False, [], ids), 1024, with_top1=True)
+
+
+def test_loss_is_eq4(tiny_llama) -> None:
+    split = split_model(tiny_llama, 2)
+    ex = _teacher(split, torch.randint(0, 96, (10,)).tolist())
+    loss, parts = distillation_loss(ex.deep, ex.deep, split, w_ce=0.1)
+    assert parts["smooth_l1"] == 0.0
+    with torch.no_grad():
+        p = torch.softmax(split.output(ex.deep), -1)
+    entropy = float(-(p * p.log()).sum(-1).mean())
+    assert parts["ce"] == pytest.approx(entropy, rel=1e-4)  # CE against itself = the teacher's entropy
+    assert float(loss.detach()) == pytest.approx(0.1 * entropy, rel=1e-4)
+    _, sub = distillation_loss(ex.shallow, ex.deep, split, vocab_subset=torch.arange(10))
+    assert sub["smooth_l1"] > 0
+
+
+def test_training_improves_agreement_and_round_trips(tiny_llama, tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(tiny_llama.config).eval()
+    model.load_state_dict(tiny_llama.state_dict())
+    split = split_model(model, 2)
+    data = [_teacher(split, torch.randint(0, 96, (24,)).tolist(), i) for i in range(4)]
+    adapter = Adapter(model, m=2)
+    before_llm = {k: v.clone() for k, v in model.state_dict().items()}
+    opts = TrainOptions(steps=60, batch=4, lr=3e-3, lr_min=3e-4, warmup=0, ce_vocab=48, eval_every=0)
+    trainer = Trainer(split, adapter, data, opts)
+    first = trainer.run_step()
+    for _ in range(59):
+        last = trainer.run_step()
+    # The CE term has a floor (the teacher's own entropy); the feature-matching term must fall a lot.
+    assert last["smooth_l1"] < 0.5 * first["smooth_l1"] and last["loss"] < first["loss"]
+    assert lr_at(0, 60, opts) == pytest.approx(3e-3) and lr_at(60, 60, opts) == pytest.approx(3e-4)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before_llm.items())  # the LLM is untouched
+    untrained = Trainer(split, Adapter(model, m=2), data, opts).evaluate(data)["top1_all"]
+    trained = trainer.evaluate(data)["top1_all"]
+    assert trained > untrained, (trained, untrained)
+
+    path = tmp_path / "adapter.safetensors"
+    adapter.save(path, extra={"options": json.dumps(asdict(opts))})
+    loaded = Adapter.load(model, path)
+    with torch.inference_mode():
+        assert torch.equal(loaded(data[0].shallow), adapter(data[0].shallow))
+    assert path.read_bytes()[:8] != b"\x80\x04\x95"[:8]  # safetensors header, not a pickle
 
 
 def test_checkpoint_resume_continues_from_the_saved_step(smol, tmp_path: Path) -> None:
