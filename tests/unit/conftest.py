@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 
 @pytest.fixture(scope="module")
-def tiny_llama() -> LlamaForCausalLM:
+def tiny() -> LlamaForCausalLM:
     """A tiny random Llama (no weights needed): 4 layers, hidden 32, 4 query / 2 KV heads, vocabulary 96."""
     torch.manual_seed(0)
     cfg = LlamaConfig(

@@ -11,23 +11,23 @@ from clients.hat.adapter import Adapter
 from clients.hat.split import split_model
 
 
-def test_adapter_is_a_copy_of_layer_m_attention(tiny_llama: LlamaForCausalLM) -> None:
-    ad = Adapter(tiny_llama, m=2)
-    src = tiny_llama.model.layers[2].self_attn
+def test_adapter_is_a_copy_of_layer_m_attention(tiny: LlamaForCausalLM) -> None:
+    ad = Adapter(tiny, m=2)
+    src = tiny.model.layers[2].self_attn
     assert torch.equal(ad.block.self_attn.q_proj.weight, src.q_proj.weight)
     assert ad.block.self_attn.q_proj.weight.data_ptr() != src.q_proj.weight.data_ptr()
     assert sum(p.numel() for p in ad.parameters()) == sum(p.numel() for p in src.parameters()) + 32  # + its norm
-    assert Adapter(tiny_llama, m=2, init_from=3).init_from == 3
-    rnd = Adapter(tiny_llama, m=2, random_init=True)
+    assert Adapter(tiny, m=2, init_from=3).init_from == 3
+    rnd = Adapter(tiny, m=2, random_init=True)
     assert not torch.equal(rnd.block.self_attn.q_proj.weight, src.q_proj.weight)
     with pytest.raises(ValueError):
-        Adapter(tiny_llama, m=2, init_from=9)
+        Adapter(tiny, m=2, init_from=9)
 
 
 @torch.inference_mode()
-def test_cached_drafting_equals_full_sequence(tiny_llama: LlamaForCausalLM) -> None:
-    split = split_model(tiny_llama, 2)
-    ad = Adapter(tiny_llama, m=2)
+def test_cached_drafting_equals_full_sequence(tiny: LlamaForCausalLM) -> None:
+    split = split_model(tiny, 2)
+    ad = Adapter(tiny, m=2)
     ids = torch.randint(0, 96, (1, 12))
     shallow = split.input(ids)
     full = ad(shallow)

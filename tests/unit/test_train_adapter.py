@@ -117,8 +117,8 @@ def _teacher(split, ids: list[int], index: int = 0) -> Features:
     return compute_features(split, Example(index, False, [], ids), 1024, with_top1=True)
 
 
-def test_loss_is_eq4(tiny_llama) -> None:
-    split = split_model(tiny_llama, 2)
+def test_loss_is_eq4(tiny: LlamaForCausalLM) -> None:
+    split = split_model(tiny, 2)
     ex = _teacher(split, torch.randint(0, 96, (10,)).tolist())
     loss, parts = distillation_loss(ex.deep, ex.deep, split, w_ce=0.1)
     assert parts["smooth_l1"] == 0.0
@@ -131,10 +131,10 @@ def test_loss_is_eq4(tiny_llama) -> None:
     assert sub["smooth_l1"] > 0
 
 
-def test_training_improves_agreement_and_round_trips(tiny_llama, tmp_path: Path) -> None:
+def test_training_improves_agreement_and_round_trips(tiny: LlamaForCausalLM, tmp_path: Path) -> None:
     torch.manual_seed(1)
-    model = LlamaForCausalLM(tiny_llama.config).eval()
-    model.load_state_dict(tiny_llama.state_dict())
+    model = LlamaForCausalLM(tiny.config).eval()
+    model.load_state_dict(tiny.state_dict())
     split = split_model(model, 2)
     data = [_teacher(split, torch.randint(0, 96, (24,)).tolist(), i) for i in range(4)]
     adapter = Adapter(model, m=2)
