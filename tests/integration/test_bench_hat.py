@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bench import hat as bench_hat
+from app.bench.hat_setup import TABLE5
 from app.cli import main as tandem
 
 
@@ -25,9 +25,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     results = json.loads(out.read_text())
     assert results["setup"]["worker_compute_device"] == "cpu"
     rows = results["table5"]
-    assert {(r["prompt_tokens"], r["variant"]) for r in rows} == {
-        (n, v.name) for n in (96, 160) for v in bench_hat.TABLE5
-    }
+    assert {(r["prompt_tokens"], r["variant"]) for r in rows} == {(n, v.name) for n in (96, 160) for v in TABLE5}
     for r in rows:
         assert r["ttft_ms"] > 0 and r["tbt_ms"] > 0 and r["tokens"] == 6
         assert (r["accept_length"] >= 1.0) if r["sd"] else math.isnan(r["accept_length"]) or r["accept_length"] == 1.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from llama_cpp import Llama
 
-from app.training.train_adapter import ROOT, load_prompts
+from app.training.corpus import ROOT, load_prompts
 from clients.chat_template import render_chat
 from clients.prompt_tokens import PromptTokenizer
 from deploy.models import model_path

@@ -1,15 +1,33 @@
-"""`tandem train-adapter` (app/training/) on tiny data: SmolLM2-135M, a handful of prompts, a few steps."""
+"""`tandem train-adapter` (app/training/) on tiny data: SmolLM2-135M, a handful of prompts, a few steps; the loss
+and the trainer's learning also on a tiny random Llama (no weights needed)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from app.training import train_adapter as ta
+from app.training.corpus import (
+    DEFAULT_PROMPTS,
+    CorpusConfig,
+    Example,
+    chat_ids,
+    frequent_tokens,
+    generate_corpus,
+    is_held_out,
+    load_prompts,
+    load_tokenizer,
+)
+from app.training.features import Features, compute_features, load_features
+from app.training.report import accept_length, simulate_rounds, top1_agreement
+from app.training.trainer import Trainer, TrainOptions, batch_indices, distillation_loss, lr_at
 from clients.hat.adapter import Adapter, draft_files, shipped_adapter_path
+from clients.hat.split import split_model
 from deploy.models import model_path
 from policies.drafting import DraftStopRule
 
@@ -41,34 +59,34 @@ def smol():
     return model, tokenizer, split
 
 
-def _examples(tokenizer, n: int = 3, new: int = 10) -> list[ta.Example]:
+def _examples(tokenizer, n: int = 3, new: int = 10) -> list[Example]:
     out = []
     for i, p in enumerate(PROMPTS[:n]):
-        ids = ta.chat_ids(tokenizer, p)
+        ids = chat_ids(tokenizer, p)
         resp = tokenizer(f" Answer number {i}: it is fine.", add_special_tokens=False)["input_ids"][:new]
-        out.append(ta.Example(i, ta.is_held_out(i), ids, resp, key=f"k{i}"))
+        out.append(Example(i, is_held_out(i), ids, resp, key=f"k{i}"))
     return out
 
 
 def test_prompt_file_and_held_out_rule() -> None:
-    prompts = ta.load_prompts(ta.DEFAULT_PROMPTS)
+    prompts = load_prompts(DEFAULT_PROMPTS)
     assert len(prompts) >= 200
     assert len(set(prompts)) == len(prompts)
-    held = [i for i in range(len(prompts)) if ta.is_held_out(i)]
+    held = [i for i in range(len(prompts)) if is_held_out(i)]
     assert held[:3] == [7, 15, 23] and len(held) == len(prompts) // 8
     assert any("\n" in p for p in prompts)  # "\n" escapes become newlines
 
 
 def test_corpus_resume_skips_done_prompts(tmp_path: Path) -> None:
     gguf = _need(SMOL)
-    tok = ta.load_tokenizer(gguf)
-    cfg = ta.CorpusConfig(max_new_tokens=4, threads=1, n_ctx=512)
+    tok = load_tokenizer(gguf)
+    cfg = CorpusConfig(max_new_tokens=4, threads=1, n_ctx=512)
     out = tmp_path / "corpus.jsonl"
-    first = ta.generate_corpus(PROMPTS, out, gguf, tok, cfg, indices=range(3), progress=False)
+    first = generate_corpus(PROMPTS, out, gguf, tok, cfg, indices=range(3), progress=False)
     assert sorted(first) == [0, 1, 2]
     with open(out, "a") as f:
         f.write('{"index": 5, "held_out": fal')  # a record torn by a crash: regenerated
-    full = ta.generate_corpus(PROMPTS, out, gguf, tok, cfg, progress=False)
+    full = generate_corpus(PROMPTS, out, gguf, tok, cfg, progress=False)
     assert sorted(full) == list(range(8))
     lines = out.read_text().splitlines()
     assert len(lines) == 3 + 1 + 5  # the three done prompts were not generated again
@@ -76,44 +94,92 @@ def test_corpus_resume_skips_done_prompts(tmp_path: Path) -> None:
         assert full[i] == first[i]
     ex = full[7]
     assert ex.held_out and ex.temperature == 0.0 and full[0].temperature == cfg.temperature
-    assert 1 <= len(ex.response_ids) <= 4 and ex.prompt_ids == ta.chat_ids(tok, PROMPTS[7])
+    assert 1 <= len(ex.response_ids) <= 4 and ex.prompt_ids == chat_ids(tok, PROMPTS[7])
     # Everything done: no model is even loaded.
-    again = ta.generate_corpus(PROMPTS, out, Path("/nonexistent.gguf"), tok, cfg, progress=False)
+    again = generate_corpus(PROMPTS, out, Path("/nonexistent.gguf"), tok, cfg, progress=False)
     assert sorted(again) == list(range(8)) and len(out.read_text().splitlines()) == 9
     # Other settings make other records: the prompt is answered again.
-    other = ta.generate_corpus(PROMPTS, out, gguf, tok, ta.CorpusConfig(max_new_tokens=3), indices=[0], progress=False)
+    other = generate_corpus(PROMPTS, out, gguf, tok, CorpusConfig(max_new_tokens=3), indices=[0], progress=False)
     assert other[0].key != first[0].key and len(other[0].response_ids) <= 3
 
 
 def test_batches_are_a_pure_function_of_the_step() -> None:
-    a = [ta.batch_indices(s, 3, 7, seed=1) for s in range(10)]
-    assert a == [ta.batch_indices(s, 3, 7, seed=1) for s in range(10)]
+    a = [batch_indices(s, 3, 7, seed=1) for s in range(10)]
+    assert a == [batch_indices(s, 3, 7, seed=1) for s in range(10)]
     flat = [i for b in a for i in b]
     assert sorted(flat[:7]) == list(range(7))  # each epoch is a permutation
-    assert ta.lr_at(0, 100, ta.TrainOptions(warmup=10)) == pytest.approx(1e-4)
-    assert ta.lr_at(100, 100, ta.TrainOptions(warmup=10)) == pytest.approx(1e-4)
+    assert lr_at(0, 100, TrainOptions(warmup=10)) == pytest.approx(1e-4)
+    assert lr_at(100, 100, TrainOptions(warmup=10)) == pytest.approx(1e-4)
+
+
+def _teacher(split, ids: list[int], index: int = 0) -> Features:
+    """Teacher features of a bare token sequence (no prompt part), with the LLM's argmax."""
+    return compute_features(split, Example(index, False, [], ids), 1024, with_top1=True)
+
+
+def test_loss_is_eq4(tiny: LlamaForCausalLM) -> None:
+    split = split_model(tiny, 2)
+    ex = _teacher(split, torch.randint(0, 96, (10,)).tolist())
+    loss, parts = distillation_loss(ex.deep, ex.deep, split, w_ce=0.1)
+    assert parts["smooth_l1"] == 0.0
+    with torch.no_grad():
+        p = torch.softmax(split.output(ex.deep), -1)
+    entropy = float(-(p * p.log()).sum(-1).mean())
+    assert parts["ce"] == pytest.approx(entropy, rel=1e-4)  # CE against itself = the teacher's entropy
+    assert float(loss.detach()) == pytest.approx(0.1 * entropy, rel=1e-4)
+    _, sub = distillation_loss(ex.shallow, ex.deep, split, vocab_subset=torch.arange(10))
+    assert sub["smooth_l1"] > 0
+
+
+def test_training_improves_agreement_and_round_trips(tiny: LlamaForCausalLM, tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(tiny.config).eval()
+    model.load_state_dict(tiny.state_dict())
+    split = split_model(model, 2)
+    data = [_teacher(split, torch.randint(0, 96, (24,)).tolist(), i) for i in range(4)]
+    adapter = Adapter(model, m=2)
+    before_llm = {k: v.clone() for k, v in model.state_dict().items()}
+    opts = TrainOptions(steps=60, batch=4, lr=3e-3, lr_min=3e-4, warmup=0, ce_vocab=48, eval_every=0)
+    trainer = Trainer(split, adapter, data, opts)
+    first = trainer.run_step()
+    for _ in range(59):
+        last = trainer.run_step()
+    # The CE term has a floor (the teacher's own entropy); the feature-matching term must fall a lot.
+    assert last["smooth_l1"] < 0.5 * first["smooth_l1"] and last["loss"] < first["loss"]
+    assert lr_at(0, 60, opts) == pytest.approx(3e-3) and lr_at(60, 60, opts) == pytest.approx(3e-4)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before_llm.items())  # the LLM is untouched
+    untrained = Trainer(split, Adapter(model, m=2), data, opts).evaluate(data)["top1_all"]
+    trained = trainer.evaluate(data)["top1_all"]
+    assert trained > untrained, (trained, untrained)
+
+    path = tmp_path / "adapter.safetensors"
+    adapter.save(path, extra={"options": json.dumps(asdict(opts))})
+    loaded = Adapter.load(model, path)
+    with torch.inference_mode():
+        assert torch.equal(loaded(data[0].shallow), adapter(data[0].shallow))
+    assert path.read_bytes()[:8] != b"\x80\x04\x95"[:8]  # safetensors header, not a pickle
 
 
 def test_checkpoint_resume_continues_from_the_saved_step(smol, tmp_path: Path) -> None:
     model, tok, split = smol
-    feats = ta.load_features(split, _examples(tok), tmp_path / "features", SMOL, progress=False)
+    feats = load_features(split, _examples(tok), tmp_path / "features", SMOL, progress=False)
     assert (tmp_path / "features" / "00000.safetensors").exists()
-    again = ta.load_features(split, _examples(tok), tmp_path / "features", SMOL, progress=False)  # from the cache
+    again = load_features(split, _examples(tok), tmp_path / "features", SMOL, progress=False)  # from the cache
     assert torch.equal(again[1].deep, feats[1].deep)
-    opts = ta.TrainOptions(steps=4, batch=2, lr=3e-3, warmup=1, ce_vocab=512, checkpoint_every=0, eval_every=0)
-    freq = ta.frequent_tokens([f.ids.tolist() for f in feats], 256)
+    opts = TrainOptions(steps=4, batch=2, lr=3e-3, warmup=1, ce_vocab=512, checkpoint_every=0, eval_every=0)
+    freq = frequent_tokens([f.ids.tolist() for f in feats], 256)
 
-    straight = ta.Trainer(split, Adapter(model, 2), feats, opts, frequent=freq)
+    straight = Trainer(split, Adapter(model, 2), feats, opts, frequent=freq)
     straight.fit(None, progress=False)
 
-    first = ta.Trainer(split, Adapter(model, 2), feats, opts, frequent=freq)
+    first = Trainer(split, Adapter(model, 2), feats, opts, frequent=freq)
     first.run_step()
     first.run_step()
     first.save_checkpoint(tmp_path / "ckpt")
     state = json.loads((tmp_path / "ckpt" / "state.json").read_text())
     assert state["step"] == 2 and state["total_steps"] == 4
 
-    resumed = ta.Trainer(split, Adapter(model, 2), feats, opts, frequent=freq)
+    resumed = Trainer(split, Adapter(model, 2), feats, opts, frequent=freq)
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert resumed.step == 2
     resumed.fit(tmp_path / "ckpt", progress=False, fresh=False)
@@ -130,37 +196,37 @@ def test_simulated_rounds_on_known_cases() -> None:
     right = [*text[1:], 0]  # the LLM's prediction at q is text[q+1]
     sure = [0.99] * 30
     rule = DraftStopRule(eta=0.6, max_draft=8)
-    perfect = ta.simulate_rounds(text, right, right, sure, 5, rule)
+    perfect = simulate_rounds(text, right, right, sure, 5, rule)
     assert (perfect.rounds, perfect.tokens) == (3, 25)  # 8+1, 8+1, then the 6 tokens left + 1
     assert perfect.accepted_hist[8] == 2 and perfect.accepted_hist[6] == 1
-    wrong = ta.simulate_rounds(text, right, [1] * 30, sure, 5, rule)
+    wrong = simulate_rounds(text, right, [1] * 30, sure, 5, rule)
     assert (wrong.rounds, wrong.tokens, wrong.accepted) == (24, 24, 0)  # one LLM token per round
     unsure = [0.3] * 30
-    send = ta.simulate_rounds(text, right, right, unsure, 5, rule)  # the low-confidence draft is sent (and right)
+    send = simulate_rounds(text, right, right, unsure, 5, rule)  # the low-confidence draft is sent (and right)
     assert send.summary()["accept_length"] == pytest.approx(2.0)
-    before = ta.simulate_rounds(text, right, right, unsure, 5, DraftStopRule(0.6, 8, include_low_confidence=False))
+    before = simulate_rounds(text, right, right, unsure, 5, DraftStopRule(0.6, 8, include_low_confidence=False))
     assert before.summary()["accept_length"] == 1.0 and before.empty_rounds == before.rounds
     # Confidence drops at position 8: the round from 5 keeps drafts for 5, 6, 7 and the unsure one for 8.
-    dip = ta.simulate_rounds(text, right, right, [0.99] * 8 + [0.3] + [0.99] * 21, 5, rule)
+    dip = simulate_rounds(text, right, right, [0.99] * 8 + [0.3] + [0.99] * 21, 5, rule)
     assert dip.accepted_hist[4] >= 1
     # llama.cpp's text leaves the LLM's argmax at position 7: the round stops there after accepting it.
     tie = right.copy()
     tie[7] = 999
-    cut = ta.simulate_rounds(text, tie, tie, sure, 5, rule)
+    cut = simulate_rounds(text, tie, tie, sure, 5, rule)
     assert cut.tie_breaks == 1 and cut.accepted_hist[3] == 1
 
 
 def test_report_on_an_oracle_adapter(smol) -> None:
     """The middle submodel itself as the "adapter": the draft is the LLM, so every draft is accepted."""
     model, tok, split = smol
-    prompt = ta.chat_ids(tok, "Count from one to ten.")
+    prompt = chat_ids(tok, "Count from one to ten.")
     with torch.inference_mode():
         gen = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False)[0].tolist()
-    ex = ta.Example(7, True, prompt, gen[len(prompt) :])
-    f = ta.compute_features(split, ex, 1024, with_top1=True)
-    oracle = ta.top1_agreement(split, split.middle, [f])
+    ex = Example(7, True, prompt, gen[len(prompt) :])
+    f = compute_features(split, ex, 1024, with_top1=True)
+    oracle = top1_agreement(split, split.middle, [f])
     assert oracle["top1_all"] == 1.0 and oracle["positions_response"] == len(ex.response_ids)
-    rounds = ta.accept_length(split, split.middle, [f], etas=(0.0,), max_draft=8)
+    rounds = accept_length(split, split.middle, [f], etas=(0.0,), max_draft=8)
     # eta = 0 keeps every draft: rounds of 8 accepted + 1 from the first response token (which prefill produced)
     # until the text runs out.
     known, p, expected = len(ex.response_ids) - 1, 0, 0
@@ -170,10 +236,10 @@ def test_report_on_an_oracle_adapter(smol) -> None:
     got = rounds["eta=0,send_low"]
     assert (got["rounds"], got["tokens"], got["tie_breaks"]) == (expected, p, 0)
     assert got["accepted_histogram"][8] == known // 9
-    none = ta.top1_agreement(split, lambda s: s, [f])
+    none = top1_agreement(split, lambda s: s, [f])
     assert none["top1_all"] < oracle["top1_all"]
     vocab = torch.tensor(sorted(set(f.ids.tolist()) | set(f.teacher_top1.tolist())))
-    reduced = ta.top1_agreement(split, split.middle, [f], vocab)  # the LLM's tokens are all in it
+    reduced = top1_agreement(split, split.middle, [f], vocab)  # the LLM's tokens are all in it
     assert reduced["top1_all"] == 1.0
 
 

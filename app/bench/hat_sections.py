@@ -1,0 +1,210 @@
+"""The sections of `tandem bench hat` (what each measures: app/bench/hat.py), one coroutine each."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from app.bench.hat_setup import SD_ONLY, SD_PD, TABLE5, U_SHAPE, Bench, RawDevice, Variant, run_request, started
+
+
+async def table5(bench: Bench) -> list[dict[str, Any]]:
+    a = bench.args
+    backends = {v: await started(bench, v) for v in TABLE5}
+    await run_request(backends[U_SHAPE], bench.code_prompt(128), 4)  # warm-up
+    rows = []
+    for length in a.lengths:
+        ids = bench.code_prompt(length)
+        for v in TABLE5:
+            r = await run_request(backends[v], ids, a.decode_tokens)
+            r.update(variant=v.name, sd=v.sd, pc=v.pc, pd=v.pd)
+            rows.append(r)
+            print(f"  table5 {length:5d} {v.name:9s} TTFT {r['ttft_ms']:8.0f} ms  TBT {r['tbt_ms']:6.1f} ms  "
+                  f"accept {r['accept_length']:.2f}", file=sys.stderr)  # fmt: skip
+        base = next(r for r in rows if r["prompt_tokens"] == length and r["variant"] == U_SHAPE.name)
+        for r in rows:
+            if r["prompt_tokens"] == length and r["ids"] != base["ids"]:
+                r["differs_from_u_shape"] = True  # greedy HAT == U-shape up to fp near-ties (reported)
+    for b in backends.values():
+        await b.close()
+    return rows
+
+
+async def table4(bench: Bench) -> dict[str, Any]:
+    from clients.hat.device import HATStats
+
+    a = bench.args
+    prompts = bench.held_out_prompts(a.table4_prompts)
+    out: dict[str, Any] = {}
+    for v in (U_SHAPE, SD_ONLY):
+        b = await started(bench, v)
+        await run_request(b, prompts[0], 4)
+        b.stats = HATStats()  # count the measured requests only
+        runs = [await run_request(b, ids, a.table4_tokens) for ids in prompts]
+        out[v.name] = {
+            "tbt_ms_median": statistics.median(r["tbt_ms"] for r in runs if r["tokens"] > 1),
+            "tbt_ms_per_prompt": [round(r["tbt_ms"], 2) for r in runs],
+            "tokens": sum(r["tokens"] for r in runs),
+            "accept_length": b.stats.round_tokens / max(b.stats.rounds, 1) if v.sd else 1.0,
+            "stats": b.stats.summary(),
+        }
+        print(f"  table4 {v.name}: {json.dumps({k: out[v.name][k] for k in ('tbt_ms_median', 'accept_length')})}",
+              file=sys.stderr)  # fmt: skip
+        await b.close()
+    out["decode_speedup"] = out[U_SHAPE.name]["tbt_ms_median"] / out[SD_ONLY.name]["tbt_ms_median"]
+    out["prompts"] = len(prompts)
+    return out
+
+
+def _timeit(fn: Any, repeat: int = 7) -> float:
+    fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(samples)
+
+
+async def components(bench: Bench) -> dict[str, Any]:
+    b = await started(bench, SD_ONLY)
+    full = await started(bench, SD_ONLY, full_vocab=True)
+    ids = bench.code_prompt(512)
+    hidden = b.hidden_size
+    out: dict[str, Any] = {"device_ms": {}, "worker_ms": {}, "link_ms": {}}
+    dev = out["device_ms"]
+    with torch.inference_mode():
+        cache = b._input.new_cache()
+        b._input(torch.tensor([ids[:256]]), cache, positions=0)
+
+        def input_one() -> None:
+            b._input(torch.tensor([[ids[256]]]), cache, positions=256)
+            cache.crop(256)
+
+        dev["input_submodel_1_token"] = _timeit(input_one)
+        dev["input_submodel_256_tokens"] = _timeit(lambda: b._input(torch.tensor([ids[:256]]), None, positions=0), 3)
+        feats = torch.randn(1, hidden)
+        dev["draft_head_reduced_vocab"] = _timeit(lambda: b._draft_logits(feats, 0))
+        dev["draft_head_full_vocab"] = _timeit(lambda: full._draft_logits(feats, 0))
+        acache = b.adapter.new_cache()
+        shallow = b._input(torch.tensor([ids[:256]]), None, positions=0)
+        b.adapter(shallow, acache, positions=0)
+
+        def adapter_one() -> None:
+            b.adapter(shallow[:, :1], acache, positions=256)
+            acache.crop(256)
+
+        dev["adapter_1_token"] = _timeit(adapter_one)
+        body = dev["input_submodel_1_token"] + dev["adapter_1_token"]
+        dev["draft_step_reduced_vocab"] = body + dev["draft_head_reduced_vocab"]
+        dev["draft_step_full_vocab"] = body + dev["draft_head_full_vocab"]
+        for rows in (1, 4):
+            deep = torch.randn(rows, hidden)
+            dev[f"lm_head_{rows}_rows"] = _timeit(lambda deep=deep: b._output(deep))
+    await b.close()
+    await full.close()
+    token_bytes = hidden * 4
+    out["worker_ms"] = await worker_compute(bench, [1, 2, 4, 8, 16, 64, 256, 1024])
+    link = bench.link
+    for n in (1, 4, 256):
+        up = n * token_bytes / link.up_bandwidth if link.up_bandwidth else 0.0
+        down = n * token_bytes / link.down_bandwidth if link.down_bandwidth else 0.0
+        out["link_ms"][f"{n}_tokens"] = {"upload": 1e3 * (up + link.latency), "download": 1e3 * (down + link.latency)}
+    out["token_bytes"] = token_bytes
+    return out
+
+
+def shallow_states(bench: Bench, n: int) -> torch.Tensor:
+    from clients.hat.split import InputSubmodel
+
+    ids = bench.code_prompt(max(n, 128))[:n]
+    with torch.inference_mode():
+        return InputSubmodel(bench.model, bench.args.m)(torch.tensor([ids]), None)[0]
+
+
+async def worker_compute(bench: Bench, counts: list[int]) -> dict[str, float]:
+    """Median loopback round trip of an n-token frame (no link emulation) minus that of an empty round trip."""
+    from clients.hat import wire
+
+    states = shallow_states(bench, max(counts) + 16)
+    out: dict[str, float] = {}
+    async with RawDevice(bench.url, bench) as d:
+        await d.send(states[:16], 0, wire.Kind.PREFILL_CHUNK)
+        for n in counts:
+            samples = []
+            for _ in range(5 if n <= 64 else 2):
+                t0 = time.perf_counter()
+                await d.send(states[16 : 16 + n], 16, wire.Kind.DRAFT)
+                samples.append(time.perf_counter() - t0)
+                await d.rollback(16)
+            out[f"middle_{n}_tokens"] = 1e3 * statistics.median(samples)
+    return out
+
+
+async def sweep(bench: Bench) -> dict[str, Any]:
+    from clients.hat.link import LinkProfile
+
+    a, base = bench.args, bench.link
+    out: dict[str, Any] = {"rtt": [], "up_bandwidth": []}
+    short = bench.code_prompt(128)
+    for rtt in a.sweep_rtt_ms:
+        link = LinkProfile(latency=rtt / 2e3, up_bandwidth=base.up_bandwidth, down_bandwidth=base.down_bandwidth)
+        row: dict[str, Any] = {"rtt_ms": rtt}
+        for v in (U_SHAPE, SD_ONLY, SD_PD):
+            b = await started(bench, v, link=link)
+            row[v.name] = (await run_request(b, short, a.sweep_tokens))["tbt_ms"]
+            await b.close()
+        out["rtt"].append(row)
+        print(f"  sweep rtt {rtt:5.0f} ms: " + "  ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "rtt_ms"),
+              file=sys.stderr)  # fmt: skip
+    long = bench.code_prompt(a.sweep_prompt)
+    for mbps in a.sweep_up_mbps:
+        link = LinkProfile(latency=base.latency, up_bandwidth=mbps * 1e6, down_bandwidth=base.down_bandwidth)
+        row = {"up_MBps": mbps}
+        for v in (U_SHAPE, Variant(False, True, False)):
+            b = await started(bench, v, link=link)
+            row[v.name] = (await run_request(b, long, 1))["ttft_ms"]
+            await b.close()
+        out["up_bandwidth"].append(row)
+        print(f"  sweep up {mbps:5.1f} MB/s: " + "  ".join(f"{k} {v:.0f}" for k, v in row.items() if k != "up_MBps"),
+              file=sys.stderr)  # fmt: skip
+    return out
+
+
+async def throughput(bench: Bench) -> dict[str, Any]:
+    """Decode tokens/s of the worker for N devices: concurrent (continuous batching) vs one at a time."""
+    from clients.hat import wire
+
+    a = bench.args
+    prompt = 64
+    states = shallow_states(bench, prompt + a.throughput_tokens)
+
+    async def one_device() -> int:
+        async with RawDevice(bench.url, bench) as d:
+            await d.send(states[:prompt], 0, wire.Kind.PREFILL_CHUNK)
+            for i in range(a.throughput_tokens):
+                await d.send(states[prompt + i : prompt + i + 1], prompt + i, wire.Kind.DRAFT)
+        return a.throughput_tokens
+
+    out = []
+    await one_device()  # warm-up
+    for n in a.throughput_devices:
+        t0 = time.perf_counter()
+        done = sum(await asyncio.gather(*(one_device() for _ in range(n))))
+        concurrent = done / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        done = 0
+        for _ in range(n):
+            done += await one_device()
+        sequential = done / (time.perf_counter() - t0)
+        out.append({"devices": n, "batched_tok_s": concurrent, "one_at_a_time_tok_s": sequential,
+                    "ratio": concurrent / sequential})  # fmt: skip
+        print(f"  throughput {n} devices: batched {concurrent:.1f} tok/s, one at a time {sequential:.1f} tok/s",
+              file=sys.stderr)  # fmt: skip
+    return {"prompt_tokens": prompt, "decode_tokens_per_device": a.throughput_tokens, "rows": out}

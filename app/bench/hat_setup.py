@@ -1,0 +1,198 @@
+"""What every section of `tandem bench hat` runs on: the HAT variants, the worker and the device halves, the
+prompts, one timed request, and a raw protocol client that replays shallow states without a device-side model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+_CODE_FILES = ("app/serving/orchestrator.py", "app/worker/engine.py", "clients/hat/device.py", "policies/dispatch.py")
+
+
+@dataclass(frozen=True)
+class Variant:
+    sd: bool
+    pc: bool
+    pd: bool
+
+    @property
+    def name(self) -> str:
+        on = [n for n, v in (("SD", self.sd), ("PC", self.pc), ("PD", self.pd)) if v]
+        return "+".join(on) if on else "U-shape"
+
+
+TABLE5 = [Variant(False, False, False), Variant(False, True, False), Variant(True, False, False),
+          Variant(True, False, True), Variant(True, True, False), Variant(True, True, True)]  # fmt: skip
+U_SHAPE, SD_ONLY, SD_PD = TABLE5[0], TABLE5[2], TABLE5[3]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from clients.hat.adapter import draft_files
+        from clients.hat.link import LinkProfile
+        from clients.hf_model import load_hf_model
+        from deploy.models import resolve_model
+
+        self.args = args
+        self.link = LinkProfile.parse(args.link)
+        self.gguf = resolve_model(args.model)
+        self.model, self.tok = load_hf_model(self.gguf)
+        self.model.eval()
+        self.adapter, self.draft_vocab = draft_files(args.model, args.m)
+        self.worker: Any = None
+        self.url = args.worker_url
+        self.info: dict[str, Any] = {}
+        self.results: dict[str, Any] = {"setup": {}}
+
+    async def start_worker(self) -> None:
+        if self.url:
+            return
+        from app.config import EmbeddedWorkerSettings
+        from app.embedded import EmbeddedWorker
+
+        cpus = [self.args.worker_core] if self.args.worker_core >= 0 else None
+        a = self.args
+        settings = EmbeddedWorkerSettings(num_threads=a.worker_threads, cpus=cpus, device=a.worker_device)
+        self.worker = EmbeddedWorker(settings, self.args.model, self.args.m, None)
+        self.worker.start()
+        await self.worker.wait_ready()
+        self.url = self.worker.url
+
+    def stop_worker(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+    def backend(self, v: Variant, link: Any = None, full_vocab: bool = False) -> Any:
+        from clients.hat.device import HATBackend
+
+        return HATBackend(
+            self.url,
+            model=self.model,
+            tokenizer=self.tok,
+            model_id=self.args.model,
+            m=self.args.m,
+            adapter_path=self.adapter,
+            draft_vocab_path=None if full_vocab else self.draft_vocab,
+            speculative=v.sd,
+            parallel_drafting=v.pd,
+            chunk_size=None if v.pc else 1 << 20,  # no chunking = the whole prompt in one frame
+            link=self.link if link is None else link,
+            round_timeout=600.0,
+        )
+
+    # --- prompts ------------------------------------------------------------------------------------
+
+    def code_prompt(self, length: int) -> list[int]:
+        """Exactly `length` tokens: a chat-templated request to explain a slice of this repository's code."""
+        code = "\n".join((ROOT / f).read_text() for f in _CODE_FILES)
+        marker = "\u2063"
+        text = self.tok.apply_chat_template(
+            [{"role": "user", "content": f"Explain what this code does, briefly:\n```python\n{marker}\n```"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        head, tail = text.split(marker)
+        ids_head = self.tok(head, add_special_tokens=False)["input_ids"]
+        ids_tail = self.tok(tail, add_special_tokens=False)["input_ids"]
+        room = length - len(ids_head) - len(ids_tail)
+        body = self.tok(code, add_special_tokens=False)["input_ids"]
+        if room <= 0 or room > len(body):
+            raise SystemExit(f"cannot build a {length}-token prompt (room {room}, code {len(body)} tokens)")
+        return [*ids_head, *body[:room], *ids_tail]
+
+    def held_out_prompts(self, n: int) -> list[list[int]]:
+        from app.training.corpus import DEFAULT_PROMPTS, chat_ids, is_held_out, load_prompts
+
+        prompts = load_prompts(DEFAULT_PROMPTS)
+        held = [p for i, p in enumerate(prompts) if is_held_out(i)]
+        return [chat_ids(self.tok, p) for p in held[:n]]
+
+
+# --- one request ------------------------------------------------------------------------------------
+
+
+async def run_request(backend: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    from clients.base import GenerationRequest
+
+    before = backend.stats.summary() | {"round_tokens": backend.stats.round_tokens}
+    req = GenerationRequest(prompt_text="", prompt_ids=tuple(ids), max_tokens=max_tokens, temperature=0.0)
+    t0 = time.perf_counter()
+    times: list[float] = []
+    tokens: list[int] = []
+    async for ev in backend.stream(req):
+        if ev.token_id is not None:
+            times.append(time.perf_counter())
+            tokens.append(ev.token_id)
+    st = backend.stats
+    rounds = st.rounds - before["rounds"]
+    return {
+        "prompt_tokens": len(ids),
+        "tokens": len(tokens),
+        "ttft_ms": 1e3 * (times[0] - t0),
+        "tbt_ms": 1e3 * (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan"),
+        "accept_length": (st.round_tokens - before["round_tokens"]) / rounds if rounds else float("nan"),
+        "ids": tokens,
+    }
+
+
+async def started(bench: Bench, v: Variant, **kw: Any) -> Any:
+    b = bench.backend(v, **kw)
+    await b.start()
+    return b
+
+
+class RawDevice:
+    """A device speaking the worker protocol directly (no device-side model): replays given shallow states."""
+
+    def __init__(self, url: str, bench: Bench) -> None:
+        self.url = url if "/v1/hidden/ws" in url else url.rstrip("/") + "/v1/hidden/ws"
+        self.bench = bench
+        self.seq = 0
+        self.sid = b""
+
+    async def __aenter__(self) -> RawDevice:
+        from websockets.asyncio.client import connect
+
+        from clients.hat import wire
+
+        self.ws = await connect(self.url, max_size=None)
+        cfg = self.bench.model.config
+        params = {"protocol": 1, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
+                  "m": self.bench.args.m, "dtype": "float32", "model": self.bench.args.model}  # fmt: skip
+        await self.ws.send(wire.encode_text(wire.Kind.OPEN, b"\0" * 16, 0, json.dumps(params)))
+        frame = wire.decode_frame(await self.ws.recv())
+        self.sid = frame.session
+        self.info = json.loads(frame.text())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        from clients.hat import wire
+
+        with contextlib.suppress(Exception):
+            self.seq += 1
+            await self.ws.send(wire.encode_control(wire.Kind.CLOSE, self.sid, self.seq))
+        await self.ws.close()
+
+    async def send(self, states: torch.Tensor, position: int, kind: Any) -> None:
+        from clients.hat import wire
+
+        self.seq += 1
+        await self.ws.send(wire.encode_tensor(kind, self.sid, self.seq, states, arg=position))
+        reply = wire.decode_frame(await self.ws.recv())
+        if reply.kind == wire.Kind.ERROR:
+            raise RuntimeError(f"worker error: {reply.text()}")
+
+    async def rollback(self, keep: int) -> None:
+        from clients.hat import wire
+
+        self.seq += 1
+        await self.ws.send(wire.encode_control(wire.Kind.ROLLBACK, self.sid, self.seq, arg=keep))
