@@ -48,8 +48,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Side = Literal["server", "device"]
+Side = Literal["server", "device"]  # the paper's word for the two sides of a budget
 SIDES: tuple[Side, ...] = ("server", "device")
+Role = Literal["cloud", "device"]  # the gateway's word for an endpoint's part in a request
+
+
+def role_of(side: Side) -> Role:
+    """The endpoint role that plays a budget side: the paper's "server" is any cloud endpoint."""
+    return "cloud" if side == "server" else "device"
 
 # App. E: λ for the server-constrained and the device-constrained experiments, in USD per PFLOP (see module doc).
 PAPER_LAMBDA_SERVER_CONSTRAINED = 0.3
@@ -262,7 +268,7 @@ class CostModel:
         """Eq. 8."""
         return self.server_cost(server_prefill, server_decode) + self.device_cost(device_prefill, device_decode)
 
-    def prices(self, endpoint: Literal["cloud", "device"]) -> TokenPrices:
+    def prices(self, endpoint: Role) -> TokenPrices:
         return self.server if endpoint == "cloud" else self.device
 
     def constrained_side(self, override: Side | None = None) -> Side:

@@ -35,6 +35,7 @@ from app.serving.metrics import Metrics
 from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from clients.stops import StopMatcher
+from policies.cost import role_of
 from policies.dispatch import DispatchPlan
 from policies.migration import lead
 
@@ -500,7 +501,7 @@ class Orchestrator:
             self.disco.observe_output(completion)
         total = 0.0
         # The side this request was dispatched under: its own policy's, which may differ from the configured one.
-        constrained_role = "cloud" if self.disco.side(job.cloud, job.policy) == "server" else "device"
+        constrained_role = role_of(self.disco.side(job.cloud, job.policy))
         for a in job.attempts:
             prefilled = a.context_tokens - a.cached_tokens
             cost = self.disco.cost_of(a.role, job.cloud or a.name, prefilled, a.decode_tokens)
