@@ -47,7 +47,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,14 +60,15 @@ from clients.base import BackendError, GenerationRequest, TokenEvent
 from clients.hat import wire
 from clients.hat.link import Link, LinkProfile
 from clients.hat.split import SplitKVCache
-from clients.hf_model import HFTokenizerMixin, load_hf_model
-from clients.torch_local import IncrementalDetokenizer, StopMatcher
+from clients.hf_model import HFTokenizerMixin, open_token_source
+from clients.sampling import choose, probabilities, sample_next, seeded_generator, speculative_sample
+from clients.stops import StopMatcher
+from clients.torch_local import IncrementalDetokenizer
 from policies.chunking import chunk_bounds, chunk_size, split_prompt
 from policies.drafting import DEFAULT_ETA, DraftStopRule, MovingAverage, parallel_draft_steps
 
 log = logging.getLogger(__name__)
 
-_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>")
 _NO_SESSION = b"\0" * 16
 _REPLY_KINDS = frozenset({wire.Kind.OPEN, wire.Kind.DEEP_STATE, wire.Kind.VERIFY_RESULT, wire.Kind.ERROR})
 _WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -77,52 +78,6 @@ _CLOSE_MESSAGES = {
     1013: "the worker is full or not ready",
     1008: "the worker refused the session",
 }
-
-
-# --- sampling helpers (pure) -----------------------------------------------------------------------
-
-
-def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """The distribution a sampler draws from: softmax(logits / T), nucleus-filtered to top_p and renormalised.
-
-    Same rule as clients.torch_local.sample_next (the top token is always kept). Works on [..., vocab].
-    """
-    probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
-    if 0 < top_p < 1:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
-        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def speculative_sample(
-    target: torch.Tensor | Callable[[int], torch.Tensor],
-    draft: Sequence[torch.Tensor],
-    tokens: Sequence[int],
-    generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """Speculative rejection sampling (Leviathan et al. / Chen et al.).
-
-    target: [k+1, V] — the LLM's distributions at the k draft positions and one past them — or a function
-    i -> row i (computed lazily). draft: the k draft distributions the tokens were sampled from. Returns
-    (accepted drafts a, the next token). The accepted drafts followed by the next token are distributed exactly
-    as tokens sampled from the target model one at a time.
-    """
-    row = target if callable(target) else target.__getitem__
-    k = len(tokens)
-    for i in range(k):
-        p, q, d = row(i), draft[i], int(tokens[i])
-        qd = float(q[d])
-        u = float(torch.rand((), generator=generator))
-        if qd > 0 and u < min(1.0, float(p[d]) / qd):
-            continue
-        residual = torch.clamp(p - q, min=0.0)
-        total = float(residual.sum())
-        dist = residual / total if total > 0 else p
-        return i, int(torch.multinomial(dist, 1, generator=generator))
-    return k, int(torch.multinomial(row(k), 1, generator=generator))
 
 
 # --- statistics -------------------------------------------------------------------------------------
@@ -674,12 +629,15 @@ class HATBackend(HFTokenizerMixin):
         from clients.hat.split import split_model
 
         t0 = time.monotonic()
-        if self._num_threads:
-            torch.set_num_threads(self._num_threads)
-        if self.model is None:
-            self.model, self.tokenizer = load_hf_model(self._gguf_path, self._cache_root)  # type: ignore[arg-type]
-        model = self.model
-        model.eval()
+        src = open_token_source(
+            self._gguf_path,
+            self._cache_root,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            num_threads=self._num_threads,
+        )
+        self.model, self.tokenizer = src.model, src.tokenizer
+        model = src.model
         split = split_model(model, self.m)
         self.adapter = Adapter.load(model, self.adapter_path) if self.adapter_path else Adapter(model, self.m)
         if self.adapter.m != self.m:
@@ -690,10 +648,9 @@ class HATBackend(HFTokenizerMixin):
         if self._owns_model:  # the device never runs the middle layers: drop them (most of the model's weights)
             model.model.layers = nn.ModuleList(list(model.model.layers)[: self.m])
         del split
-        self.eos_ids = frozenset(self._find_eos_ids())
+        self.eos_ids, self.max_context = src.eos_ids, src.max_context
         if self.draft_vocab_path:
             self._load_draft_vocab(self.draft_vocab_path)
-        self.max_context = getattr(model.config, "max_position_embeddings", None)
         log.info("%s: device half of %s ready in %.1f s", self.name, self.model_id, time.monotonic() - t0)
 
     def _load_draft_vocab(self, path: str | os.PathLike[str]) -> None:
@@ -703,20 +660,6 @@ class HATBackend(HFTokenizerMixin):
         chosen = torch.tensor(sorted(set(ids) | self.eos_ids), dtype=torch.long)
         self._draft_ids = chosen
         self._draft_weight = self._output.lm_head.weight[chosen].contiguous()
-
-    def _find_eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for v in (
-            getattr(self.tokenizer, "eos_token_id", None),
-            getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
-        ):
-            if isinstance(v, int):
-                ids.add(v)
-            elif isinstance(v, (list, tuple)):
-                ids.update(int(x) for x in v)
-        vocab = self.tokenizer.get_vocab()
-        ids.update(vocab[t] for t in _END_TOKENS if t in vocab)
-        return ids
 
     async def close(self) -> None:
         self._ready = False
@@ -804,16 +747,13 @@ class HATBackend(HFTokenizerMixin):
         if max_tokens <= 0:
             yield TokenEvent(text="", finish_reason="length")
             return
-        generator = None
-        if req.temperature > 0:
-            generator = torch.Generator()
-            generator.manual_seed(req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-        detok = IncrementalDetokenizer(self._decode_raw, context)
+        generator = seeded_generator(req.temperature, req.seed)
+        detok = IncrementalDetokenizer(self.detokenize, context)
         stops = StopMatcher(req.stop)
         emitted = 0
 
         logits = await self._prefill(s, context)
-        pending = [await self._run(self._sample, logits, req.temperature, req.top_p, generator)]
+        pending = [await self._run(sample_next, logits, req.temperature, req.top_p, generator)]
         position = len(context)  # where the last pending token goes
         while True:
             for token in pending:
@@ -837,10 +777,6 @@ class HATBackend(HFTokenizerMixin):
             cap = min(self.rule.max_draft, max_tokens - emitted - 1, limit - position - 1) if self.speculative else 0
             pending = await self._round(s, last, position, max(cap, 0), req, generator)
             position += len(pending)
-
-    def _decode_raw(self, ids: list[int]) -> str:
-        with self._tok_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # --- prefill --------------------------------------------------------------------------------
 
@@ -909,12 +845,6 @@ class HATBackend(HFTokenizerMixin):
     def _head_last(self, deep: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             return self._output(deep[-1:])[0].float()
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-        if temperature <= 0:
-            return int(torch.argmax(logits))
-        return int(torch.multinomial(probabilities(logits, temperature, top_p), 1, generator=generator))
 
     # --- decode rounds --------------------------------------------------------------------------
 
@@ -986,15 +916,6 @@ class HATBackend(HFTokenizerMixin):
         logits[:, self._draft_ids] = torch.nn.functional.linear(normed, self._draft_weight).float()
         return logits
 
-    @staticmethod
-    def _choose(
-        logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None
-    ) -> tuple[int, torch.Tensor]:
-        if temperature <= 0:
-            return int(torch.argmax(logits)), torch.softmax(logits, dim=-1)
-        probs = probabilities(logits, temperature, top_p)
-        return int(torch.multinomial(probs, 1, generator=gen)), probs
-
     def _draft(
         self,
         s: _Session,
@@ -1018,7 +939,7 @@ class HATBackend(HFTokenizerMixin):
                 feats = self.adapter(shallow, s.adapter_cache, positions=pos)
                 if stop:
                     break
-                d, probs = self._choose(self._draft_logits(feats[:, -1], pos)[0], temperature, top_p, gen)
+                d, probs = choose(self._draft_logits(feats[:, -1], pos)[0], temperature, top_p, gen)
                 keep, stop = self.rule.decide(float(probs[d]), len(tokens))
                 if not keep:
                     break
@@ -1100,7 +1021,7 @@ class HATBackend(HFTokenizerMixin):
             logits = self._draft_logits(feats[:, -1], pos)
             chosen, probs, dists = [], [], []
             for row in logits:
-                d, dist = self._choose(row, temperature, top_p, gen)
+                d, dist = choose(row, temperature, top_p, gen)
                 chosen.append(d)
                 probs.append(float(dist[d]))
                 dists.append(dist)
