@@ -73,7 +73,6 @@ log = logging.getLogger(__name__)
 
 PROTOCOL = 1
 _DEVICE_KINDS = frozenset({wire.Kind.PREFILL_CHUNK, wire.Kind.DRAFT, wire.Kind.ROLLBACK, wire.Kind.CLOSE})
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _OPEN_MAX_BYTES = 16 * 1024
 
 
@@ -352,7 +351,7 @@ class Engine:
             max_session_bytes=self.limits.max_session_bytes or context_bytes * 5 // 4,
         )
         self.wire_dtype = self.limits.wire_dtype
-        self.wire_dtype_name = next(k for k, v in _DTYPES.items() if v == self.wire_dtype)
+        self.wire_dtype_name = wire.dtype_name(self.wire_dtype)
         self.ragged = RaggedMiddle(stack, self.limits.min_rows, self.limits.batch_invariant)
         self.frame_hook = frame_hook
         self.clock = clock
@@ -488,7 +487,7 @@ class Engine:
         if self.frame_hook is not None:
             self.frame_hook(session.id, data)
         session.last_active = self.clock()
-        seq = peek_seq(data)
+        seq = wire.peek_seq(data)
         if session.id not in self._sessions:
             _resolve(fut, [self._error(session.id, seq or 0, EngineError(410, Reason.CLOSED, _gone(session)))])
             return fut
@@ -844,20 +843,6 @@ def _resolve(fut: Future[list[bytes]], frames: list[bytes]) -> None:
             fut.set_result(frames)
 
 
-def peek_seq(data: bytes) -> int | None:
-    """The seq field of anything that at least looks like a frame header (for replying to a bad frame)."""
-    if len(data) < wire.HEADER_SIZE or data[:4] != wire.MAGIC:
-        return None
-    return int.from_bytes(data[26:34], "little")
-
-
-def peek_kind(data: bytes) -> int | None:
-    """The kind byte of anything that at least looks like a frame header."""
-    if len(data) < wire.HEADER_SIZE or data[:4] != wire.MAGIC:
-        return None
-    return data[5]
-
-
 def _gone(session: Session) -> str:
     return f"session {session.hex} is closed ({session.close_reason or 'closed'})"
 
@@ -866,10 +851,3 @@ def _short(e: Exception) -> str:
     if isinstance(e, ValidationError):
         return "; ".join(f"{'.'.join(str(p) for p in x['loc']) or 'body'}: {x['msg']}" for x in e.errors())
     return str(e)
-
-
-def wire_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}") from None

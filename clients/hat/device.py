@@ -71,7 +71,6 @@ log = logging.getLogger(__name__)
 
 _NO_SESSION = b"\0" * 16
 _REPLY_KINDS = frozenset({wire.Kind.OPEN, wire.Kind.DEEP_STATE, wire.Kind.VERIFY_RESULT, wire.Kind.ERROR})
-_WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CLOSE_MESSAGES = {
     4401: "the worker rejected the auth token",
     4408: "the worker dropped the session as idle",
@@ -557,8 +556,6 @@ class HATBackend(HFTokenizerMixin):
     ) -> None:
         if gguf_path is None and (model is None or tokenizer is None):
             raise ValueError("HATBackend needs gguf_path or both model and tokenizer")
-        if wire_dtype not in _WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {', '.join(_WIRE_DTYPES)}, got {wire_dtype!r}")
         url = urlsplit(worker_url)
         if url.scheme not in ("ws", "wss", "http", "https") or not url.netloc:
             raise ValueError(f"worker_url must be ws://, wss://, http:// or https://host:port, got {worker_url!r}")
@@ -577,7 +574,7 @@ class HATBackend(HFTokenizerMixin):
         self._draft_weight: torch.Tensor | None = None  # the LM head's rows for them
         self.auth_token = auth_token
         self.wire_dtype_name = wire_dtype
-        self.wire_dtype = _WIRE_DTYPES[wire_dtype]
+        self.wire_dtype = wire.dtype_by_name(wire_dtype)
         self.rule = DraftStopRule(eta=eta, max_draft=max_draft, include_low_confidence=include_low_confidence)
         self.speculative = speculative
         self.parallel_drafting = parallel_drafting
