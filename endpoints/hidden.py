@@ -42,7 +42,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from app.worker.engine import Engine, EngineError, Reason, Session
+from app.worker.engine import Engine
+from app.worker.sessions import EngineError, Reason, Session
 from clients.hat import wire
 from endpoints.errors import ApiError
 

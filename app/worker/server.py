@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from app.worker.engine import Engine, EngineLimits, FrameHook
+from app.worker.engine import Engine, FrameHook
+from app.worker.sessions import EngineLimits
 from clients.hat import wire
 from deploy.models import resolve_model
 

@@ -458,26 +458,6 @@ class _Session:
         return frame
 
 
-def _fork(cache: SplitKVCache, rows: int, keep: int) -> SplitKVCache:
-    """A copy of `cache`'s first `keep` positions with `rows` identical batch rows (sharing positions)."""
-    out = SplitKVCache(cache.layer_indices)
-    for i, k in cache._keys.items():
-        out._keys[i] = k[:1, :, :keep].expand(rows, -1, -1, -1).contiguous()
-        out._values[i] = cache._values[i][:1, :, :keep].expand(rows, -1, -1, -1).contiguous()
-    out.positions = cache.positions[:keep].clone()
-    return out
-
-
-def _row(cache: SplitKVCache, row: int) -> SplitKVCache:
-    """Batch row `row` of a forked cache, as a one-row cache."""
-    out = SplitKVCache(cache.layer_indices)
-    for i, k in cache._keys.items():
-        out._keys[i] = k[row : row + 1].contiguous()
-        out._values[i] = cache._values[i][row : row + 1].contiguous()
-    out.positions = cache.positions.clone()
-    return out
-
-
 def _worker_error(name: str, frame: wire.Frame) -> BackendError:
     try:
         text = frame.text()
@@ -1005,7 +985,7 @@ class HATBackend(HFTokenizerMixin):
         rows = len(candidates)
         if not rows:
             return None
-        return _Branches(at, candidates, _fork(s.input_cache, rows, at), _fork(s.adapter_cache, rows, at))
+        return _Branches(at, candidates, s.input_cache.fork(rows, at), s.adapter_cache.fork(rows, at))
 
     def _pd_step(self, b: _Branches, temperature: float, top_p: float, gen: torch.Generator | None) -> None:
         """Feed every branch's newest token (the candidates first) and draft one more token per branch."""
@@ -1038,8 +1018,8 @@ class HATBackend(HFTokenizerMixin):
             if stop:
                 break
         n = min(n, len(b.tokens))
-        s.input_cache = _row(b.input_cache, row)
-        s.adapter_cache = _row(b.adapter_cache, row)
+        s.input_cache = b.input_cache.row(row)
+        s.adapter_cache = b.adapter_cache.row(row)
         tokens = [b.tokens[i][row] for i in range(n)]
         shallows = [b.shallows[i][row : row + 1] for i in range(min(n + 1, len(b.shallows)))]
         with torch.inference_mode():

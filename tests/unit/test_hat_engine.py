@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.worker.engine import Engine, EngineError, EngineLimits
+from app.worker.engine import Engine
+from app.worker.sessions import EngineError, EngineLimits
 from clients.hat import wire
 from clients.hat.link import DelayLine, LinkProfile
 from clients.hat.split import split_model
