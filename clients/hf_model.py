@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from clients.base import BackendError
+from clients.base import BackendError, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +225,19 @@ class HFTokenizerMixin:
         tok = self._require_tokenizer()
         with self._tok_lock:
             return list(tok.encode(text, add_special_tokens=False))
+
+    def context_ids(self, request: GenerationRequest) -> list[int]:
+        """What generation continues from: the prompt's ids, then those of the prefix being continued (a
+        migration's). Either may come as ids or text; a 400 when both are empty."""
+        prompt = list(request.prompt_ids) if request.prompt_ids is not None else self.tokenize(request.prompt_text)
+        if request.prefix_ids is not None:
+            prefix = list(request.prefix_ids)
+        else:
+            prefix = self.tokenize(request.prefix_text) if request.prefix_text else []
+        context = prompt + prefix
+        if not context:
+            raise BackendError(f"{self.name}: empty prompt", status=400, backend=self.name)
+        return context
 
     # A rendered chat prompt spells out its special tokens (e.g. <|im_start|>): the same call.
     tokenize_prompt = tokenize

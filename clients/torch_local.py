@@ -286,14 +286,7 @@ class TorchBackend(HFTokenizerMixin):
     async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if not self._ready or self._thread is None:
             raise BackendError(f"{self.name}: model not loaded", status=503, backend=self.name)
-        prompt = list(request.prompt_ids) if request.prompt_ids is not None else self.tokenize(request.prompt_text)
-        if request.prefix_ids is not None:
-            prefix = list(request.prefix_ids)
-        else:
-            prefix = self.tokenize(request.prefix_text) if request.prefix_text else []
-        context = prompt + prefix
-        if not context:
-            raise BackendError(f"{self.name}: empty prompt", status=400, backend=self.name)
+        context = self.context_ids(request)
         if self.max_context is not None and len(context) >= self.max_context:
             raise BackendError(
                 f"{self.name}: prompt of {len(context)} tokens does not fit the {self.max_context}-token context",

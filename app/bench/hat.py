@@ -108,11 +108,10 @@ class Bench:
 
     def backend(self, v: Variant, link: Any = None, full_vocab: bool = False) -> Any:
         from clients.hat.device import HATBackend
+        from clients.hat.options import HATOptions
 
-        return HATBackend(
+        options = HATOptions(
             self.url,
-            model=self.model,
-            tokenizer=self.tok,
             model_id=self.args.model,
             m=self.args.m,
             adapter_path=self.adapter,
@@ -123,6 +122,7 @@ class Bench:
             link=self.link if link is None else link,
             round_timeout=600.0,
         )
+        return HATBackend(options, model=self.model, tokenizer=self.tok)
 
     # --- prompts ------------------------------------------------------------------------------------
 
@@ -211,7 +211,7 @@ async def table5(bench: Bench) -> list[dict[str, Any]]:
 
 
 async def table4(bench: Bench) -> dict[str, Any]:
-    from clients.hat.device import HATStats
+    from clients.hat.options import HATStats
 
     a = bench.args
     prompts = bench.held_out_prompts(a.table4_prompts)
