@@ -27,16 +27,19 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from clients.base import BackendError
+from clients.base import BackendError, GenerationRequest
 
 log = logging.getLogger(__name__)
 
 _MARKER = "tandem-converted.txt"
+# Chat-turn and document end markers of the supported model families: generation stops at any of them.
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>")
 
 
 def default_cache_root() -> Path:
@@ -159,6 +162,54 @@ def load_hf_model(
     return model, tokenizer
 
 
+def find_eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every token that ends a generation: the tokenizer's and generation config's EOS ids plus known end markers."""
+    ids: set[int] = set()
+    for v in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in _END_TOKENS if t in vocab)
+    return frozenset(ids)
+
+
+@dataclass
+class TokenSource:
+    """A loaded causal LM as a token source needs it: model (eval mode), tokenizer, end tokens, context length."""
+
+    model: Any
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    max_context: int | None
+
+
+def open_token_source(
+    gguf_path: str | os.PathLike[str] | None,
+    cache_root: str | os.PathLike[str] | None = None,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    dtype: torch.dtype = torch.float32,
+    num_threads: int | None = None,
+) -> TokenSource:
+    """Load `gguf_path` (through the converted cache) unless `model` and `tokenizer` are given; runs on the thread
+    that will call the model, since `num_threads` sets torch's intra-op threads."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    if model is None:
+        if gguf_path is None:
+            raise ValueError("need a GGUF path or both a model and its tokenizer")
+        model, tokenizer = load_hf_model(gguf_path, cache_root, dtype)
+    model.eval()
+    max_context = getattr(model.config, "max_position_embeddings", None)
+    return TokenSource(model, tokenizer, find_eos_ids(model, tokenizer), max_context)
+
+
 class HFTokenizerMixin:
     """The tokenizer side of a backend built on a Hugging Face tokenizer (torch device backend,
     HAT device half). Needs `self.name`, `self.tokenizer` (None until loaded) and
@@ -174,6 +225,19 @@ class HFTokenizerMixin:
         tok = self._require_tokenizer()
         with self._tok_lock:
             return list(tok.encode(text, add_special_tokens=False))
+
+    def context_ids(self, request: GenerationRequest) -> list[int]:
+        """What generation continues from: the prompt's ids, then those of the prefix being continued (a
+        migration's). Either may come as ids or text; a 400 when both are empty."""
+        prompt = list(request.prompt_ids) if request.prompt_ids is not None else self.tokenize(request.prompt_text)
+        if request.prefix_ids is not None:
+            prefix = list(request.prefix_ids)
+        else:
+            prefix = self.tokenize(request.prefix_text) if request.prefix_text else []
+        context = prompt + prefix
+        if not context:
+            raise BackendError(f"{self.name}: empty prompt", status=400, backend=self.name)
+        return context
 
     # A rendered chat prompt spells out its special tokens (e.g. <|im_start|>): the same call.
     tokenize_prompt = tokenize

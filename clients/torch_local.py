@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from clients.base import BackendError, GenerationRequest, TokenEvent
-from clients.hf_model import HFTokenizerMixin, load_hf_model
+from clients.hf_model import HFTokenizerMixin, open_token_source
+from clients.sampling import sample_next, seeded_generator
 from clients.stops import StopMatcher
 
 log = logging.getLogger(__name__)
 
-_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<end_of_turn>")
 _PREFILL_CHUNK = 256  # tokens per prefill step: bounds how long a cancel or another stream waits
 
 
@@ -72,20 +72,6 @@ class IncrementalDetokenizer:
         new_text = self._decode(self.ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self.ids)
         return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0; otherwise temperature + nucleus (top-p) sampling from `generator`."""
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if 0 < top_p < 1:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p  # always keeps the top token
-        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-        choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 @dataclass
@@ -240,13 +226,16 @@ class TorchBackend(HFTokenizerMixin):
 
     def _load(self) -> None:
         t0 = time.monotonic()
-        if self._num_threads:
-            torch.set_num_threads(self._num_threads)
-        if self.model is None:
-            self.model, self.tokenizer = load_hf_model(self._gguf_path, self._cache_root, self._dtype)  # type: ignore[arg-type]
-        self.model.eval()
-        self.eos_ids = frozenset(self._find_eos_ids())
-        self.max_context = getattr(self.model.config, "max_position_embeddings", None)
+        src = open_token_source(
+            self._gguf_path,
+            self._cache_root,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            dtype=self._dtype,
+            num_threads=self._num_threads,
+        )
+        self.model, self.tokenizer = src.model, src.tokenizer
+        self.eos_ids, self.max_context = src.eos_ids, src.max_context
         self.load_seconds = time.monotonic() - t0
         log.info(
             "%s: model %s ready in %.1f s (eos ids %s)",
@@ -255,20 +244,6 @@ class TorchBackend(HFTokenizerMixin):
             self.load_seconds,
             sorted(self.eos_ids),
         )
-
-    def _find_eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for v in (
-            getattr(self.tokenizer, "eos_token_id", None),
-            getattr(self.model.generation_config, "eos_token_id", None),
-        ):
-            if isinstance(v, int):
-                ids.add(v)
-            elif isinstance(v, (list, tuple)):
-                ids.update(int(x) for x in v)
-        vocab = self.tokenizer.get_vocab()
-        ids.update(vocab[t] for t in _END_TOKENS if t in vocab)
-        return ids
 
     async def close(self) -> None:
         self._ready = False
@@ -311,14 +286,7 @@ class TorchBackend(HFTokenizerMixin):
     async def _stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if not self._ready or self._thread is None:
             raise BackendError(f"{self.name}: model not loaded", status=503, backend=self.name)
-        prompt = list(request.prompt_ids) if request.prompt_ids is not None else self.tokenize(request.prompt_text)
-        if request.prefix_ids is not None:
-            prefix = list(request.prefix_ids)
-        else:
-            prefix = self.tokenize(request.prefix_text) if request.prefix_text else []
-        context = prompt + prefix
-        if not context:
-            raise BackendError(f"{self.name}: empty prompt", status=400, backend=self.name)
+        context = self.context_ids(request)
         if self.max_context is not None and len(context) >= self.max_context:
             raise BackendError(
                 f"{self.name}: prompt of {len(context)} tokens does not fit the {self.max_context}-token context",
@@ -358,11 +326,8 @@ class TorchBackend(HFTokenizerMixin):
         max_tokens = req.max_tokens
         if self.max_context is not None:
             max_tokens = min(max_tokens, self.max_context - len(context))
-        generator = None
-        if req.temperature > 0:
-            generator = torch.Generator()
-            generator.manual_seed(req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-        detok = IncrementalDetokenizer(self._decode_raw, context)
+        generator = seeded_generator(req.temperature, req.seed)
+        detok = IncrementalDetokenizer(self.detokenize, context)
         stops = StopMatcher(req.stop)
         if max_tokens <= 0:
             job.emit(TokenEvent(text="", finish_reason="length"))
@@ -402,7 +367,3 @@ class TorchBackend(HFTokenizerMixin):
                 out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
             self.forward_calls += 1
             logits = out.logits[0, -1]
-
-    def _decode_raw(self, ids: list[int]) -> str:
-        with self._tok_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)

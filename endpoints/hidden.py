@@ -42,7 +42,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from app.worker.engine import Engine, EngineError, Reason, Session, peek_kind
+from app.worker.engine import Engine
+from app.worker.sessions import EngineError, Reason, Session
 from clients.hat import wire
 from endpoints.errors import ApiError
 
@@ -142,7 +143,7 @@ async def _serve_session(ws: WebSocket, engine: Engine, session: Session) -> Non
                 replies.put_nowait(_done([err]))
                 continue
             replies.put_nowait(engine.submit(session, data))
-            if peek_kind(data) == wire.Kind.CLOSE:
+            if wire.peek_kind(data) == wire.Kind.CLOSE:
                 break
     except WebSocketDisconnect:
         close_code = -1

@@ -57,6 +57,7 @@ def role_of(side: Side) -> Role:
     """The endpoint role that plays a budget side: the paper's "server" is any cloud endpoint."""
     return "cloud" if side == "server" else "device"
 
+
 # App. E: λ for the server-constrained and the device-constrained experiments, in USD per PFLOP (see module doc).
 PAPER_LAMBDA_SERVER_CONSTRAINED = 0.3
 PAPER_LAMBDA_DEVICE_CONSTRAINED = 5.0

@@ -37,7 +37,7 @@ async def table5(bench: Bench) -> list[dict[str, Any]]:
 
 
 async def table4(bench: Bench) -> dict[str, Any]:
-    from clients.hat.device import HATStats
+    from clients.hat.options import HATStats
 
     a = bench.args
     prompts = bench.held_out_prompts(a.table4_prompts)

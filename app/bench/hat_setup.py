@@ -73,11 +73,10 @@ class Bench:
 
     def backend(self, v: Variant, link: Any = None, full_vocab: bool = False) -> Any:
         from clients.hat.device import HATBackend
+        from clients.hat.options import HATOptions
 
-        return HATBackend(
+        options = HATOptions(
             self.url,
-            model=self.model,
-            tokenizer=self.tok,
             model_id=self.args.model,
             m=self.args.m,
             adapter_path=self.adapter,
@@ -88,6 +87,7 @@ class Bench:
             link=self.link if link is None else link,
             round_timeout=600.0,
         )
+        return HATBackend(options, model=self.model, tokenizer=self.tok)
 
     # --- prompts ------------------------------------------------------------------------------------
 

@@ -131,6 +131,7 @@ class Gateway:
         from clients.hat.adapter import draft_files
         from clients.hat.device import HATBackend
         from clients.hat.link import LinkProfile
+        from clients.hat.options import HATOptions
 
         url = cloud.worker_url
         token = cloud.auth_token.get_secret_value() if cloud.auth_token else None
@@ -139,7 +140,7 @@ class Gateway:
             url = worker.url
             self.embedded.append(worker)
         adapter, draft_vocab = draft_files(cloud.model, cloud.m, cloud.adapter, cloud.draft_vocab)
-        backend = HATBackend(
+        options = HATOptions(
             url,
             resolve_model(cloud.model),
             name=name,
@@ -155,6 +156,7 @@ class Gateway:
             link=LinkProfile.parse(cloud.link) if cloud.link else None,
             num_threads=cloud.num_threads,
         )
+        backend = HATBackend(options)
         backend.accepts_token_ids = cloud.tokenizer == "device"
         return backend
 

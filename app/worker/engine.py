@@ -17,29 +17,16 @@ with the request's seq. A frame that fails validation still uses up its seq (its
 is never stuck behind its own bad frame. Tensor frames must start exactly at the cache's length: positions are
 contiguous and rejected drafts are removed with an explicit ROLLBACK.
 
-Limits (EngineLimits) fail one frame or one session with an ERROR naming the limit, never another session:
-max sessions (503 on OPEN), max context (413, nothing appended), per-session idle timeout (408, session
-dropped), frame size (413), kind/dtype/shape against the model (400), non-finite values (400), positions and
-sequence numbers (409).
+Limits (EngineLimits; the arrival checks are app/worker/sessions.py's) fail one frame or one session with an
+ERROR naming the limit, never another session: max sessions (503 on OPEN), max context (413, nothing appended),
+per-session idle timeout (408, session dropped), frame size (413), kind/dtype/shape against the model (400),
+non-finite values (400), positions and sequence numbers (409).
 
 Batching (continuous, "ragged"): every tick the engine thread takes the next tensor frame of every session that
 has one pending (prefill chunks and verification rounds alike, up to max_batch_tokens) and runs them through the
-middle layers in ONE forward pass. All token rows of all sessions are packed into one [1, N, hidden] tensor, so
-every weight matmul (q/k/v/o projections, MLP) and norm runs once for the whole batch; attention runs per
-session against that session's own KV cache, with per-row positions (rotary) and the session's own causal mask.
-This is the varlen/ragged layout of vLLM-style continuous batching rather than a padded [B, T] batch: no
-compute is spent on padding (a 256-token prefill chunk and a 2-token verification share one pass without the
-verification row being padded to 256), and no session can see another's keys. Rows are never concatenated
-into one attention sequence.
-
-Batch invariance: nothing is shared between sessions except the weights, so a row's result does not depend on
-its neighbours — with one intra-op thread and the packed matrix padded to >= `min_rows` rows (BLAS switches from
-a per-row to a blocked kernel below 4 rows on this CPU), a session's deep states are bit-identical whether it ran
-alone or in a batch (tested). With more threads BLAS may split rows differently: equal to ~1e-6, not bitwise.
-`batch_invariant=False` skips the padding of a lone 1-token row (plain U-shape decode, ~1.8x faster on that
-case) at the price of that guarantee. The forward is the engine's own (it calls the HF layer's submodules: norms,
-projections, rotary, the model's attention function, MLP) and is checked against the model's own layers at
-start-up (`self_check`), so an unsupported layer layout fails loudly instead of computing garbage.
+middle layers in ONE forward pass (clients/hat/ragged.py: packed rows, attention per session, each row's result
+independent of its neighbours). That forward is checked against the model's own layers at start-up
+(`self_check`), so an unsupported layer layout fails loudly instead of computing garbage.
 
 Threading: all model calls run on one dedicated engine thread under torch.inference_mode(); the event loop only
 validates frames and hands them over (`submit` returns a concurrent Future of the reply frames).
@@ -48,257 +35,38 @@ validates frames and hands them over (`submit` returns a concurrent Future of th
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import logging
 import queue
-import sys
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from app.worker.sessions import (
+    PROTOCOL,
+    EngineError,
+    EngineLimits,
+    Item,
+    Reason,
+    Session,
+    check_frame,
+    check_positions,
+    parse_open,
+)
 from clients.hat import wire
-from clients.hat.split import LayerStack, MiddleSubmodel, SplitKVCache, mask_on
+from clients.hat.ragged import RaggedMiddle
+from clients.hat.split import MiddleSubmodel
 from policies.drafting import DelayPredictor
 from policies.estimate import MovingAverage
 
 log = logging.getLogger(__name__)
-
-PROTOCOL = 1
-_DEVICE_KINDS = frozenset({wire.Kind.PREFILL_CHUNK, wire.Kind.DRAFT, wire.Kind.ROLLBACK, wire.Kind.CLOSE})
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_OPEN_MAX_BYTES = 16 * 1024
-
-
-class Reason(enum.StrEnum):
-    """Why a frame or session was refused (the `reason` label of the rejected-frames metric)."""
-
-    MALFORMED = "malformed"
-    OVERSIZED = "oversized"
-    KIND = "kind"
-    DTYPE = "dtype"
-    SHAPE = "shape"
-    NONFINITE = "nonfinite"
-    SESSION = "session"
-    SEQ = "seq"
-    POSITION = "position"
-    CONTEXT = "context"
-    OPEN = "open"
-    FULL = "full"
-    BACKLOG = "backlog"
-    IDLE = "idle"
-    CLOSED = "closed"
-    INTERNAL = "internal"
-
-
-class EngineError(Exception):
-    def __init__(self, status: int, reason: Reason, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    max_sessions: int = 16
-    max_context: int = 4096  # positions per session (capped by the model's max_position_embeddings)
-    idle_timeout: float = 300.0  # seconds without a frame before a session is dropped
-    # Payload bytes of one frame; None: a whole context of hidden states (no frame can carry more positions).
-    max_frame_bytes: int | None = None
-    # What one session may have waiting (held behind a sequence gap or queued for the engine thread); a frame
-    # past either bound fails alone with 429. None: a context's worth of states plus a quarter (a device has at
-    # most its prompt's chunks in flight at once, then one verification round at a time).
-    max_session_bytes: int | None = None
-    max_session_frames: int = 256
-    max_batch_tokens: int = 4096  # tokens per forward pass (a single larger frame still runs, alone)
-    wire_dtype: torch.dtype = torch.float32  # dtype of hidden states in both directions
-    max_reorder: int = 64  # how far ahead of the next expected seq a frame may arrive
-    min_rows: int = 4  # pad the packed batch to at least this many rows (BLAS's blocked path; faster for 2-3 rows)
-    # Pad a lone 1-token row too, so every row's result is independent of the batch it ran in (bit-identical to
-    # running alone). Costs ~1.8x on a lone 1-token forward (plain U-shape decode); HAT rounds send >= 2 tokens.
-    batch_invariant: bool = True
-
-
-class OpenParams(BaseModel):
-    """What a device may say when it opens a session: structural facts only (no prompt, no text)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    protocol: int = PROTOCOL
-    hidden_size: int = Field(gt=0)
-    num_layers: int = Field(gt=0)
-    m: int = Field(gt=0)
-    dtype: Literal["float32", "float16", "bfloat16"]
-    model: str | None = Field(default=None, max_length=200)
-
-
-# --- sessions --------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Item:
-    """One device frame on its way through the engine."""
-
-    session: Session
-    seq: int
-    frame: wire.Frame | None  # None: rejected on arrival (future already resolved)
-    tensor: torch.Tensor | None
-    future: Future[list[bytes]]
-
-
-@dataclass
-class Session:
-    """One device's state. Loop-side fields: expected_seq, held, last_active, on_expire. Engine-thread: the rest."""
-
-    id: bytes
-    cache: SplitKVCache
-    params: OpenParams
-    created: float
-    last_active: float
-    expected_seq: int = 1
-    held: dict[int, _Item] = field(default_factory=dict)
-    queue: deque[_Item] = field(default_factory=deque)
-    closed: bool = False
-    close_reason: str | None = None
-    on_expire: Callable[[str], None] | None = None
-    frames: int = 0
-    tokens: int = 0
-    waiting_bytes: int = 0  # frames accepted and not yet answered (Engine._pending_lock)
-    waiting_frames: int = 0
-
-    @property
-    def hex(self) -> str:
-        return self.id.hex()
-
-
-# --- the batched middle forward --------------------------------------------------------------------
-
-
-class RaggedMiddle:
-    """The middle layers run over several sessions' new tokens in one pass (see the module docstring)."""
-
-    def __init__(self, stack: LayerStack, min_rows: int = 4, batch_invariant: bool = True) -> None:
-        self.stack = stack
-        self.batch_invariant = batch_invariant
-        self.layers = list(stack.layers)
-        self.layer_types = list(stack._layer_types)
-        self.window = stack._window
-        self.min_rows = max(1, min_rows)
-        if not self.layers:
-            raise ValueError("the middle submodel has no layers")
-        needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-        for layer in self.layers:
-            attn = getattr(layer, "self_attn", None)
-            if any(not hasattr(layer, a) for a in needed) or any(
-                not hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
-            ):
-                raise TypeError(f"{type(layer).__name__} is not a Llama/Qwen-style decoder layer")
-        attn0 = self.layers[0].self_attn
-        module = sys.modules[type(attn0).__module__]
-        self._rotary = module.apply_rotary_pos_emb
-        self._eager = getattr(module, "eager_attention_forward", None)
-        param = next(self.layers[0].parameters())
-        self.dtype, self.device = param.dtype, param.device
-
-    def _attention_fn(self, attn: Any) -> Callable[..., Any]:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        impl = getattr(attn.config, "_attn_implementation", None) or "sdpa"
-        if impl == "eager" and self._eager is not None:
-            return self._eager
-        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, self._eager)
-
-    def forward(self, rows: list[tuple[torch.Tensor, SplitKVCache]]) -> list[torch.Tensor]:
-        """rows: (shallow states [n_i, hidden], the session's cache). Appends to every cache; deep states per row.
-
-        New tokens go at positions len(cache) .. len(cache)+n_i-1. On any exception every cache is left as it was.
-        """
-        spans, key_pos, masks, pos_parts = [], [], [], []
-        start = 0
-        for hidden, cache in rows:
-            n = hidden.shape[0]
-            first = len(cache)
-            q_pos = torch.arange(first, first + n, dtype=torch.long)
-            kp = torch.cat([cache.positions, q_pos])
-            spans.append((start, start + n))
-            key_pos.append(kp)
-            pos_parts.append(q_pos)
-            masks.append(
-                {
-                    t: mask_on(
-                        self.stack._mask(kp, q_pos, self.dtype, self.window if t == "sliding_attention" else None),
-                        self.device,
-                    )
-                    for t in set(self.layer_types)
-                }
-            )
-            start += n
-        total = start
-        pad = max(0, self.min_rows - total) if (self.batch_invariant or total > 1) else 0
-        x = torch.cat([h.to(self.device, self.dtype) for h, _ in rows])
-        if pad:
-            x = torch.cat([x, x.new_zeros(pad, x.shape[-1])])
-            pos_parts.append(torch.zeros(pad, dtype=torch.long))
-        x = x[None]
-        position_ids = torch.cat(pos_parts)[None].to(self.device)
-        cos, sin = self.stack.rotary_emb(x, position_ids)
-        old = [(len(c), c.positions) for _, c in rows]
-        try:
-            for layer, ltype in zip(self.layers, self.layer_types, strict=True):
-                x = self._layer(layer, ltype, x, cos, sin, rows, spans, masks, pad)
-        except BaseException:
-            for (_, cache), (n_old, pos_old) in zip(rows, old, strict=True):
-                cache.positions = pos_old
-                cache._truncate_layers(n_old)
-            raise
-        for (_, cache), kp in zip(rows, key_pos, strict=True):
-            cache.positions = kp
-        return [x[0, s:e] for s, e in spans]
-
-    def _layer(
-        self,
-        layer: Any,
-        ltype: str,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        rows: list[tuple[torch.Tensor, SplitKVCache]],
-        spans: list[tuple[int, int]],
-        masks: list[dict[str, torch.Tensor | None]],
-        pad: int,
-    ) -> torch.Tensor:
-        attn = layer.self_attn
-        width = x.shape[1]
-        hs = layer.input_layernorm(x)
-        shape = (1, width, -1, attn.head_dim)
-        q = attn.q_proj(hs).view(shape)
-        k = attn.k_proj(hs).view(shape)
-        v = attn.v_proj(hs).view(shape).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before rotary
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        fn = self._attention_fn(attn)
-        extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
-        pieces = []
-        for (s, e), (_, cache), mask in zip(spans, rows, masks, strict=True):
-            kk, vv = cache.update(k[:, :, s:e].contiguous(), v[:, :, s:e].contiguous(), attn.layer_idx)
-            qq = q[:, :, s:e].contiguous()
-            out, _ = fn(attn, qq, kk, vv, mask[ltype], dropout=0.0, scaling=attn.scaling, **extra)
-            pieces.append(out.reshape(1, e - s, -1))
-        if pad:
-            pieces.append(x.new_zeros(1, pad, pieces[0].shape[-1]))
-        h = x + attn.o_proj(torch.cat(pieces, dim=1).contiguous())
-        return h + layer.mlp(layer.post_attention_layernorm(h))
-
 
 # --- the engine ------------------------------------------------------------------------------------
 
@@ -353,7 +121,7 @@ class Engine:
             max_session_bytes=self.limits.max_session_bytes or context_bytes * 5 // 4,
         )
         self.wire_dtype = self.limits.wire_dtype
-        self.wire_dtype_name = next(k for k, v in _DTYPES.items() if v == self.wire_dtype)
+        self.wire_dtype_name = wire.dtype_name(self.wire_dtype)
         self.ragged = RaggedMiddle(stack, self.limits.min_rows, self.limits.batch_invariant)
         self.frame_hook = frame_hook
         self.clock = clock
@@ -434,28 +202,10 @@ class Engine:
         if self.frame_hook is not None:
             self.frame_hook(None, bytes(data))
         try:
-            frame = wire.decode_frame(data, max_frame_bytes=_OPEN_MAX_BYTES, expected_kinds={wire.Kind.OPEN})
-            params = OpenParams.model_validate(json.loads(frame.text()))
-        except wire.FrameError as e:
-            self.count_rejection(Reason.MALFORMED)
-            raise EngineError(400, Reason.MALFORMED, f"bad OPEN frame: {e}") from None
-        except (ValueError, ValidationError) as e:
-            self.count_rejection(Reason.OPEN)
-            raise EngineError(400, Reason.OPEN, f"bad OPEN parameters: {_short(e)}") from None
-        mismatch = [
-            f"{name} {got} != worker's {want}"
-            for name, got, want in (
-                ("protocol", params.protocol, PROTOCOL),
-                ("hidden_size", params.hidden_size, self.hidden_size),
-                ("num_layers", params.num_layers, self.num_layers),
-                ("m", params.m, self.m),
-                ("dtype", params.dtype, self.wire_dtype_name),
-            )
-            if got != want
-        ]
-        if mismatch:
-            self.count_rejection(Reason.OPEN)
-            raise EngineError(400, Reason.OPEN, "session does not match this worker's model: " + "; ".join(mismatch))
+            params = parse_open(data, self.hidden_size, self.num_layers, self.m, self.wire_dtype_name)
+        except EngineError as e:
+            self.count_rejection(e.reason)
+            raise
         now = self.clock()
         with self._lock:
             if len(self._sessions) >= self.limits.max_sessions:
@@ -489,11 +239,14 @@ class Engine:
         if self.frame_hook is not None:
             self.frame_hook(session.id, data)
         session.last_active = self.clock()
-        seq = peek_seq(data)
+        seq = wire.peek_seq(data)
         if session.id not in self._sessions:
             _resolve(fut, [self._error(session.id, seq or 0, EngineError(410, Reason.CLOSED, _gone(session)))])
             return fut
-        frame, tensor, err = self._validate(session, data)
+        limit: int = self.limits.max_frame_bytes  # type: ignore[assignment]
+        frame, tensor, err = check_frame(session, data, limit, self.hidden_size, self.wire_dtype)
+        if err is not None:
+            self.count_rejection(err.reason)
         if frame is not None:
             seq = frame.seq
         if seq is None:  # not even a header: no seq to account for
@@ -525,8 +278,8 @@ class Engine:
         else:
             assert frame is not None
             self.stats.frames[frame.kind.name] = self.stats.frames.get(frame.kind.name, 0) + 1
-        session.held[seq] = _Item(session, seq, frame, tensor, fut)
-        released: list[_Item] = []
+        session.held[seq] = Item(session, seq, frame, tensor, fut)
+        released: list[Item] = []
         while session.expected_seq in session.held:
             item = session.held.pop(session.expected_seq)
             session.expected_seq += 1
@@ -561,61 +314,6 @@ class Engine:
         fut.add_done_callback(answered)
         return None
 
-    def _validate(
-        self, session: Session, data: bytes
-    ) -> tuple[wire.Frame | None, torch.Tensor | None, EngineError | None]:
-        """Decode and check a frame against the model. Returns (frame if its header parsed, tensor, error)."""
-        frame = None
-        if len(data) > wire.HEADER_SIZE + 4 * wire.MAX_NDIM + self.limits.max_frame_bytes:
-            self.count_rejection(Reason.OVERSIZED)
-            limit = self.limits.max_frame_bytes
-            msg = f"frame of {len(data)} bytes exceeds the {limit}-byte limit"
-            return None, None, EngineError(413, Reason.OVERSIZED, msg)
-        try:
-            frame = wire.decode_frame(data, max_frame_bytes=self.limits.max_frame_bytes)
-        except wire.FrameError as e:
-            reason = Reason.OVERSIZED if "exceeds" in str(e) else Reason.MALFORMED
-            self.count_rejection(reason)
-            return None, None, EngineError(413 if reason is Reason.OVERSIZED else 400, reason, f"bad frame: {e}")
-        try:
-            if frame.session != session.id:
-                raise EngineError(
-                    400, Reason.SESSION, f"frame is for session {frame.session.hex()}, this is {session.hex}"
-                )
-            if frame.kind not in _DEVICE_KINDS:
-                raise EngineError(
-                    400,
-                    Reason.KIND,
-                    f"a device may not send {frame.kind.name} frames here; "
-                    f"expected one of {sorted(k.name for k in _DEVICE_KINDS)}",
-                )
-            if frame.kind not in wire.TENSOR_KINDS:
-                return frame, None, None
-            if frame.dtype != wire.dtype_code(self.wire_dtype):
-                raise EngineError(
-                    400,
-                    Reason.DTYPE,
-                    f"{frame.kind.name} carries {frame.dtype.name}; this worker takes {self.wire_dtype_name}",
-                )
-            shape = frame.shape
-            if len(shape) == 3 and shape[0] == 1:
-                shape = shape[1:]
-            if len(shape) != 2 or shape[1] != self.hidden_size or shape[0] < 1:
-                raise EngineError(
-                    400,
-                    Reason.SHAPE,
-                    f"{frame.kind.name} shape {frame.shape} is not [tokens >= 1, hidden_size {self.hidden_size}]",
-                )
-            if frame.arg < 0:
-                raise EngineError(400, Reason.POSITION, f"negative start position {frame.arg}")
-            tensor = frame.tensor().reshape(shape)
-            if not bool(torch.isfinite(tensor).all()):
-                raise EngineError(400, Reason.NONFINITE, f"{frame.kind.name} carries NaN or infinite values")
-            return frame, tensor, None
-        except EngineError as e:
-            self.count_rejection(e.reason)
-            return frame, None, e
-
     def _error(self, sid: bytes, seq: int, err: EngineError) -> bytes:
         return wire.encode_error(sid, seq, f"{err.reason.value}: {err.message}", err.status)
 
@@ -645,7 +343,7 @@ class Engine:
     def _take(self, msg: tuple[str, Any]) -> None:
         kind, obj = msg
         if kind == "frame":
-            item: _Item = obj
+            item: Item = obj
             if item.session.closed or item.session.id not in self._sessions:
                 _resolve(item.future, [])
                 return
@@ -700,9 +398,9 @@ class Engine:
                 with contextlib.suppress(Exception):
                     session.on_expire(f"{Reason.IDLE.value}: session idle for more than {limit:g} s; closed")
 
-    def _collect(self) -> list[_Item]:
+    def _collect(self) -> list[Item]:
         """Apply control frames and pick at most one tensor frame per session, up to max_batch_tokens."""
-        batch: list[_Item] = []
+        batch: list[Item] = []
         tokens = 0
         for sid in list(self._ready):
             session = self._ready.get(sid)
@@ -717,7 +415,7 @@ class Engine:
                     self._rollback(item)
                     continue
                 n = item.tensor.shape[0]  # type: ignore[union-attr]
-                err = self._check_positions(session, frame.arg, n)
+                err = check_positions(len(session.cache), frame.arg, n, self.max_context)
                 if err is not None:
                     session.queue.popleft()
                     self.count_rejection(err.reason)
@@ -739,24 +437,7 @@ class Engine:
                 self._ready.move_to_end(item.session.id)
         return batch
 
-    def _check_positions(self, session: Session, start: int, n: int) -> EngineError | None:
-        have = len(session.cache)
-        if start != have:
-            return EngineError(
-                409,
-                Reason.POSITION,
-                f"frame starts at position {start} but the session's cache holds {have} positions "
-                f"(send ROLLBACK first to drop rejected drafts)",
-            )
-        if start + n > self.max_context:
-            return EngineError(
-                413,
-                Reason.CONTEXT,
-                f"{start} cached + {n} new positions exceed the session's {self.max_context}-position context",
-            )
-        return None
-
-    def _rollback(self, item: _Item) -> None:
+    def _rollback(self, item: Item) -> None:
         session, keep = item.session, item.frame.arg  # type: ignore[union-attr]
         have = len(session.cache)
         if keep > have:
@@ -767,7 +448,7 @@ class Engine:
         session.cache.crop(keep)
         _resolve(item.future, [])
 
-    def _forward(self, batch: list[_Item]) -> None:
+    def _forward(self, batch: list[Item]) -> None:
         t0 = time.perf_counter()
         rows = [(item.tensor, item.session.cache) for item in batch]
         try:
@@ -845,32 +526,5 @@ def _resolve(fut: Future[list[bytes]], frames: list[bytes]) -> None:
             fut.set_result(frames)
 
 
-def peek_seq(data: bytes) -> int | None:
-    """The seq field of anything that at least looks like a frame header (for replying to a bad frame)."""
-    if len(data) < wire.HEADER_SIZE or data[:4] != wire.MAGIC:
-        return None
-    return int.from_bytes(data[26:34], "little")
-
-
-def peek_kind(data: bytes) -> int | None:
-    """The kind byte of anything that at least looks like a frame header."""
-    if len(data) < wire.HEADER_SIZE or data[:4] != wire.MAGIC:
-        return None
-    return data[5]
-
-
 def _gone(session: Session) -> str:
     return f"session {session.hex} is closed ({session.close_reason or 'closed'})"
-
-
-def _short(e: Exception) -> str:
-    if isinstance(e, ValidationError):
-        return "; ".join(f"{'.'.join(str(p) for p in x['loc']) or 'body'}: {x['msg']}" for x in e.errors())
-    return str(e)
-
-
-def wire_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}") from None

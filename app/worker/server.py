@@ -28,7 +28,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from app.lifespan import starting_in_background
-from app.worker.engine import Engine, EngineLimits, FrameHook, wire_dtype
+from app.worker.engine import Engine, FrameHook
+from app.worker.sessions import EngineLimits
 from clients.hat import wire
 from deploy.models import resolve_model
 from endpoints.auth import bearer, matches_any
@@ -74,7 +75,7 @@ class WorkerSettings(BaseModel):
             max_session_bytes=self.max_session_bytes,
             max_session_frames=self.max_session_frames,
             max_batch_tokens=self.max_batch_tokens,
-            wire_dtype=wire_dtype(self.dtype),
+            wire_dtype=wire.dtype_by_name(self.dtype),
             batch_invariant=self.batch_invariant,
         )
 

@@ -80,6 +80,30 @@ class SplitKVCache:
             self.positions = self.positions[:n].clone()
         self._truncate_layers(len(self))
 
+    def restore(self, positions: torch.Tensor) -> None:
+        """Return to an earlier state given its positions: undoes a partly applied append after a failed forward."""
+        self.positions = positions
+        self._truncate_layers(len(self))
+
+    def fork(self, rows: int, keep: int) -> SplitKVCache:
+        """A copy of the first `keep` positions with `rows` identical batch rows (sharing positions): one row per
+        candidate continuation, all fed in one batched step."""
+        out = SplitKVCache(self.layer_indices)
+        for i, k in self._keys.items():
+            out._keys[i] = k[:1, :, :keep].expand(rows, -1, -1, -1).contiguous()
+            out._values[i] = self._values[i][:1, :, :keep].expand(rows, -1, -1, -1).contiguous()
+        out.positions = self.positions[:keep].clone()
+        return out
+
+    def row(self, row: int) -> SplitKVCache:
+        """Batch row `row` of a forked cache, as a one-row cache."""
+        out = SplitKVCache(self.layer_indices)
+        for i, k in self._keys.items():
+            out._keys[i] = k[row : row + 1].contiguous()
+            out._values[i] = self._values[i][row : row + 1].contiguous()
+        out.positions = self.positions.clone()
+        return out
+
     def _truncate_layers(self, n: int) -> None:
         for i in list(self._keys):
             if self._keys[i].shape[-2] > n:
@@ -139,8 +163,8 @@ class LayerStack(nn.Module):
         self.layer_range = layer_range
         self.layers = nn.ModuleList(layers)  # shared modules, not copies
         self.rotary_emb = rotary_emb
-        self._layer_types = list(layer_types or ["full_attention"] * len(layers))
-        self._window = getattr(config, "sliding_window", None)
+        self.layer_types = list(layer_types or ["full_attention"] * len(layers))
+        self.sliding_window: int | None = getattr(config, "sliding_window", None)
 
     @classmethod
     def from_model(cls, model: nn.Module, start: int, end: int) -> LayerStack:
@@ -175,6 +199,14 @@ class LayerStack(nn.Module):
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return mask[None, None]  # [1, 1, q, kv], additive: works for sdpa and eager attention
 
+    def masks(
+        self, key_pos: torch.Tensor, query_pos: torch.Tensor, dtype: torch.dtype, device: torch.device
+    ) -> dict[str, torch.Tensor | None]:
+        """The position rule's mask per layer type (None: no mask needed), queries at `query_pos` against keys at
+        `key_pos`; sliding-attention layers see only the last `sliding_window` positions."""
+        windows = {t: self.sliding_window if t == "sliding_attention" else None for t in set(self.layer_types)}
+        return {t: mask_on(self._mask(key_pos, query_pos, dtype, w), device) for t, w in windows.items()}
+
     def run(
         self,
         hidden: torch.Tensor,
@@ -208,15 +240,13 @@ class LayerStack(nn.Module):
             if am.shape != (n, key_pos.numel()):
                 raise ValueError(f"attention_mask must be [{n}, {key_pos.numel()}], got {tuple(am.shape)}")
             full = torch.zeros(am.shape, dtype=hidden.dtype).masked_fill_(~am, torch.finfo(hidden.dtype).min)
-            masks = {t: full[None, None].to(hidden.device) for t in set(self._layer_types)}
+            masks = {t: full[None, None].to(hidden.device) for t in set(self.layer_types)}
         else:
-            windows = {t: self._window if t == "sliding_attention" else None for t in set(self._layer_types)}
-            masks = {t: mask_on(self._mask(key_pos, pos, hidden.dtype, w), hidden.device) for t, w in windows.items()}
-        old_len = len(cache) if cache is not None else 0
+            masks = self.masks(key_pos, pos, hidden.dtype, hidden.device)
         # A throwaway cache when none is given: the layers still need somewhere to put this step's keys.
         kv = cache if cache is not None else SplitKVCache(self.layer_range)
         try:
-            for layer, ltype in zip(self.layers, self._layer_types, strict=True):
+            for layer, ltype in zip(self.layers, self.layer_types, strict=True):
                 hidden = layer(
                     hidden,
                     attention_mask=masks[ltype],
@@ -227,8 +257,7 @@ class LayerStack(nn.Module):
                 )
         except BaseException:
             if cache is not None:  # leave the cache as it was: no half-appended layers
-                cache.positions = cache_pos
-                cache._truncate_layers(old_len)
+                cache.restore(cache_pos)
             raise
         if cache is not None:
             cache.positions = key_pos

@@ -80,6 +80,8 @@ TENSOR_KINDS = frozenset({Kind.PREFILL_CHUNK, Kind.DRAFT, Kind.VERIFY_RESULT, Ki
 TEXT_KINDS = frozenset({Kind.OPEN, Kind.ERROR})
 CONTROL_KINDS = frozenset({Kind.ROLLBACK, Kind.CLOSE})
 
+# Hidden-state dtypes by the names settings, OPEN parameters and CLIs use.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TORCH_TO_CODE = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16}
 _CODE_TO_TORCH = {v: k for k, v in _TORCH_TO_CODE.items()}
 # numpy dtype used to move the bytes; bfloat16 travels as its int16 bit pattern (numpy has no bfloat16).
@@ -98,6 +100,19 @@ def dtype_code(dtype: torch.dtype) -> DType:
         return _TORCH_TO_CODE[dtype]
     except KeyError:
         raise FrameError(f"dtype {dtype} cannot be sent; use float32, float16 or bfloat16") from None
+
+
+def dtype_by_name(name: str) -> torch.dtype:
+    """The torch dtype called `name` in DTYPES; ValueError for any other name."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The DTYPES name of a torch dtype."""
+    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 def session_bytes(session: bytes | uuid.UUID | str) -> bytes:
@@ -330,3 +345,22 @@ def decode_tensor(data: bytes | bytearray | memoryview, **checks: object) -> tup
     if frame.kind not in TENSOR_KINDS:
         raise FrameError(f"{frame.kind.name} frame carries no tensor")
     return frame, frame.tensor()
+
+
+def _peek(data: bytes | bytearray | memoryview) -> tuple | None:
+    """The raw header fields of anything that at least looks like a frame header, unvalidated."""
+    if len(data) < HEADER_SIZE or bytes(data[:4]) != MAGIC:
+        return None
+    return _HEADER.unpack_from(data, 0)
+
+
+def peek_seq(data: bytes | bytearray | memoryview) -> int | None:
+    """The seq field of a frame that may fail validation (so that its ERROR reply can name it)."""
+    fields = _peek(data)
+    return None if fields is None else fields[7]
+
+
+def peek_kind(data: bytes | bytearray | memoryview) -> int | None:
+    """The kind byte of a frame that may fail validation (possibly no Kind at all)."""
+    fields = _peek(data)
+    return None if fields is None else fields[2]

@@ -32,6 +32,7 @@ from clients.hat import wire
 from clients.hat.adapter import draft_files
 from clients.hat.device import HATBackend
 from clients.hat.link import LinkProfile
+from clients.hat.options import HATOptions
 from clients.hat.split import split_model
 from tests.integration.hf_fixtures import QWEN05, SMOL, chat_prompt, load
 
@@ -82,7 +83,7 @@ class WorkerServer:
     def backend(self, model: Any, tok: Any, name: str, url: str | None = None, **kw: Any) -> HATBackend:
         kw.setdefault("chunk_size", 16)
         kw.setdefault("auth_token", TOKEN)
-        return HATBackend(url or self.ws, model=model, tokenizer=tok, model_id=name, **kw)
+        return HATBackend(HATOptions(url or self.ws, model_id=name, **kw), model=model, tokenizer=tok)
 
 
 @pytest.fixture(scope="module")
@@ -635,7 +636,7 @@ async def test_float16_wire(smol, reference) -> None:
 async def test_unreachable_worker_and_cancel_mid_round(worker: WorkerServer, smol) -> None:
     model, tok = smol
     ids = prompt_ids(tok)
-    dead = HATBackend(f"ws://127.0.0.1:{free_port()}", model=model, tokenizer=tok, model_id=SMOL)
+    dead = HATBackend(HATOptions(f"ws://127.0.0.1:{free_port()}", model_id=SMOL), model=model, tokenizer=tok)
     await dead.start()
     with pytest.raises(BackendError) as err:
         await collect(dead, ids, max_tokens=2)
@@ -688,10 +689,8 @@ async def test_accepted_drafts_and_parallel_drafting_keep_greedy_exact(worker: W
     answer = {len(ids) + i: t for i, t in enumerate(ref)}
     outputs = {}
     for parallel in (False, True):
-        backend = OracleHAT(
-            worker.ws, model=model, tokenizer=tok, model_id=SMOL, auth_token=TOKEN, answer=answer,
-            parallel_drafting=parallel,
-        )  # fmt: skip
+        options = HATOptions(worker.ws, model_id=SMOL, auth_token=TOKEN, parallel_drafting=parallel)
+        backend = OracleHAT(options, model=model, tokenizer=tok, answer=answer)
         await backend.start()
         outputs[parallel] = token_ids(await collect(backend, ids))
         stats = backend.stats.summary()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent
-from clients.torch_local import IncrementalDetokenizer, StopMatcher, TorchBackend, sample_next
+from clients.torch_local import IncrementalDetokenizer, StopMatcher, TorchBackend
 from tests.integration.hf_fixtures import chat_prompt, smollm  # noqa: F401
 
 N = 16
@@ -217,11 +217,3 @@ def test_stop_matcher_holds_back_partial_matches() -> None:
     assert StopMatcher([]).feed("END") == ("END", False)
     m2 = StopMatcher(["stop"])
     assert m2.feed("go st") == ("go ", False) and m2.flush() == "st"
-
-
-def test_sample_next() -> None:
-    logits = torch.tensor([0.0, 5.0, 1.0, 4.9])
-    assert sample_next(logits, 0.0, 1.0, None) == 1
-    g = torch.Generator().manual_seed(0)
-    draws = {sample_next(logits, 1.0, 0.5, g) for _ in range(50)}
-    assert draws <= {1, 3} and draws  # nucleus keeps only the top tokens

@@ -1,5 +1,4 @@
-"""HAT worker engine on a tiny random Llama (no weights): batching, limits, ordering; plus the device's pure parts
-(speculative rejection sampling) and the link emulator."""
+"""HAT worker engine on a tiny random Llama (no weights): batching, limits, ordering; plus the link emulator."""
 
 from __future__ import annotations
 
@@ -13,9 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.worker.engine import Engine, EngineError, EngineLimits
+from app.worker.engine import Engine
+from app.worker.sessions import EngineError, EngineLimits
 from clients.hat import wire
-from clients.hat.device import probabilities, speculative_sample
 from clients.hat.link import DelayLine, LinkProfile
 from clients.hat.split import split_model
 
@@ -267,25 +266,6 @@ def test_close_frame_ends_the_session(engine: Engine) -> None:
     assert engine.submit(s, wire.encode_control(Kind.CLOSE, s.id, 1)).result(10) == []
     engine.call(lambda: None).result(10)
     assert engine.session(s.id) is None and engine.session_count == 0
-
-
-# --- device: speculative sampling keeps the target distribution ------------------------------------
-
-
-def test_speculative_sampling_preserves_the_target_distribution() -> None:
-    gen = torch.Generator().manual_seed(0)
-    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.1, 0.1, 0.1, 0.6]])
-    q = torch.tensor([0.1, 0.6, 0.1, 0.1, 0.1])
-    n = 20000
-    first = torch.zeros(5)
-    for _ in range(n):
-        d = int(torch.multinomial(q, 1, generator=gen))
-        a, nxt = speculative_sample(p, [q], [d], gen)
-        first[d if a == 1 else nxt] += 1
-    assert float((first / n - p[0]).abs().sum()) < 0.03
-    # top-p filtering keeps the top token and renormalises
-    probs = probabilities(torch.tensor([3.0, 2.0, 0.0, -1.0]), 1.0, top_p=0.5)
-    assert probs[0] == 1.0 and float(probs.sum()) == pytest.approx(1.0)
 
 
 # --- link emulator ----------------------------------------------------------------------------------

@@ -172,3 +172,18 @@ def test_bytes_helpers() -> None:
     assert torch.equal(wire.bytes_to_tensor(code, shape, payload), t)
     with pytest.raises(FrameError):
         wire.bytes_to_tensor(code, (2, 4), payload)
+
+
+def test_peeks_read_a_header_that_fails_validation() -> None:
+    data = bytearray(_frame())
+    data[8] = 1  # reserved flags: decode refuses the frame, its seq and kind are still readable
+    with pytest.raises(FrameError):
+        wire.decode_frame(bytes(data))
+    assert wire.peek_seq(bytes(data)) == 7 and wire.peek_kind(bytes(data)) == Kind.PREFILL_CHUNK
+    assert wire.peek_seq(b"XXXX" + bytes(data[4:])) is None and wire.peek_kind(bytes(data[:10])) is None
+
+
+def test_dtype_names() -> None:
+    assert wire.dtype_by_name("float16") is torch.float16 and wire.dtype_name(torch.bfloat16) == "bfloat16"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        wire.dtype_by_name("int8")

@@ -1,0 +1,230 @@
+"""What a HAT worker session is and what a device's frame must be before the engine (app/worker/engine.py) takes it.
+
+Limits, refusal reasons and their errors, the OPEN parameters a device may send, a session's state, and the checks
+a frame passes on arrival (size, header, kind, dtype, shape, finite values, positions). Checks return or raise
+EngineError and count nothing: the engine counts each refusal once, by its reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from clients.hat import wire
+from clients.hat.split import SplitKVCache
+
+PROTOCOL = 1
+DEVICE_KINDS = frozenset({wire.Kind.PREFILL_CHUNK, wire.Kind.DRAFT, wire.Kind.ROLLBACK, wire.Kind.CLOSE})
+OPEN_MAX_BYTES = 16 * 1024
+
+
+class Reason(enum.StrEnum):
+    """Why a frame or session was refused (the `reason` label of the rejected-frames metric)."""
+
+    MALFORMED = "malformed"
+    OVERSIZED = "oversized"
+    KIND = "kind"
+    DTYPE = "dtype"
+    SHAPE = "shape"
+    NONFINITE = "nonfinite"
+    SESSION = "session"
+    SEQ = "seq"
+    POSITION = "position"
+    CONTEXT = "context"
+    OPEN = "open"
+    FULL = "full"
+    BACKLOG = "backlog"
+    IDLE = "idle"
+    CLOSED = "closed"
+    INTERNAL = "internal"
+
+
+class EngineError(Exception):
+    def __init__(self, status: int, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_sessions: int = 16
+    max_context: int = 4096  # positions per session (capped by the model's max_position_embeddings)
+    idle_timeout: float = 300.0  # seconds without a frame before a session is dropped
+    # Payload bytes of one frame; None: a whole context of hidden states (no frame can carry more positions).
+    max_frame_bytes: int | None = None
+    # What one session may have waiting (held behind a sequence gap or queued for the engine thread); a frame
+    # past either bound fails alone with 429. None: a context's worth of states plus a quarter (a device has at
+    # most its prompt's chunks in flight at once, then one verification round at a time).
+    max_session_bytes: int | None = None
+    max_session_frames: int = 256
+    max_batch_tokens: int = 4096  # tokens per forward pass (a single larger frame still runs, alone)
+    wire_dtype: torch.dtype = torch.float32  # dtype of hidden states in both directions
+    max_reorder: int = 64  # how far ahead of the next expected seq a frame may arrive
+    min_rows: int = 4  # pad the packed batch to at least this many rows (BLAS's blocked path; faster for 2-3 rows)
+    # Pad a lone 1-token row too, so every row's result is independent of the batch it ran in (bit-identical to
+    # running alone). Costs ~1.8x on a lone 1-token forward (plain U-shape decode); HAT rounds send >= 2 tokens.
+    batch_invariant: bool = True
+
+
+class OpenParams(BaseModel):
+    """What a device may say when it opens a session: structural facts only (no prompt, no text)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    protocol: int = PROTOCOL
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    m: int = Field(gt=0)
+    dtype: Literal["float32", "float16", "bfloat16"]
+    model: str | None = Field(default=None, max_length=200)
+
+
+# --- sessions --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Item:
+    """One device frame on its way through the engine."""
+
+    session: Session
+    seq: int
+    frame: wire.Frame | None  # None: rejected on arrival (future already resolved)
+    tensor: torch.Tensor | None
+    future: Future[list[bytes]]
+
+
+@dataclass
+class Session:
+    """One device's state. Loop-side fields: expected_seq, held, last_active, on_expire. Engine-thread: the rest."""
+
+    id: bytes
+    cache: SplitKVCache
+    params: OpenParams
+    created: float
+    last_active: float
+    expected_seq: int = 1
+    held: dict[int, Item] = field(default_factory=dict)
+    queue: deque[Item] = field(default_factory=deque)
+    closed: bool = False
+    close_reason: str | None = None
+    on_expire: Callable[[str], None] | None = None
+    frames: int = 0
+    tokens: int = 0
+    waiting_bytes: int = 0  # frames accepted and not yet answered (Engine._pending_lock)
+    waiting_frames: int = 0
+
+    @property
+    def hex(self) -> str:
+        return self.id.hex()
+
+
+# --- checks ----------------------------------------------------------------------------------------
+
+
+def parse_open(data: bytes, hidden_size: int, num_layers: int, m: int, dtype: str) -> OpenParams:
+    """An OPEN frame's parameters, checked against the worker's model. Raises EngineError."""
+    try:
+        frame = wire.decode_frame(data, max_frame_bytes=OPEN_MAX_BYTES, expected_kinds={wire.Kind.OPEN})
+        params = OpenParams.model_validate(json.loads(frame.text()))
+    except wire.FrameError as e:
+        raise EngineError(400, Reason.MALFORMED, f"bad OPEN frame: {e}") from None
+    except (ValueError, ValidationError) as e:
+        raise EngineError(400, Reason.OPEN, f"bad OPEN parameters: {_short(e)}") from None
+    mismatch = [
+        f"{name} {got} != worker's {want}"
+        for name, got, want in (
+            ("protocol", params.protocol, PROTOCOL),
+            ("hidden_size", params.hidden_size, hidden_size),
+            ("num_layers", params.num_layers, num_layers),
+            ("m", params.m, m),
+            ("dtype", params.dtype, dtype),
+        )
+        if got != want
+    ]
+    if mismatch:
+        raise EngineError(400, Reason.OPEN, "session does not match this worker's model: " + "; ".join(mismatch))
+    return params
+
+
+def check_frame(
+    session: Session, data: bytes, max_frame_bytes: int, hidden_size: int, wire_dtype: torch.dtype
+) -> tuple[wire.Frame | None, torch.Tensor | None, EngineError | None]:
+    """Decode and check a device frame against the model. Returns (frame if its header parsed, tensor, error)."""
+    frame = None
+    if len(data) > wire.HEADER_SIZE + 4 * wire.MAX_NDIM + max_frame_bytes:
+        msg = f"frame of {len(data)} bytes exceeds the {max_frame_bytes}-byte limit"
+        return None, None, EngineError(413, Reason.OVERSIZED, msg)
+    try:
+        frame = wire.decode_frame(data, max_frame_bytes=max_frame_bytes)
+    except wire.FrameError as e:
+        reason = Reason.OVERSIZED if "exceeds" in str(e) else Reason.MALFORMED
+        return None, None, EngineError(413 if reason is Reason.OVERSIZED else 400, reason, f"bad frame: {e}")
+    try:
+        if frame.session != session.id:
+            raise EngineError(400, Reason.SESSION, f"frame is for session {frame.session.hex()}, this is {session.hex}")
+        if frame.kind not in DEVICE_KINDS:
+            raise EngineError(
+                400,
+                Reason.KIND,
+                f"a device may not send {frame.kind.name} frames here; "
+                f"expected one of {sorted(k.name for k in DEVICE_KINDS)}",
+            )
+        if frame.kind not in wire.TENSOR_KINDS:
+            return frame, None, None
+        if frame.dtype != wire.dtype_code(wire_dtype):
+            raise EngineError(
+                400,
+                Reason.DTYPE,
+                f"{frame.kind.name} carries {frame.dtype.name}; this worker takes {wire.dtype_name(wire_dtype)}",
+            )
+        shape = frame.shape
+        if len(shape) == 3 and shape[0] == 1:
+            shape = shape[1:]
+        if len(shape) != 2 or shape[1] != hidden_size or shape[0] < 1:
+            raise EngineError(
+                400,
+                Reason.SHAPE,
+                f"{frame.kind.name} shape {frame.shape} is not [tokens >= 1, hidden_size {hidden_size}]",
+            )
+        if frame.arg < 0:
+            raise EngineError(400, Reason.POSITION, f"negative start position {frame.arg}")
+        tensor = frame.tensor().reshape(shape)
+        if not bool(torch.isfinite(tensor).all()):
+            raise EngineError(400, Reason.NONFINITE, f"{frame.kind.name} carries NaN or infinite values")
+        return frame, tensor, None
+    except EngineError as e:
+        return frame, None, e
+
+
+def check_positions(have: int, start: int, n: int, max_context: int) -> EngineError | None:
+    """A tensor frame of `n` positions from `start`, against a cache holding `have` of at most `max_context`."""
+    if start != have:
+        return EngineError(
+            409,
+            Reason.POSITION,
+            f"frame starts at position {start} but the session's cache holds {have} positions "
+            f"(send ROLLBACK first to drop rejected drafts)",
+        )
+    if start + n > max_context:
+        return EngineError(
+            413,
+            Reason.CONTEXT,
+            f"{start} cached + {n} new positions exceed the session's {max_context}-position context",
+        )
+    return None
+
+
+def _short(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in x['loc']) or 'body'}: {x['msg']}" for x in e.errors())
+    return str(e)

@@ -1,0 +1,187 @@
+"""The device's draft model w_S = H o Lambda o w^m (HAT §3.4-3.5): drafting, and parallel drafting's branches.
+
+The input submodel w^m and the adapter Lambda each keep a KV cache per generation (DraftState); the draft head H
+is the backend's (a reduced draft vocabulary lives there). Drafting stops by the Eq. 5 rule. Parallel drafting
+forks the caches into one batch row per top-k alternative to the last draft and drafts all rows at once; when
+the verified correction is one of them, that row becomes the generation's state and its drafts the next draft.
+Everything here runs on the backend's model thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from clients.hat.split import SplitKVCache
+from clients.sampling import choose
+from policies.drafting import DraftStopRule
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    dists: list[torch.Tensor]  # the distribution each draft was chosen from (softmax at temperature 0)
+    shallow: torch.Tensor  # [k+1, hidden]: last accepted token + drafts
+
+
+@dataclass
+class Branches:
+    """Parallel drafting (Eq. 6): drafts continuing each top-k candidate for the last draft position, batched."""
+
+    position: int  # where the candidates go (the last draft's position)
+    candidates: list[int]
+    input_cache: SplitKVCache  # K rows (one per candidate), sharing positions
+    adapter_cache: SplitKVCache
+    tokens: list[list[int]] = field(default_factory=list)  # per step: the K rows' chosen drafts
+    probs: list[list[float]] = field(default_factory=list)  # per step: their probabilities
+    dists: list[torch.Tensor] = field(default_factory=list)  # per step: [K, vocab]
+    shallows: list[torch.Tensor] = field(default_factory=list)  # per fed step: [K, hidden] (step 0 = candidates)
+
+
+@dataclass
+class DraftState:
+    """One generation's draft-model caches, and the next round's draft if parallel drafting prepared it."""
+
+    input_cache: SplitKVCache
+    adapter_cache: SplitKVCache
+    prepared: Draft | None = None
+    prepared_at: tuple[int, int] | None = None  # (token, position) the prepared draft continues
+
+    def crop(self, n: int) -> None:
+        self.input_cache.crop(n)
+        self.adapter_cache.crop(n)
+
+
+class Drafter:
+    """Input submodel + adapter + draft head, with the Eq. 5 stop rule and `candidates` parallel branches."""
+
+    def __init__(
+        self,
+        input_model: Any,
+        adapter: Any,
+        head: Callable[[torch.Tensor, int], torch.Tensor],
+        rule: DraftStopRule,
+        candidates: int,
+    ) -> None:
+        self.input = input_model
+        self.adapter = adapter
+        self.head = head
+        self.rule = rule
+        self.candidates = candidates
+
+    def new_state(self) -> DraftState:
+        return DraftState(self.input.new_cache(), self.adapter.new_cache())
+
+    def _feed(
+        self, ids: torch.Tensor, input_cache: SplitKVCache, adapter_cache: SplitKVCache, position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [rows, n] at `position` -> (shallow states, adapter features), appending to both caches."""
+        shallow = self.input(ids, input_cache, positions=position)
+        return shallow, self.adapter(shallow, adapter_cache, positions=position)
+
+    def prefill(self, st: DraftState, ids: list[int], start: int) -> torch.Tensor:
+        """A prompt chunk's shallow states; the adapter sees the chunk too, since the draft model attends to it."""
+        with torch.inference_mode():
+            shallow, _ = self._feed(torch.tensor([ids], dtype=torch.long), st.input_cache, st.adapter_cache, start)
+        return shallow[0]
+
+    def draft(
+        self,
+        st: DraftState,
+        token: int,
+        position: int,
+        cap: int,
+        temperature: float,
+        top_p: float,
+        gen: torch.Generator | None,
+    ) -> Draft:
+        """Draft up to `cap` tokens after `token` (Eq. 5 stop rule); shallow states of token + drafts."""
+        tokens: list[int] = []
+        dists: list[torch.Tensor] = []
+        shallows: list[torch.Tensor] = []
+        cur, pos = token, position
+        stop = cap <= 0
+        with torch.inference_mode():
+            while True:
+                ids = torch.tensor([[cur]], dtype=torch.long)
+                shallow, feats = self._feed(ids, st.input_cache, st.adapter_cache, pos)
+                shallows.append(shallow[0])
+                if stop:
+                    break
+                d, probs = choose(self.head(feats[:, -1], pos)[0], temperature, top_p, gen)
+                keep, stop = self.rule.decide(float(probs[d]), len(tokens))
+                if not keep:
+                    break
+                tokens.append(d)
+                dists.append(probs)
+                stop = stop or len(tokens) >= cap
+                cur, pos = d, pos + 1
+        return Draft(tokens, dists, torch.cat(shallows))
+
+    def take_prepared(self, st: DraftState, position: int, cap: int) -> Draft:
+        """The prepared draft, cut to this round's cap (its caches cut to match)."""
+        draft = st.prepared
+        assert draft is not None
+        k = min(len(draft.tokens), max(cap, 0))
+        if k < len(draft.tokens):
+            st.crop(position + k + 1)
+        return Draft(draft.tokens[:k], draft.dists[:k], draft.shallow[: k + 1])
+
+    def branch(self, st: DraftState, draft: Draft, position: int) -> Branches | None:
+        """Candidates: the top alternatives to the last draft at its position; caches forked before that position."""
+        at = position + len(draft.tokens)
+        dist = draft.dists[-1]
+        top = torch.topk(dist, min(self.candidates + 1, dist.numel())).indices.tolist()
+        candidates = [t for t in top if t != draft.tokens[-1]][: self.candidates]
+        rows = len(candidates)
+        if not rows:
+            return None
+        return Branches(at, candidates, st.input_cache.fork(rows, at), st.adapter_cache.fork(rows, at))
+
+    def step(self, b: Branches, temperature: float, top_p: float, gen: torch.Generator | None) -> None:
+        """Feed every branch's newest token (the candidates first) and draft one more token per branch."""
+        pos = b.position + len(b.shallows)
+        cur = b.candidates if not b.tokens else b.tokens[-1]
+        with torch.inference_mode():
+            ids = torch.tensor(cur, dtype=torch.long)[:, None]
+            shallow, feats = self._feed(ids, b.input_cache, b.adapter_cache, pos)
+            logits = self.head(feats[:, -1], pos)
+            chosen, probs, dists = [], [], []
+            for row in logits:
+                d, dist = choose(row, temperature, top_p, gen)
+                chosen.append(d)
+                probs.append(float(dist[d]))
+                dists.append(dist)
+        b.shallows.append(shallow[:, -1])
+        b.tokens.append(chosen)
+        b.probs.append(probs)
+        b.dists.append(torch.stack(dists))
+
+    def adopt(self, st: DraftState, b: Branches, row: int) -> None:
+        """Make branch `row` the generation's state: its caches, and its drafts (cut by Eq. 5) as the prepared draft
+        for the round that starts with its candidate."""
+        n = 0
+        for step_probs in b.probs:
+            keep, stop = self.rule.decide(step_probs[row], n)
+            if not keep:
+                break
+            n += 1
+            if stop:
+                break
+        n = min(n, len(b.tokens))
+        st.input_cache = b.input_cache.row(row)
+        st.adapter_cache = b.adapter_cache.row(row)
+        tokens = [b.tokens[i][row] for i in range(n)]
+        shallows = [b.shallows[i][row : row + 1] for i in range(min(n + 1, len(b.shallows)))]
+        with torch.inference_mode():
+            keep_len = b.position + len(shallows)
+            st.crop(keep_len)
+            if len(shallows) < n + 1:  # the last draft was chosen but never fed: its shallow state is one step away
+                ids = torch.tensor([[tokens[-1]]], dtype=torch.long)
+                fed, _ = self._feed(ids, st.input_cache, st.adapter_cache, keep_len)
+                shallows.append(fed[0])
+        st.prepared = Draft(tokens, [b.dists[i][row] for i in range(n)], torch.cat(shallows))
+        st.prepared_at = (b.candidates[row], b.position)

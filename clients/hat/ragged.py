@@ -1,0 +1,136 @@
+"""The HAT worker's batched middle forward: several sessions' new tokens through layers m..n-1 in one pass.
+
+Continuous, "ragged" batching: all token rows of all sessions are packed into one [1, N, hidden] tensor, so
+every weight matmul (q/k/v/o projections, MLP) and norm runs once for the whole batch; attention runs per
+session against that session's own KV cache, with per-row positions (rotary) and the session's own causal mask.
+This is the varlen/ragged layout of vLLM-style continuous batching rather than a padded [B, T] batch: no
+compute is spent on padding (a 256-token prefill chunk and a 2-token verification share one pass without the
+verification row being padded to 256), and no session can see another's keys. Rows are never concatenated
+into one attention sequence.
+
+Batch invariance: nothing is shared between sessions except the weights, so a row's result does not depend on
+its neighbours — with one intra-op thread and the packed matrix padded to >= `min_rows` rows (BLAS switches from
+a per-row to a blocked kernel below 4 rows on this CPU), a session's deep states are bit-identical whether it ran
+alone or in a batch (tested). With more threads BLAS may split rows differently: equal to ~1e-6, not bitwise.
+`batch_invariant=False` skips the padding of a lone 1-token row (plain U-shape decode, ~1.8x faster on that
+case) at the price of that guarantee. The forward is written here (it calls the HF layer's submodules: norms,
+projections, rotary, the model's attention function, MLP) rather than through the layers' own forward, so the
+worker checks it against the model's layers at start-up and an unsupported layer layout fails loudly.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from clients.hat.split import LayerStack, SplitKVCache
+
+
+class RaggedMiddle:
+    """The middle layers run over several sessions' new tokens in one pass (see the module docstring)."""
+
+    def __init__(self, stack: LayerStack, min_rows: int = 4, batch_invariant: bool = True) -> None:
+        self.stack = stack
+        self.batch_invariant = batch_invariant
+        self.layers = list(stack.layers)
+        self.layer_types = list(stack.layer_types)
+        self.min_rows = max(1, min_rows)
+        if not self.layers:
+            raise ValueError("the middle submodel has no layers")
+        needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        for layer in self.layers:
+            attn = getattr(layer, "self_attn", None)
+            if any(not hasattr(layer, a) for a in needed) or any(
+                not hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+            ):
+                raise TypeError(f"{type(layer).__name__} is not a Llama/Qwen-style decoder layer")
+        attn0 = self.layers[0].self_attn
+        module = sys.modules[type(attn0).__module__]
+        self._rotary = module.apply_rotary_pos_emb
+        self._eager = getattr(module, "eager_attention_forward", None)
+        param = next(self.layers[0].parameters())
+        self.dtype, self.device = param.dtype, param.device
+
+    def _attention_fn(self, attn: Any) -> Callable[..., Any]:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        impl = getattr(attn.config, "_attn_implementation", None) or "sdpa"
+        if impl == "eager" and self._eager is not None:
+            return self._eager
+        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, self._eager)
+
+    def forward(self, rows: list[tuple[torch.Tensor, SplitKVCache]]) -> list[torch.Tensor]:
+        """rows: (shallow states [n_i, hidden], the session's cache). Appends to every cache; deep states per row.
+
+        New tokens go at positions len(cache) .. len(cache)+n_i-1. On any exception every cache is left as it was.
+        """
+        spans, key_pos, masks, pos_parts = [], [], [], []
+        start = 0
+        for hidden, cache in rows:
+            n = hidden.shape[0]
+            first = len(cache)
+            q_pos = torch.arange(first, first + n, dtype=torch.long)
+            kp = torch.cat([cache.positions, q_pos])
+            spans.append((start, start + n))
+            key_pos.append(kp)
+            pos_parts.append(q_pos)
+            masks.append(self.stack.masks(kp, q_pos, self.dtype, self.device))
+            start += n
+        total = start
+        pad = max(0, self.min_rows - total) if (self.batch_invariant or total > 1) else 0
+        x = torch.cat([h.to(self.device, self.dtype) for h, _ in rows])
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[-1])])
+            pos_parts.append(torch.zeros(pad, dtype=torch.long))
+        x = x[None]
+        position_ids = torch.cat(pos_parts)[None].to(self.device)
+        cos, sin = self.stack.rotary_emb(x, position_ids)
+        old = [c.positions for _, c in rows]
+        try:
+            for layer, ltype in zip(self.layers, self.layer_types, strict=True):
+                x = self._layer(layer, ltype, x, cos, sin, rows, spans, masks, pad)
+        except BaseException:
+            for (_, cache), positions in zip(rows, old, strict=True):
+                cache.restore(positions)
+            raise
+        for (_, cache), kp in zip(rows, key_pos, strict=True):
+            cache.positions = kp
+        return [x[0, s:e] for s, e in spans]
+
+    def _layer(
+        self,
+        layer: Any,
+        ltype: str,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rows: list[tuple[torch.Tensor, SplitKVCache]],
+        spans: list[tuple[int, int]],
+        masks: list[dict[str, torch.Tensor | None]],
+        pad: int,
+    ) -> torch.Tensor:
+        attn = layer.self_attn
+        width = x.shape[1]
+        hs = layer.input_layernorm(x)
+        shape = (1, width, -1, attn.head_dim)
+        q = attn.q_proj(hs).view(shape)
+        k = attn.k_proj(hs).view(shape)
+        v = attn.v_proj(hs).view(shape).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        fn = self._attention_fn(attn)
+        extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+        pieces = []
+        for (s, e), (_, cache), mask in zip(spans, rows, masks, strict=True):
+            kk, vv = cache.update(k[:, :, s:e].contiguous(), v[:, :, s:e].contiguous(), attn.layer_idx)
+            qq = q[:, :, s:e].contiguous()
+            out, _ = fn(attn, qq, kk, vv, mask[ltype], dropout=0.0, scaling=attn.scaling, **extra)
+            pieces.append(out.reshape(1, e - s, -1))
+        if pad:
+            pieces.append(x.new_zeros(1, pad, pieces[0].shape[-1]))
+        h = x + attn.o_proj(torch.cat(pieces, dim=1).contiguous())
+        return h + layer.mlp(layer.post_attention_layernorm(h))

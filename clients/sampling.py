@@ -1,0 +1,82 @@
+"""Token picking for the torch-based token sources (clients/torch_local.py, clients/hat/device.py).
+
+One rule everywhere: greedy at temperature 0, else softmax(logits / T) nucleus-filtered to top_p (the top token is
+always kept) and drawn from the caller's generator. Speculative decoding must accept drafts against exactly the
+distribution plain decoding samples from, so both go through `probabilities`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution a sampler draws from: softmax(logits / T), nucleus-filtered to top_p and renormalised.
+
+    Works on [..., vocab].
+    """
+    probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
+    if 0 < top_p < 1:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def choose(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor]:
+    """The next token and the distribution it was chosen from (plain softmax when greedy: a draft's confidence)."""
+    if temperature <= 0:
+        return int(torch.argmax(logits)), torch.softmax(logits, dim=-1)
+    probs = probabilities(logits, temperature, top_p)
+    return int(torch.multinomial(probs, 1, generator=generator)), probs
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """The next token alone (greedy skips the softmax `choose` would compute)."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    return choose(logits, temperature, top_p, generator)[0]
+
+
+def seeded_generator(temperature: float, seed: int | None) -> torch.Generator | None:
+    """A request's generator: None when greedy, else seeded from `seed` or, without one, from the OS."""
+    if temperature <= 0:
+        return None
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return generator
+
+
+def speculative_sample(
+    target: torch.Tensor | Callable[[int], torch.Tensor],
+    draft: Sequence[torch.Tensor],
+    tokens: Sequence[int],
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Speculative rejection sampling (Leviathan et al. / Chen et al.).
+
+    target: [k+1, V] — the LLM's distributions at the k draft positions and one past them — or a function
+    i -> row i (computed lazily). draft: the k draft distributions the tokens were sampled from. Returns
+    (accepted drafts a, the next token). The accepted drafts followed by the next token are distributed exactly
+    as tokens sampled from the target model one at a time.
+    """
+    row = target if callable(target) else target.__getitem__
+    k = len(tokens)
+    for i in range(k):
+        p, q, d = row(i), draft[i], int(tokens[i])
+        qd = float(q[d])
+        u = float(torch.rand((), generator=generator))
+        if qd > 0 and u < min(1.0, float(p[d]) / qd):
+            continue
+        residual = torch.clamp(p - q, min=0.0)
+        total = float(residual.sum())
+        dist = residual / total if total > 0 else p
+        return i, int(torch.multinomial(dist, 1, generator=generator))
+    return k, int(torch.multinomial(row(k), 1, generator=generator))

@@ -1,0 +1,33 @@
+"""Token picking shared by the torch device backend and the HAT device half: greedy and nucleus sampling, and
+speculative rejection sampling keeping the target distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clients.sampling import probabilities, sample_next, speculative_sample
+
+
+def test_sample_next() -> None:
+    logits = torch.tensor([0.0, 5.0, 1.0, 4.9])
+    assert sample_next(logits, 0.0, 1.0, None) == 1
+    g = torch.Generator().manual_seed(0)
+    draws = {sample_next(logits, 1.0, 0.5, g) for _ in range(50)}
+    assert draws <= {1, 3} and draws  # nucleus keeps only the top tokens
+
+
+def test_speculative_sampling_preserves_the_target_distribution() -> None:
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.1, 0.1, 0.1, 0.6]])
+    q = torch.tensor([0.1, 0.6, 0.1, 0.1, 0.1])
+    n = 20000
+    first = torch.zeros(5)
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1, generator=gen))
+        a, nxt = speculative_sample(p, [q], [d], gen)
+        first[d if a == 1 else nxt] += 1
+    assert float((first / n - p[0]).abs().sum()) < 0.03
+    # top-p filtering keeps the top token and renormalises
+    probs = probabilities(torch.tensor([3.0, 2.0, 0.0, -1.0]), 1.0, top_p=0.5)
+    assert probs[0] == 1.0 and float(probs.sum()) == pytest.approx(1.0)
