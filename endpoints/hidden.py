@@ -35,7 +35,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -47,8 +47,22 @@ from app.worker.sessions import EngineError, Reason, Session
 from clients.hat import wire
 from endpoints.errors import ApiError
 
-if TYPE_CHECKING:
-    from app.worker.server import Worker
+
+class WorkerState(Protocol):
+    """What the routes need of the worker process (app/worker/server.py's Worker, which includes this router:
+    named here as a protocol so that the two modules do not import each other)."""
+
+    settings: Any
+    engine: Engine | None
+    startup_error: str | None
+
+    @property
+    def ready(self) -> bool: ...
+
+    def authorized(self, header: str | None) -> bool: ...
+
+    def metrics(self) -> bytes: ...
+
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -59,7 +73,7 @@ CLOSE_UNAUTHORIZED = 4401
 CLOSE_IDLE = 4408
 
 
-def _worker(scope_app) -> Worker:
+def _worker(scope_app) -> WorkerState:
     return scope_app.state.worker
 
 

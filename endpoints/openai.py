@@ -18,7 +18,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import ServerSentEvent
 
-from app.serving.orchestrator import Delta, Job
+from app.serving.job import Job
+from app.serving.orchestrator import Delta
 from clients.base import BackendError
 from endpoints.auth import bearer, matches_any
 from endpoints.errors import ApiError

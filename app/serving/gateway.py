@@ -18,9 +18,10 @@ from app.config import CloudSettings, Settings
 from app.embedded import EmbeddedServer, EmbeddedWorker
 from app.lifespan import starting_in_background
 from app.serving.disco import DiscoRuntime
+from app.serving.job import Job
 from app.serving.ledger import Ledger
 from app.serving.metrics import Metrics, RequestMetricsMiddleware
-from app.serving.orchestrator import Job, Orchestrator
+from app.serving.orchestrator import Orchestrator
 from clients.base import Backend, GenerationRequest
 from clients.openai_compat import OpenAICompatBackend, UpstreamOptions
 from deploy import models as bundled

@@ -27,10 +27,11 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import anyio
 
+from app.serving.job import Attempt, Job
 from app.serving.metrics import Metrics
 from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
@@ -40,53 +41,6 @@ from policies.dispatch import DispatchPlan
 from policies.migration import lead
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Attempt:
-    """One endpoint's part in a request."""
-
-    role: str  # "device" | "cloud"
-    name: str
-    started: float
-    context_tokens: int  # its context: prompt (+ delivered prefix for a migration target)
-    migration: bool = False
-    cached_tokens: int = 0  # of those, taken from its own KV cache (the device says so on its first event)
-    stream: AsyncIterator[TokenEvent] | None = None
-    first_at: float | None = None
-    decode_tokens: int = 0
-    outcome: str = "running"  # won | lost | failed | migrated-from | finished | cancelled
-    error: str | None = None
-    # The backend is at the end of its answer too (it said so, or it hit the same token limit):
-    # reading its last events lets an HTTP upstream's connection go back to the pool.
-    ended: bool = False
-
-
-@dataclass
-class Job:
-    """A validated request, rendered and tokenised, ready to route."""
-
-    id: str
-    gen: GenerationRequest
-    prompt_tokens: int
-    policy: str
-    pinned: str | None = None  # a backend name when the request's model names one
-    cloud: str | None = None  # the cloud endpoint DiSCo plays against the device for this request
-    started: float = field(default_factory=time.monotonic)
-    # Filled in while the answer streams:
-    backend: str | None = None
-    plan: DispatchPlan | None = None
-    usage: Usage = field(default_factory=Usage)
-    finish_reason: str | None = None
-    ttft: float | None = None
-    attempts: list[Attempt] = field(default_factory=list)
-    migrations: list[dict] = field(default_factory=list)
-    delayed_tokens: int = 0
-    cost: float = 0.0
-    # (the device's evaluation count, its cached prefix then): Eq. 5 asks after every token, and the answer
-    # only changes when the device has run something since.
-    cache_probe: tuple[int, int] | None = None
-    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,8 @@ both read from the orchestrator's `Job`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from app.serving.job import Job
 from policies.dispatch import DispatchPlan
-
-if TYPE_CHECKING:
-    from app.serving.orchestrator import Job
 
 
 def ms(seconds: float | None) -> float | None:

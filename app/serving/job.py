@@ -1,0 +1,58 @@
+"""One request as the orchestrator carries it: the validated job and each endpoint's attempt at it. Read by
+the orchestrator, the endpoints (ids, usage) and the traces."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from clients.base import GenerationRequest, TokenEvent, Usage
+from policies.dispatch import DispatchPlan
+
+
+@dataclass
+class Attempt:
+    """One endpoint's part in a request."""
+
+    role: str  # "device" | "cloud"
+    name: str
+    started: float
+    context_tokens: int  # its context: prompt (+ delivered prefix for a migration target)
+    migration: bool = False
+    cached_tokens: int = 0  # of those, taken from its own KV cache (the device says so on its first event)
+    stream: AsyncIterator[TokenEvent] | None = None
+    first_at: float | None = None
+    decode_tokens: int = 0
+    outcome: str = "running"  # won | lost | failed | migrated-from | finished | cancelled
+    error: str | None = None
+    # The backend is at the end of its answer too (it said so, or it hit the same token limit):
+    # reading its last events lets an HTTP upstream's connection go back to the pool.
+    ended: bool = False
+
+
+@dataclass
+class Job:
+    """A validated request, rendered and tokenised, ready to route."""
+
+    id: str
+    gen: GenerationRequest
+    prompt_tokens: int
+    policy: str
+    pinned: str | None = None  # a backend name when the request's model names one
+    cloud: str | None = None  # the cloud endpoint DiSCo plays against the device for this request
+    started: float = field(default_factory=time.monotonic)
+    # Filled in while the answer streams:
+    backend: str | None = None
+    plan: DispatchPlan | None = None
+    usage: Usage = field(default_factory=Usage)
+    finish_reason: str | None = None
+    ttft: float | None = None
+    attempts: list[Attempt] = field(default_factory=list)
+    migrations: list[dict] = field(default_factory=list)
+    delayed_tokens: int = 0
+    cost: float = 0.0
+    # (the device's evaluation count, its cached prefix then): Eq. 5 asks after every token, and the answer
+    # only changes when the device has run something since.
+    cache_probe: tuple[int, int] | None = None
+    error: str | None = None
