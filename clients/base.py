@@ -8,7 +8,7 @@ the client), which is what failover and migration build on.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -80,6 +80,13 @@ class BackendError(Exception):
 class Backend(Protocol):
     name: str
     model_id: str  # the model this backend serves, as reported by /v1/models
+    # What the orchestrator plans with:
+    can_continue: bool  # continues an answer from a delivered prefix (GenerationRequest.prefix_*)
+    accepts_token_ids: bool  # takes prompts as token ids of the device model's vocabulary
+    evaluations: int  # generations started so far: its KV cache can only have changed when this moved
+
+    def cached_prefix(self, ids: Sequence[int]) -> int:
+        """How many leading tokens of `ids` it would take from its own KV cache instead of prefilling them."""
 
     async def start(self) -> None:
         """Load or connect; may take long. Called once by the gateway's lifespan."""
@@ -95,3 +102,12 @@ class Backend(Protocol):
 
     def count_tokens(self, text: str) -> tuple[int, bool]:
         """Token count of `text` and whether it is exact for this backend's model."""
+
+
+class NoPrefixCache:
+    """For a backend that keeps no KV cache from one request to the next (or cannot say what it keeps)."""
+
+    evaluations = 0
+
+    def cached_prefix(self, ids: Sequence[int]) -> int:
+        return 0

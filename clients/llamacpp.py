@@ -29,6 +29,9 @@ _END = object()
 
 
 class LlamaCppBackend:
+    can_continue = True
+    accepts_token_ids = True  # the device model's own vocabulary
+
     def __init__(self, name: str, model_path: Path, model_id: str, n_ctx: int = 4096, n_threads: int = 2):
         self.name = name
         self.model_id = model_id

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from clients.base import BackendError, GenerationRequest, TokenEvent, Usage
+from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent, Usage
 from clients.http_transport import AsyncioHTTPTransport
 from clients.tokencount import estimate_tokens
 
@@ -49,7 +49,7 @@ class UpstreamOptions:
         return f"UpstreamOptions(base_url={self.base_url!r}, model={self.model!r})"
 
 
-class OpenAICompatBackend:
+class OpenAICompatBackend(NoPrefixCache):
     def __init__(
         self,
         name: str,

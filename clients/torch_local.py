@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from clients.base import BackendError, GenerationRequest, TokenEvent
+from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent
 from clients.hf_model import HFTokenizerMixin, open_token_source
 from clients.sampling import sample_next, seeded_generator
 from clients.stops import StopMatcher
@@ -168,7 +168,7 @@ class _ModelThread:
         job.emit(_DONE)
 
 
-class TorchBackend(HFTokenizerMixin):
+class TorchBackend(NoPrefixCache, HFTokenizerMixin):
     """Backend protocol (clients.base) on a transformers causal LM converted from a bundled GGUF.
 
     Pass `gguf_path` (loaded through clients.hf_model, cached) or an already-loaded `model` + `tokenizer`.
@@ -179,6 +179,9 @@ class TorchBackend(HFTokenizerMixin):
     -> the completing token's event, text cut before the stop string, finish_reason "stop"; max_tokens -> the last
     token's event with finish_reason "length". Stop strings are matched in newly generated text only.
     """
+
+    can_continue = True
+    accepts_token_ids = True  # the device model's own vocabulary
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
+from tests.integration.scripted_upstream import ScriptedUpstream
 
 _RESERVED: list[socket.socket] = []
 
@@ -143,3 +144,12 @@ model = "remote-model"
     )
     yield gw
     stop_gateway(gw)
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[ScriptedUpstream]:
+    """A scripted OpenAI-compatible upstream on loopback (tests/integration/scripted_upstream.py), one per module;
+    each test starts with an empty script and no recorded requests."""
+    server = ScriptedUpstream()
+    yield server
+    server.close()

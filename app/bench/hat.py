@@ -5,7 +5,7 @@ Set-up (one run): a real worker (`tandem worker`, a subprocess) hosts the middle
 device half (clients.hat.device.HATBackend with the shipped adapter and reduced draft vocabulary). By default
 the worker is pinned to core 1 and the device half to core 0, one torch thread each, so the two halves never
 compete for a core. Every device <-> worker frame goes through the link emulator (clients/hat/link.py;
-default 20 ms RTT, 7.5 MB/s up, 12.5 MB/s down: the middle of the issue's 5-10 / 10-15 MB/s ranges).
+default 20 ms RTT, 7.5 MB/s up, 12.5 MB/s down: the middle of HAT's target 5-10 / 10-15 MB/s ranges).
 
 With `--worker-device auto` (the default) the worker computes on a CUDA GPU when torch sees one, which is the
 paper's regime (a cloud much faster than the device); the device half stays on the CPU. `--worker-url` points

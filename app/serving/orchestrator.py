@@ -92,7 +92,7 @@ class Orchestrator:
 
     def _takes_ids(self, name: str) -> bool:
         """Whether a backend takes prompts as token ids of the device's vocabulary."""
-        return name == self.device or getattr(self.backends[name], "accepts_token_ids", False)
+        return self.backends[name].accepts_token_ids
 
     def _continuation(self, job: Job, ids: list[int] | None, text: str, produced: int) -> GenerationRequest:
         return replace(
@@ -354,21 +354,18 @@ class Orchestrator:
     def _cached_prefix(self, name: str | None, job: Job, ids: list[int] | None) -> int:
         """Context tokens a migration target would take from its own KV cache (e.g. the device that lost the
         first-token race has the prompt cached): Eq. 5's overhead and the buffer's t_m leave them out."""
-        backend = self.backends.get(name) if name else None
-        probe = getattr(backend, "cached_prefix", None)
-        if probe is None or ids is None or job.gen.prompt_ids is None or not self._takes_ids(name):
+        if name is None or ids is None or job.gen.prompt_ids is None or not self._takes_ids(name):
             return 0
-        evaluations = getattr(backend, "evaluations", None)
-        if evaluations is not None and job.cache_probe is not None and job.cache_probe[0] == evaluations:
+        backend = self.backends[name]
+        if job.cache_probe is not None and job.cache_probe[0] == backend.evaluations:
             return job.cache_probe[1]
-        cached = probe([*job.gen.prompt_ids, *ids])
-        if evaluations is not None:
-            job.cache_probe = (evaluations, cached)
+        cached = backend.cached_prefix([*job.gen.prompt_ids, *ids])
+        job.cache_probe = (backend.evaluations, cached)
         return cached
 
     def _can_continue(self, name: str) -> bool:
         """Whether a backend can continue an answer from a delivered prefix (a chat-only upstream cannot)."""
-        return getattr(self.backends[name], "can_continue", True)
+        return self.backends[name].can_continue
 
     def _fault_targets(self, job: Job, source: Attempt) -> list[str]:
         """Where an answer may go on after `source` failed mid-answer: the other endpoint of the request's DiSCo

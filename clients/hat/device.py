@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from clients.base import BackendError, GenerationRequest, TokenEvent
+from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent
 from clients.hat import wire
 from clients.hat.drafting import Branches, Draft, Drafter, DraftState
 from clients.hat.options import HATOptions, HATStats
@@ -73,12 +73,15 @@ log = logging.getLogger(__name__)
 # --- the backend ------------------------------------------------------------------------------------
 
 
-class HATBackend(HFTokenizerMixin):
+class HATBackend(NoPrefixCache, HFTokenizerMixin):
     """Backend protocol (clients.base) over a HAT worker: the device half of a U-shaped split with drafting.
 
     Set up by `options` (HATOptions); `model` + `tokenizer` stand in for options.gguf_path with an already-loaded
     model, which is then shared rather than trimmed to the device's layers.
     """
+
+    can_continue = True
+    accepts_token_ids = False  # True when the worker's model shares the device's vocabulary (set by the gateway)
 
     def __init__(self, options: HATOptions, *, model: Any = None, tokenizer: Any = None) -> None:
         if options.gguf_path is None and (model is None or tokenizer is None):

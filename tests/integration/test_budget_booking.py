@@ -21,8 +21,7 @@ from tests.integration.scripted_upstream import ScriptedUpstream
 
 
 @pytest.fixture(scope="module")
-def gw() -> Iterator[GatewayProcess]:
-    upstream = ScriptedUpstream()
+def gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
     process = start_gateway(f"""
 [gateway]
 policy = "disco"
@@ -40,7 +39,6 @@ continuation = "completions"
 """)
     yield process
     stop_gateway(process)
-    upstream.close()
 
 
 def test_a_disco_d_request_is_booked_device_constrained(gw):

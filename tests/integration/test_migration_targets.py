@@ -44,13 +44,6 @@ def outcomes(t: dict) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[ScriptedUpstream]:
-    server = ScriptedUpstream()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
 def cost_gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
     # SmolLM2 is so small that only a high λ makes its decoding dearer than the cloud's.
     process = start_gateway(f"""
@@ -133,7 +126,7 @@ def real_gw() -> Iterator[GatewayProcess]:
     process = start_gateway(f"""
 [gateway]
 policy = "device"
-stall_timeout = 4
+stall_timeout = 10     # the patience for a migration target's first token: the 1.5B prefills on shared cores
 [device]
 model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048

@@ -26,13 +26,6 @@ SMOL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[ScriptedUpstream]:
-    server = ScriptedUpstream()
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
 def gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
     """Answers start on the scripted cloud; faults move them to the device (no cost migration here)."""
     process = start_gateway(f"""

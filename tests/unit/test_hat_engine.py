@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from app.worker.engine import Engine
 from app.worker.sessions import EngineError, EngineLimits
@@ -18,7 +18,7 @@ from clients.hat import wire
 from clients.hat.link import DelayLine, LinkProfile
 from clients.hat.split import split_model
 
-H = 32
+H = 32  # the hidden size of conftest's `tiny` model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,21 +31,6 @@ def one_thread() -> Iterator[None]:
 
 
 Kind = wire.Kind
-
-
-@pytest.fixture(scope="module")
-def tiny() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=H,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def make_engine(model: LlamaForCausalLM, **limits) -> Engine:
