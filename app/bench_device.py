@@ -86,8 +86,8 @@ class _InProcess:
         return json.loads(self.process.stdout.readline())
 
     def stop(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=30)
+        self.process.terminate()  # it may be mid-answer when the bench is interrupted
+        self.process.wait()
 
 
 # --- HTTP subjects ---------------------------------------------------------------------------------
