@@ -117,6 +117,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench.disco_live import main
     elif args.what == "hat":
         from app.bench.hat import main
+    elif args.what == "device":
+        from app.bench.device import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     mod.set_defaults(func=_models)
 
     bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
-    bench.add_argument("what", choices=["gateway", "disco", "disco-live", "hat"])
+    bench.add_argument("what", choices=["gateway", "device", "disco", "disco-live", "hat"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 

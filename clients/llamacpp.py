@@ -3,9 +3,18 @@
 All model calls run on one dedicated thread per model, never on the event loop.
 Requests queue on that thread (a llama.cpp context is not safe to share), and
 each checks a cancel flag between tokens, so closing a stream stops generation
-within one token. Continuation from a delivered prefix is native: the prompt
-token IDs plus the prefix token IDs are fed to `generate`, which also reuses
-the KV cache for the longest common prefix with the previous request.
+within one token.
+
+The thread computes a token only once the reader has taken the previous one
+(lockstep, as llama-cpp-python's own server does). On a machine with as many
+cores as llama.cpp has threads, a thread that ran ahead would compute the next
+token while the event loop relays the last one: three busy threads on two
+cores, and llama.cpp's threads wait for each other at every barrier, so a
+preempted one stalls them all (BENCHMARKS.md, device decode speed).
+
+Continuation from a delivered prefix is native: the prompt token IDs plus the
+prefix token IDs are fed to `generate`, which also reuses the KV cache for the
+longest common prefix with the previous request.
 """
 
 from __future__ import annotations
@@ -150,6 +159,7 @@ class LlamaCppBackend:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
+        taken = threading.Semaphore(0)  # released when the reader has taken a token and wants the next
 
         def emit(item) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -157,7 +167,7 @@ class LlamaCppBackend:
         def run() -> None:
             try:
                 if not cancel.is_set():
-                    self._generate(ids, request, max_tokens, cancel, emit)
+                    self._generate(ids, request, max_tokens, cancel, emit, taken)
             except BaseException as exc:
                 emit(exc)
             finally:
@@ -178,10 +188,20 @@ class LlamaCppBackend:
                 yield item
                 if item.finish_reason is not None:
                     return
+                taken.release()
         finally:
             cancel.set()
+            taken.release()  # a thread waiting for the reader sees the cancel at once
 
-    def _generate(self, ids, request: GenerationRequest, max_tokens: int, cancel: threading.Event, emit) -> None:
+    def _generate(
+        self,
+        ids,
+        request: GenerationRequest,
+        max_tokens: int,
+        cancel: threading.Event,
+        emit,
+        taken: threading.Semaphore,
+    ) -> None:
         llm = self._llm
         seed = request.seed if request.seed is not None else random.getrandbits(31)
         llm.set_seed(seed)
@@ -212,4 +232,7 @@ class LlamaCppBackend:
             emit(TokenEvent(text, token, finish_reason="length" if last else None, cached_tokens=cached))
             cached = None
             if last:
+                return
+            taken.acquire()  # the next token is computed once the reader has this one (lockstep)
+            if cancel.is_set():
                 return

@@ -9,6 +9,7 @@ it reports on the first event (`cached_tokens`) must agree with each other and w
 from __future__ import annotations
 
 import asyncio
+from itertools import pairwise
 
 from clients.base import GenerationRequest
 from clients.llamacpp import LlamaCppBackend
@@ -39,6 +40,45 @@ def test_kv_prefix_reuse_is_predicted_and_reported() -> None:
             assert [e.token_id for e in again] == [e.token_id for e in first[2:4]]  # same greedy continuation
             other = backend.tokenize_prompt("A different prompt entirely.")
             assert backend.cached_prefix(other) == 0
+        finally:
+            await backend.close()
+
+    asyncio.run(run())
+
+
+def test_tokens_come_in_lockstep_in_order_and_stop_at_once_on_close() -> None:
+    """The model thread computes a token only once the reader has taken the previous one, so a reader that
+    pauses gets the same tokens in the same order, and closing the stream computes no further token."""
+
+    async def run() -> None:
+        backend = LlamaCppBackend("device", model_path("smollm2-135m-instruct"), "smol", n_ctx=512, n_threads=1)
+        await backend.start()
+        try:
+            chat = backend.render_chat([{"role": "user", "content": "Count from one to fifty, in words."}])
+            prompt = tuple(backend.tokenize_prompt(chat))
+            request = GenerationRequest("", prompt_ids=prompt, max_tokens=24, temperature=0.0)
+            whole = await _collect(backend, request)
+            assert len(whole) >= 4
+
+            stream = backend.stream(request)
+            first = await anext(stream)
+            await asyncio.sleep(0.3)
+            assert backend.tokens_generated == len(whole) + 1  # nothing computed ahead of the reader
+            paused = [first, *[e async for e in stream]]
+            assert [e.token_id for e in paused] == [e.token_id for e in whole]
+            assert all(a.t <= b.t for a, b in pairwise(paused))
+
+            stream = backend.stream(request)
+            before = backend.tokens_generated
+            await anext(stream)
+            await anext(stream)
+            await stream.aclose()
+            for _ in range(50):
+                if backend.active == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert backend.active == 0  # the thread is free again
+            assert backend.tokens_generated - before == 2  # and computed no token after the close
         finally:
             await backend.close()
 
