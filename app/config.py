@@ -188,7 +188,10 @@ class HATCloudSettings(_Strict):
     # "device": the split model shares the device model's vocabulary (the bundled Qwen pair does),
     # so prompts and migrations go by token ids.
     tokenizer: Literal["device", "own"] = "device"
-    num_threads: Annotated[int, Field(ge=1)] | None = None
+    # torch intra-op threads of the device half, which runs in the gateway process: with torch's default (one
+    # per core) the llama.cpp device model beside it decodes ~25% slower, even when HAT is idle (BENCHMARKS.md,
+    # device decode speed); HAT's own benchmarks run the device half on one thread.
+    num_threads: Annotated[int, Field(ge=1)] | None = 1
     price: PriceSettings = PriceSettings()
     embedded: EmbeddedWorkerSettings | None = None
 
