@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from app.bench.output import publish
+
 DEVICE_MODEL = "qwen2.5-coder-0.5b-instruct"
 PROMPT = (
     "Task {nonce}: write a Python module that implements a small in-memory key-value store with "
@@ -316,10 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.threads} threads, greedy; medians of {args.rounds}; {repeated} rounds repeated because other "
         f"processes used over {args.foreign_limit:.0%} of a core meanwhile)\n\n"
     )
-    print(header + table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(header + table + "\n")
+    publish(header + table, args.out)
     return 0
 
 

@@ -23,9 +23,10 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
+
+from app.bench.output import publish
 
 _WORDS = ("data", "model", "token", "stream", "cloud", "device", "cache", "queue", "graph", "tensor", "route")
 
@@ -192,11 +193,7 @@ continuation = "completions"
         f"DiSCo-S vs Stoch-S at b = {args.budget}: mean {statistics.mean(d) / statistics.mean(s):.2f}×, "
         f"P99 {p99(d) / p99(s):.2f}×",
     ]
-    report = "\n".join(lines)
-    print(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report + "\n")
+    publish("\n".join(lines), args.out)
     return 0
 
 

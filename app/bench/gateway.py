@@ -28,6 +28,8 @@ from pathlib import Path
 
 import httpx
 
+from app.bench.output import publish
+
 # --- the fast deterministic upstream ------------------------------------------------------------
 
 _CHUNK = 'data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":0,"model":"fast","choices":[{"index":0,"delta":{"content":"tok%d "},"logprobs":null,"finish_reason":null}]}\n\n'  # noqa: E501
@@ -264,10 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, upstream, gateway and load generator on one machine"
         f"{'; one core kept busy' if args.busy else ''})\n\n"
     )
-    print(header + table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(header + table + "\n")
+    publish(header + table, args.out)
     return 0
 
 
