@@ -214,6 +214,14 @@ AnyCloud = Annotated[
 ]
 
 
+class EmbeddingSettings(_Strict):
+    """POST /v1/embeddings on the device (loaded at the first request)."""
+
+    enabled: bool = True
+    model: Literal["all-minilm-l6-v2"] = "all-minilm-l6-v2"  # the bundled sentence-embedding model
+    max_tokens: Annotated[int, Field(gt=0, le=512)] = 256  # longer inputs are truncated (the model's window)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", env_nested_delimiter="__", extra="forbid")
 
@@ -221,6 +229,7 @@ class Settings(BaseSettings):
     device: DeviceSettings = DeviceSettings()
     clouds: dict[str, AnyCloud] = {}
     disco: DiscoSettings = DiscoSettings()
+    embeddings: EmbeddingSettings = EmbeddingSettings()
 
     @classmethod
     def settings_customise_sources(

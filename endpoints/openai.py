@@ -21,7 +21,7 @@ from sse_starlette import ServerSentEvent
 from app.serving.job import Job
 from app.serving.orchestrator import Delta
 from clients.base import BackendError
-from endpoints.auth import bearer, matches_any
+from endpoints.auth import require_api_key
 from endpoints.errors import ApiError
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -34,16 +34,6 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def _gateway(request: Request):
     return request.app.state.gateway
-
-
-async def require_api_key(request: Request) -> None:
-    keys = request.app.state.gateway.settings.gateway.api_keys
-    if not keys:
-        return
-    given = bearer(request.headers.get("authorization"))
-    if not matches_any(given, (key.get_secret_value().encode() for key in keys)):
-        message = "Missing API key: send 'Authorization: Bearer <key>'." if not given else "Incorrect API key provided."
-        raise ApiError(401, message, code="invalid_api_key", type="authentication_error")
 
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -326,5 +316,8 @@ async def list_models(request: Request):
     gw = _gateway(request)
     return {
         "object": "list",
-        "data": [{"id": m, "object": "model", "created": gw.created, "owned_by": "tandem"} for m in gw.model_ids()],
+        "data": [
+            {"id": m, "object": "model", "created": gw.created, "owned_by": "tandem"}
+            for m in [*gw.model_ids(), *([gw.embedder.model_id] if gw.embedder is not None else [])]
+        ],
     }

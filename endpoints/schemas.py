@@ -149,3 +149,23 @@ class CompletionRequest(_Sampling):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+class EmbeddingRequest(_Request):
+    model: str
+    # Text only: token-id arrays would be ids of some other tokenizer (OpenAI's), meaningless to this model.
+    input: str | Annotated[list[str], Field(min_length=1, max_length=2048)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: None = None
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _no_empty_text(cls, value):
+        if any(text == "" for text in ([value] if isinstance(value, str) else value)):
+            raise ValueError("input must not contain empty strings")
+        return value
+
+    @property
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)

@@ -23,9 +23,10 @@ from app.serving.ledger import Ledger
 from app.serving.metrics import Metrics, RequestMetricsMiddleware
 from app.serving.orchestrator import Orchestrator
 from clients.base import Backend, GenerationRequest
+from clients.embeddings import SentenceEmbedder
 from clients.openai_compat import OpenAICompatBackend, UpstreamOptions
 from deploy import models as bundled
-from deploy.models import resolve_model
+from deploy.models import model_path, resolve_model
 from endpoints.errors import ApiError, install_error_handlers
 from endpoints.guard import RequestGuard
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
@@ -124,6 +125,9 @@ class Gateway:
             history=settings.gateway.trace_history,
             trace_file=settings.gateway.trace_file,
         )
+        emb = settings.embeddings
+        self.embedder = SentenceEmbedder(emb.model, model_path(emb.model), emb.max_tokens) if emb.enabled else None
+        self._embedder_lock = asyncio.Lock()
         self.loaded = asyncio.Event()
         self.startup_error: str | None = None
         self.created = int(time.time())
@@ -194,8 +198,21 @@ class Gateway:
         line = self.disco.estimators.device_ttft
         log.info("device TTFT line: %.2f ms/token + %.1f ms", line.k * 1e3, line.c * 1e3)
 
+    async def embedding_model(self) -> SentenceEmbedder:
+        """The device's embedding model, loaded at its first use (most gateways never embed)."""
+        if self.embedder is None:
+            raise ApiError(404, "Embeddings are not enabled on this gateway ([embeddings] enabled = false).")
+        async with self._embedder_lock:
+            if not self.embedder.ready:
+                # Fetched and verified like every bundled model (a no-op once `make setup` has run).
+                await asyncio.to_thread(resolve_model, self.embedder.model_id)
+                await self.embedder.start()
+        return self.embedder
+
     async def close(self) -> None:
         self.orchestrator.close()
+        if self.embedder is not None:
+            await self.embedder.close()
         for backend in self.backends.values():
             await backend.close()
         for server in self.embedded:
@@ -343,9 +360,10 @@ def create_gateway(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.gateway.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=gateway.metrics)  # outermost: counts the guard's answers
-    from endpoints import budget, openai, ops
+    from endpoints import budget, embeddings, openai, ops
 
     app.include_router(openai.router)
+    app.include_router(embeddings.router)
     app.include_router(budget.router)
     app.include_router(ops.router)
     return app

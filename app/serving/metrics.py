@@ -57,7 +57,15 @@ class RequestMetricsMiddleware:
     """Counts answered requests by route and status (pure ASGI: no per-chunk overhead on streams)."""
 
     ROUTES = frozenset(
-        {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/health/ready", "/metrics"}
+        {
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/embeddings",
+            "/v1/models",
+            "/health",
+            "/health/ready",
+            "/metrics",
+        }
     )
 
     def __init__(self, app, metrics: Metrics):
