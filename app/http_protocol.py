@@ -19,6 +19,9 @@ import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from endpoints.errors import ApiError
+from endpoints.guard import new_request_id
+
 
 class _CoalescingWrites:
     """Wraps the connection's transport (see the module's docstring). `hold_next_write()` makes the next
@@ -80,7 +83,8 @@ class HttpProtocol(HttpToolsProtocol):
 
     A request must arrive whole (headers and body) within `read_timeout` seconds of the connection being made
     or of its first byte, or the connection is closed: uvicorn bounds only the idle time between requests, so a
-    client that connects and sends nothing, or half a request, would hold a connection for good."""
+    client that connects and sends nothing, or half a request, would hold a connection for good. Past uvicorn's
+    `limit_concurrency` (gateway.max_connections) a request is answered 503 in the OpenAI envelope."""
 
     read_timeout: float = 15.0
 
@@ -92,6 +96,9 @@ class HttpProtocol(HttpToolsProtocol):
         super().connection_made(_CoalescingWrites(transport))  # type: ignore[arg-type]
         self._read_deadline: asyncio.TimerHandle | None = None
         self._start_read_deadline()
+        # uvicorn answers a request over its `limit_concurrency` with a bare text/plain 503; this protocol checks
+        # the same limit itself and answers in the OpenAI envelope (see on_headers_complete).
+        self._concurrency_limit, self.limit_concurrency = self.limit_concurrency, None
 
     def _start_read_deadline(self) -> None:
         self._stop_read_deadline()
@@ -118,8 +125,29 @@ class HttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         # A request is complete enough for the app to answer: its response's first write is the headers.
         self.transport.hold_next_write()
-        super().on_headers_complete()
+        limit = self._concurrency_limit
+        if limit is None or (len(self.connections) < limit and len(self.tasks) < limit):
+            super().on_headers_complete()
+            return
+        app, self.app = self.app, _overloaded
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
 
     def on_message_complete(self) -> None:
         self._stop_read_deadline()
         super().on_message_complete()
+
+
+async def _overloaded(scope, receive, send) -> None:
+    error = ApiError(
+        503,
+        "Tandem is serving its maximum number of connections and requests (gateway.max_connections); retry shortly.",
+        code="overloaded",
+        retry=True,
+        headers={"Retry-After": "1", "Connection": "close", "x-request-id": new_request_id()},
+    )
+    response = error.response()
+    await send({"type": "http.response.start", "status": 503, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})

@@ -153,3 +153,28 @@ def test_headers_still_arrive_while_the_body_is_late(server_url: str) -> None:
         t_body = time.monotonic()
     assert body == b"data: 0\n\n"
     assert t_body - t_headers > 0.3  # the headers did not wait for the body
+
+
+def test_past_the_concurrency_limit_the_answer_is_a_503_in_the_envelope() -> None:
+    port = free_port()
+    protocol = HttpProtocol.reading_within(5)
+    config = uvicorn.Config(_app, host="127.0.0.1", port=port, http=protocol, limit_concurrency=2, log_level="error")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:
+            idle.sendall(b"GET /?n=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+            _read_until(idle, b"0\r\n\r\n")  # served; the connection stays open (kept alive)
+            r = httpx.get(f"http://127.0.0.1:{port}/?n=1", timeout=5)  # a second connection: at the limit
+            assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+            assert r.json()["error"]["code"] == "overloaded" and r.headers["x-request-id"].startswith("req-")
+        time.sleep(0.2)  # the idle connection is gone: below the limit again
+        assert httpx.get(f"http://127.0.0.1:{port}/?n=1", timeout=5).status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(10)
