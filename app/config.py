@@ -25,7 +25,14 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from policies.dispatch import canonical_name
+from app.serving.budget import (
+    DEFAULT_BUDGET,
+    DEFAULT_CONSUMPTION_RATE,
+    DEFAULT_EXCHANGE_RATE,
+    BudgetValidationError,
+)
+from app.serving.budget import from_config as budget_from_config
+from policies.dispatch import DEFAULT_ALPHA, canonical_name
 
 
 class ConfigError(ValueError):
@@ -74,13 +81,14 @@ class GatewaySettings(_Strict):
 
 
 class DiscoSettings(_Strict):
-    """Initial DiSCo knobs; PUT /v1/budget changes them at run time (kept in state_file)."""
+    """Initial DiSCo knobs; PUT /v1/budget changes them at run time (kept in state_file). Their rules live in
+    one place, app/serving/budget.py's BudgetSettings, which checks them when the settings load."""
 
-    budget: Annotated[float, Field(ge=0, le=1)] = 0.5  # b: share of input tokens on the constrained side
-    alpha: Annotated[float, Field(gt=0, lt=1)] = 0.05  # tail ratio (0 and 1 leave no tail to protect)
-    exchange_rate: Annotated[float, Field(ge=0)] = 0.3  # λ, USD per 10^15 device FLOPs
-    consumption_rate: Annotated[float, Field(gt=0)] = 4.8  # r_c, tokens/s the reader consumes
-    side: Literal["auto", "server", "device"] = "auto"
+    budget: float = DEFAULT_BUDGET  # b: share of input tokens on the constrained side
+    alpha: float = DEFAULT_ALPHA  # tail ratio
+    exchange_rate: float = DEFAULT_EXCHANGE_RATE  # λ, USD per 10^15 device FLOPs
+    consumption_rate: float = DEFAULT_CONSUMPTION_RATE  # r_c, tokens/s the reader consumes
+    side: str = "auto"  # auto | server | device
     migration: bool = True
     window: Annotated[int, Field(gt=10)] = 2000
     recompute_every: Annotated[int, Field(gt=0)] = 10
@@ -242,6 +250,14 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The TOML file arrives as init kwargs; the environment must win over it.
         return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _budget_knobs_valid(self) -> Settings:
+        try:
+            budget_from_config(self)
+        except BudgetValidationError as exc:
+            raise ValueError(exc.message) from None
+        return self
 
     @model_validator(mode="after")
     def _cloud_exists(self) -> Settings:

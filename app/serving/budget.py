@@ -37,6 +37,7 @@ DEFAULT_EXCHANGE_RATE = 0.3  # USD per PFLOP: App. E's server-constrained λ (po
 # r_c: a typical reader (§2.2: 4-5 tok/s); matches the config's default, a little above
 # policies.migration.READING_RATE (4.5), the simulator's default.
 DEFAULT_CONSUMPTION_RATE = 4.8
+DEFAULT_BUDGET = 0.5
 
 UNITS = {
     "budget": "share of input tokens the constrained endpoint may process, [0, 1]",
@@ -121,7 +122,7 @@ class BudgetSettings:
 
     policy: str = "disco"
     constrained_side: str = "auto"
-    budget: float = 0.5
+    budget: float = DEFAULT_BUDGET
     alpha: float = DEFAULT_ALPHA
     exchange_rate: float = DEFAULT_EXCHANGE_RATE
     consumption_rate: float = DEFAULT_CONSUMPTION_RATE
@@ -244,3 +245,29 @@ def pinned_side(policy: str, constrained_side: str) -> Side | None:
     if implied is not None:
         return implied
     return None if constrained_side == "auto" else constrained_side  # type: ignore[return-value]
+
+
+def from_config(settings: Any) -> BudgetSettings:
+    """The knobs' initial values from app.config.Settings: `gateway.policy`, the `[disco]` table and each cloud's
+    `price`. This is where those config fields are validated (the config only types them), so a refused value
+    names its config field: `disco.budget: budget must be in [0, 1], got 1.5`."""
+    disco = settings.disco
+    prices = {
+        name: Price(cloud.price.prefill_per_million, cloud.price.decode_per_million)
+        for name, cloud in settings.clouds.items()
+    }
+    try:
+        return BudgetSettings(
+            policy=settings.gateway.policy,
+            constrained_side=disco.side,
+            budget=disco.budget,
+            alpha=disco.alpha,
+            exchange_rate=disco.exchange_rate,
+            consumption_rate=disco.consumption_rate,
+            migration=disco.migration,
+            prices=prices,
+        )
+    except BudgetValidationError as exc:
+        where = {"policy": "gateway.policy", "constrained_side": "disco.side"}.get(str(exc.field))
+        where = where or (f"clouds.{exc.field[7:]}" if str(exc.field).startswith("prices.") else f"disco.{exc.field}")
+        raise BudgetValidationError(where, f"{where}: {exc.message}") from None

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.serving.budget import UNITS, BudgetSettings, BudgetValidationError, Price, apply_patch
+from app.serving.budget import UNITS, BudgetSettings, BudgetValidationError, apply_patch, from_config
 from policies.dispatch import POLICY_NAMES
 
 log = logging.getLogger(__name__)
@@ -128,29 +128,8 @@ class Ledger:
         """The gateway's ledger from app.config.Settings: `gateway.policy`, `[disco]` knobs and each
         cloud's `price` as defaults, persisted at `gateway.state_file` ("" = not persisted).
         A default that BudgetSettings refuses fails start-up naming the config field."""
-        disco = settings.disco
-        prices = {
-            name: Price(cloud.price.prefill_per_million, cloud.price.decode_per_million)
-            for name, cloud in settings.clouds.items()
-        }
-        try:
-            defaults = BudgetSettings(
-                policy=settings.gateway.policy,
-                constrained_side=disco.side,
-                budget=disco.budget,
-                alpha=disco.alpha,
-                exchange_rate=disco.exchange_rate,
-                consumption_rate=disco.consumption_rate,
-                migration=disco.migration,
-                prices=prices,
-            )
-        except BudgetValidationError as exc:
-            where = {"policy": "gateway.policy", "constrained_side": "disco.side"}.get(str(exc.field))
-            where = where or (
-                f"clouds.{exc.field[7:]}" if str(exc.field).startswith("prices.") else f"disco.{exc.field}"
-            )
-            raise BudgetValidationError(where, f"{where}: {exc.message}") from None
-        primary = settings.gateway.cloud if settings.gateway.cloud in prices else None
+        defaults = from_config(settings)
+        primary = settings.gateway.cloud if settings.gateway.cloud in defaults.prices else None
         return cls(settings.gateway.state_file or None, defaults, primary_cloud=primary, **kwargs)
 
     # ------------------------------------------------------------------ settings

@@ -32,6 +32,9 @@ def test_embedded_default_is_valid():
         ("[clouds.c]\nbase_url = 'ftp://x'", "clouds.c.base_url"),
         ("[clouds.c]\ntokenizer = 'tiktoken'\ncontinuation = 'completions'", "clouds.c"),
         ("[gateway]\ncloud = 'nope'\n[clouds.c]\nmodel = 'm'", "gateway.cloud"),
+        ("[disco]\nbudget = 1.5", "disco.budget"),  # the budget knobs' rules: BudgetSettings', checked at load
+        ("[disco]\nside = 'moon'", "disco.side"),
+        ("[gateway]\npolicy = 'disco-s'\n[disco]\nside = 'device'", "disco.side"),
     ],
 )
 def test_bad_field_is_named(tmp_path, toml, names):

@@ -16,7 +16,7 @@ import os
 import pytest
 
 import app.serving.ledger as ledger_mod
-from app.serving.budget import BudgetSettings, BudgetValidationError, Price
+from app.serving.budget import BudgetSettings, BudgetValidationError, Price, from_config
 from app.serving.disco import DiscoRuntime
 from app.serving.ledger import Ledger, LedgerStateError
 from policies.cost import QWEN2_5_0_5B, DeviceEnergy, TokenPrices, usd_per_pflop
@@ -416,10 +416,17 @@ def test_from_settings_empty_state_file_means_in_memory(tmp_path):
 
 
 def test_from_settings_names_the_config_field(tmp_path):
-    # The config accepts each field alone; the pair contradicts itself (DiSCo-S is for a constrained server).
+    # Each field is valid alone; the pair contradicts itself (DiSCo-S is for a constrained server). BudgetSettings'
+    # rules refuse it as soon as the settings load, naming the config field.
+    with pytest.raises(ValueError, match=r"disco\.side: policy 'disco-s' is server-constrained"):
+        config(tmp_path, gateway={"policy": "disco-s"})
     with pytest.raises(BudgetValidationError) as info:
-        Ledger.from_settings(config(tmp_path, gateway={"policy": "disco-s"}))
-    assert info.value.field and info.value.field.startswith(("disco.", "gateway.")), info.value.field
+        from_config(
+            config(tmp_path).model_copy(
+                update={"gateway": config(tmp_path).gateway.model_copy(update={"policy": "disco-s"})}
+            )
+        )
+    assert info.value.field == "disco.side"
 
 
 def test_state_file_path_expands_home(monkeypatch, tmp_path):
