@@ -6,9 +6,11 @@ The cloud transport's one write per request is in test_http_transport.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -110,20 +112,29 @@ async def _app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-@pytest.fixture(scope="module")
-def server_url():
+@contextlib.contextmanager
+def _serving(**options) -> Iterator[int]:
+    """uvicorn with `_app` on a free loopback port, in a thread; yields the port."""
     port = free_port()
-    config = uvicorn.Config(_app, host="127.0.0.1", port=port, http=HttpProtocol, log_level="warning")
-    server = uvicorn.Server(config)
+    options = {"http": HttpProtocol, "log_level": "warning", **options}
+    server = uvicorn.Server(uvicorn.Config(_app, host="127.0.0.1", port=port, **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    with _serving() as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def _read_until(sock: socket.socket, end: bytes) -> bytes:
@@ -156,17 +167,7 @@ def test_headers_still_arrive_while_the_body_is_late(server_url: str) -> None:
 
 
 def test_past_the_concurrency_limit_the_answer_is_a_503_in_the_envelope() -> None:
-    port = free_port()
-    protocol = HttpProtocol.reading_within(5)
-    config = uvicorn.Config(_app, host="127.0.0.1", port=port, http=protocol, limit_concurrency=2, log_level="error")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
+    with _serving(http=HttpProtocol.reading_within(5), limit_concurrency=2, log_level="error") as port:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:
             idle.sendall(b"GET /?n=1 HTTP/1.1\r\nHost: x\r\n\r\n")
             _read_until(idle, b"0\r\n\r\n")  # served; the connection stays open (kept alive)
@@ -175,6 +176,3 @@ def test_past_the_concurrency_limit_the_answer_is_a_503_in_the_envelope() -> Non
             assert r.json()["error"]["code"] == "overloaded" and r.headers["x-request-id"].startswith("req-")
         time.sleep(0.2)  # the idle connection is gone: below the limit again
         assert httpx.get(f"http://127.0.0.1:{port}/?n=1", timeout=5).status_code == 200
-    finally:
-        server.should_exit = True
-        thread.join(10)
