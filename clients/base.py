@@ -34,6 +34,13 @@ class GenerationRequest:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    # Tools and structured output (app/serving/structured.py). The tools are in `prompt_text` already; a chat
+    # upstream gets them, `tool_choice` and `response_format` as the client sent them.
+    grammar: str | None = None  # an llguidance grammar the answer must follow (clients/grammar.py)
+    tools: tuple[dict, ...] = ()
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    response_format: dict | None = None
 
 
 @dataclass
@@ -84,6 +91,9 @@ class Backend(Protocol):
     can_continue: bool  # continues an answer from a delivered prefix (GenerationRequest.prefix_*)
     accepts_token_ids: bool  # takes prompts as token ids of the device model's vocabulary
     evaluations: int  # generations started so far: its KV cache can only have changed when this moved
+    # How it follows GenerationRequest.grammar: "grammar" applies it token by token, also from a delivered prefix;
+    # "native" passes tools / response_format to an upstream that enforces them (fresh answers only); "none" cannot.
+    structured_output: str
 
     def cached_prefix(self, ids: Sequence[int]) -> int:
         """How many leading tokens of `ids` it would take from its own KV cache instead of prefilling them."""

@@ -30,10 +30,20 @@ def _compile(template: str):
     return env.from_string(template)
 
 
-def render_chat(template: str, messages: Sequence[dict], bos_token: str = "", eos_token: str = "") -> str:
+def render_chat(
+    template: str,
+    messages: Sequence[dict],
+    bos_token: str = "",
+    eos_token: str = "",
+    tools: Sequence[dict] | None = None,
+) -> str:
     try:
         return _compile(template).render(
-            messages=list(messages), add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token
+            messages=list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=True,
+            bos_token=bos_token,
+            eos_token=eos_token,
         )
     except TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc

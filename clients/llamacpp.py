@@ -30,6 +30,7 @@ from pathlib import Path
 
 from clients.base import BackendError, GenerationRequest, TokenEvent
 from clients.chat_template import render_chat
+from clients.grammar import GrammarError, LlamaVocabGrammars, TokenMask
 from clients.prompt_tokens import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ _END = object()
 
 class LlamaCppBackend:
     can_continue = True
+    structured_output = "grammar"  # clients/grammar.py, in the sampling loop
     accepts_token_ids = True  # the device model's own vocabulary
 
     def __init__(self, name: str, model_path: Path, model_id: str, n_ctx: int = 4096, n_threads: int = 2):
@@ -76,6 +78,7 @@ class LlamaCppBackend:
         import llama_cpp
 
         self._is_eog = lambda tok: bool(llama_cpp.llama_vocab_is_eog(vocab, tok))
+        self._grammars = LlamaVocabGrammars(vocab, self._llm.n_vocab())
         self._prompt_tokens = PromptTokenizer(self._llm)
         self._bos = self._token_text(self._llm.token_bos())
         self._eos = self._token_text(self._llm.token_eos())
@@ -93,10 +96,19 @@ class LlamaCppBackend:
         return self._llm is not None
 
     # -- tokenizer ---------------------------------------------------------------------------
-    def render_chat(self, messages) -> str:
+    def render_chat(self, messages, tools=None) -> str:
         if not self.chat_template:
             raise BackendError(f"model {self.model_id} has no chat template", status=400, backend=self.name)
-        return render_chat(self.chat_template, messages, bos_token=self._bos, eos_token=self._eos)
+        return render_chat(self.chat_template, messages, bos_token=self._bos, eos_token=self._eos, tools=tools)
+
+    @property
+    def template_knows_tools(self) -> bool:
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def special_token(self, text: str) -> int | None:
+        """The id of `text` when the vocabulary has it as one special or user-defined token (e.g. <tool_call>)."""
+        ids = self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        return ids[0] if len(ids) == 1 else None
 
     def tokenize_prompt(self, text: str) -> list[int]:
         """Tokenise a rendered prompt: special tokens in it (e.g. <|im_start|>) are honoured; the text
@@ -132,7 +144,8 @@ class LlamaCppBackend:
         return n
 
     # -- generation --------------------------------------------------------------------------
-    def _input_ids(self, request: GenerationRequest) -> list[int]:
+    def _input_ids(self, request: GenerationRequest) -> tuple[list[int], list[int]]:
+        """(prompt ids, delivered prefix ids)."""
         prompt = (
             list(request.prompt_ids) if request.prompt_ids is not None else self.tokenize_prompt(request.prompt_text)
         )
@@ -142,12 +155,20 @@ class LlamaCppBackend:
             prefix = self.tokenize(request.prefix_text)
         else:
             prefix = []
-        return prompt + prefix
+        return prompt, prefix
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if self._llm is None:
             raise BackendError(f"device model {self.model_id} is not loaded yet", status=503, backend=self.name)
-        ids = self._input_ids(request)
+        prompt, prefix = self._input_ids(request)
+        ids = prompt + prefix
+        mask = None
+        if request.grammar is not None:
+            try:
+                mask = await asyncio.to_thread(self._grammars.mask, request.grammar)  # the first builds the vocab
+                mask.advance(prefix)
+            except GrammarError as exc:
+                raise BackendError(f"grammar: {exc}", status=400, backend=self.name) from exc
         room = self.n_ctx - len(ids)
         if room <= 0:
             raise BackendError(
@@ -167,7 +188,7 @@ class LlamaCppBackend:
         def run() -> None:
             try:
                 if not cancel.is_set():
-                    self._generate(ids, request, max_tokens, cancel, emit, taken)
+                    self._generate(ids, request, max_tokens, cancel, emit, taken, mask)
             except BaseException as exc:
                 emit(exc)
             finally:
@@ -201,6 +222,7 @@ class LlamaCppBackend:
         cancel: threading.Event,
         emit,
         taken: threading.Semaphore,
+        mask: TokenMask | None = None,
     ) -> None:
         llm = self._llm
         seed = request.seed if request.seed is not None else random.getrandbits(31)
@@ -217,6 +239,7 @@ class LlamaCppBackend:
             top_k=0,
             min_p=0.0,
             repeat_penalty=1.0,
+            logits_processor=None if mask is None else [lambda _ids, logits: mask.apply(logits)],
         ):
             if cancel.is_set():
                 return
@@ -226,10 +249,15 @@ class LlamaCppBackend:
             produced += 1
             self.tokens_generated += 1
             text = decoder.decode(llm.detokenize([token]))
-            last = produced >= max_tokens
+            complete = False
+            if mask is not None:
+                mask.accept(token)
+                complete = mask.finished  # the grammar allows nothing more: the answer ends with this token
+            last = produced >= max_tokens or complete
             if last:
                 text += decoder.decode(b"", final=True)
-            emit(TokenEvent(text, token, finish_reason="length" if last else None, cached_tokens=cached))
+            finish = ("stop" if complete else "length") if last else None
+            emit(TokenEvent(text, token, finish_reason=finish, cached_tokens=cached))
             cached = None
             if last:
                 return

@@ -63,6 +63,8 @@ class OpenAICompatBackend(NoPrefixCache):
         # The device tokenizer when upstream shares it: exact usage without upstream help.
         self._count_exact = count_exact if options.shares_device_tokenizer else None
         self.can_continue = options.continues
+        # A chat upstream enforces tools and response_format itself; a completions one only sees text.
+        self.structured_output = "none" if options.continues else "native"
         self.accepts_token_ids = options.token_id_prompts
         # Uncompressed answers: a compressed stream holds tokens back in the compressor, and raw bytes are
         # what `_sse_lines` reads.
@@ -119,7 +121,9 @@ class OpenAICompatBackend(NoPrefixCache):
         if request.seed is not None:
             common["seed"] = request.seed
         continuing = bool(request.prefix_text) or bool(request.prefix_ids)
-        if self.can_continue and (continuing or request.messages is None):
+        # Tools go in the prompt rendered by the gateway where the upstream takes raw prompts: the calls come back
+        # as text in the one format the gateway reads (app/serving/structured.py).
+        if self.can_continue and (continuing or request.messages is None or request.tools):
             if self.accepts_token_ids and request.prompt_ids is not None and (request.prefix_ids or not continuing):
                 prompt: str | list[int] = list(request.prompt_ids) + list(request.prefix_ids or ())
             else:
@@ -133,7 +137,15 @@ class OpenAICompatBackend(NoPrefixCache):
             )
         if request.messages is None:
             raise BackendError(f"cloud backend {self.name!r} serves chat only", status=400, backend=self.name)
-        return "/chat/completions", {**common, "messages": list(request.messages)}
+        body = {**common, "messages": list(request.messages)}
+        if request.tools:
+            body["tools"] = list(request.tools)
+            body["parallel_tool_calls"] = request.parallel_tool_calls
+        if request.tool_choice is not None:
+            body["tool_choice"] = request.tool_choice
+        if request.response_format is not None:
+            body["response_format"] = request.response_format
+        return "/chat/completions", body
 
     # -- streaming ---------------------------------------------------------------------------
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
@@ -182,6 +194,7 @@ class OpenAICompatBackend(NoPrefixCache):
             raise self._malformed(f"answered 200 with content-type {kind!r}, not an event stream")
         finish: str | None = None
         usage: Usage | None = None
+        calls: dict[int, dict] = {}  # a chat upstream's tool calls, assembled from their pieces
         lines = _sse_lines(response)
         async for line in lines:
             if not line.startswith(b"data:"):
@@ -207,22 +220,38 @@ class OpenAICompatBackend(NoPrefixCache):
                 raise BackendError(f"cloud backend {self.name!r} failed mid-stream: {message}", 502, self.name)
             if chunk.get("usage"):
                 usage = self._usage(chunk["usage"], data)
-            for text, reason in self._choices(chunk, data):
+            for text, reason, pieces in self._choices(chunk, data):
                 if text:
                     self.tokens_generated += 1
                     yield TokenEvent(text=text)
+                for piece in pieces:
+                    self._add_call_piece(calls, piece, data)
                 finish = reason or finish
         else:
             if finish is None:
                 # Neither a finish reason nor [DONE]: the upstream stopped before saying the answer is complete.
                 raise self._malformed("ended its stream without a finish reason or [DONE] (truncated answer)")
-        yield TokenEvent(text="", finish_reason=finish or "stop", usage=usage)
+        for i in sorted(calls):
+            yield TokenEvent(text=_call_text(calls[i]))
+        yield TokenEvent(text="", finish_reason="stop" if finish == "tool_calls" else finish or "stop", usage=usage)
+
+    def _add_call_piece(self, calls: dict[int, dict], piece, data: bytes) -> None:
+        function = piece.get("function") if isinstance(piece, dict) else None
+        if not isinstance(function, dict) or not isinstance(piece.get("index", 0), int):
+            raise self._malformed(f"sent a malformed tool call: {data[:100]!r}")
+        call = calls.setdefault(piece.get("index", 0), {"name": "", "arguments": ""})
+        for key in ("name", "arguments"):
+            value = function.get(key)
+            if not isinstance(value, str | None):
+                raise self._malformed(f"sent a tool call whose {key} is not a string: {data[:100]!r}")
+            call[key] += value or ""
 
     def _malformed(self, what: str) -> BackendError:
         return BackendError(f"cloud backend {self.name!r} {what}", 502, self.name)
 
-    def _choices(self, chunk: dict, data: bytes) -> list[tuple[str, str | None]]:
-        """(text, finish reason) of each choice of a chunk; a chunk of any other shape is an upstream fault."""
+    def _choices(self, chunk: dict, data: bytes) -> list[tuple[str, str | None, list]]:
+        """(text, finish reason, tool call pieces) of each choice of a chunk; a chunk of any other shape is an
+        upstream fault."""
         choices = chunk.get("choices")
         if choices is None:
             return []
@@ -232,6 +261,7 @@ class OpenAICompatBackend(NoPrefixCache):
         for choice in choices:
             if not isinstance(choice, dict):
                 raise self._malformed(f"sent a choice that is not a JSON object: {data[:100]!r}")
+            pieces = []
             if "text" in choice:
                 text = choice["text"]
             else:
@@ -241,10 +271,13 @@ class OpenAICompatBackend(NoPrefixCache):
                 if not isinstance(delta, dict):
                     raise self._malformed(f"sent a delta that is not a JSON object: {data[:100]!r}")
                 text = delta.get("content")
+                pieces = delta.get("tool_calls") or []
+                if not isinstance(pieces, list):
+                    raise self._malformed(f"sent tool_calls that are not a list: {data[:100]!r}")
             reason = choice.get("finish_reason")
             if not isinstance(text, str | None) or not isinstance(reason, str | None):
                 raise self._malformed(f"sent a choice whose text or finish_reason is not a string: {data[:100]!r}")
-            out.append((text or "", reason))
+            out.append((text or "", reason, pieces))
         return out
 
     def _usage(self, u, data: bytes) -> Usage:
@@ -252,6 +285,15 @@ class OpenAICompatBackend(NoPrefixCache):
         if counts is None or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
             raise self._malformed(f"sent a malformed usage object: {data[:100]!r}")
         return Usage(*counts, exact=True)
+
+
+def _call_text(call: dict) -> str:
+    """A chat upstream's tool call in the text format every other endpoint writes (app/serving/structured.py)."""
+    try:
+        arguments = json.loads(call["arguments"] or "{}")
+    except ValueError:
+        arguments = call["arguments"]  # left as it is: the gateway delivers an unparsable call as text
+    return f"<tool_call>\n{json.dumps({'name': call['name'], 'arguments': arguments})}\n</tool_call>"
 
 
 async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:

@@ -123,6 +123,16 @@ class _Chunks:
             body = '"delta":{},'
         return (self._head + body + self._tail % fin).encode()
 
+    def tool_calls(self, calls, first_index: int) -> bytes:
+        """Each complete call as two chunks, as OpenAI streams them: its id and name, then its arguments."""
+        out = []
+        for i, call in enumerate(calls, first_index):
+            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            for piece in (head, {"index": i, "function": {"arguments": call.arguments}}):
+                delta = json.dumps({"tool_calls": [piece]}, separators=(",", ":"), ensure_ascii=False)
+                out.append(self._head + f'"delta":{delta},' + self._tail % "null")
+        return "".join(out).encode()
+
     def usage(self) -> bytes:
         u = self.job.usage
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -154,10 +164,14 @@ async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], chunks: _Ch
         # [DONE] (which `_SSEResponse` sends with the end of the body): one write, one wake-up of the client.
         head = chunks.role() if chunks.chat else b""
         delta = first
+        calls = 0
         while delta.finish_reason is None:
             if delta.text:
                 yield head + chunks.text(delta.text)
                 head = b""
+            if delta.tool_calls:
+                yield head + chunks.tool_calls(delta.tool_calls, calls)
+                head, calls = b"", calls + len(delta.tool_calls)
             try:
                 delta = await anext(stream)
             except Exception as exc:  # the orchestrator raises BackendError; anything else is a bug, still framed
@@ -165,6 +179,13 @@ async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], chunks: _Ch
                 yield head + ("data: " + json.dumps(_error_body(exc)) + "\n\n").encode() + _DONE
                 return
         usage = chunks.usage() if chunks.include_usage else b""
+        if delta.tool_calls:
+            if delta.text:
+                head += chunks.text(delta.text)
+            yield (
+                head + chunks.tool_calls(delta.tool_calls, calls) + chunks.text("", delta.finish_reason) + usage + _DONE
+            )
+            return
         yield head + chunks.text(delta.text, delta.finish_reason) + usage + _DONE
     finally:
         # Client gone or done: stop the backend's work now (llama.cpp thread, upstream HTTP).
@@ -239,20 +260,22 @@ def _sse_response(request: Request, job: Job, first: Delta, stream, chunks: _Chu
     return _SSEResponse(_sse(job, first, stream, chunks), headers, gw.settings.gateway.ping_seconds)
 
 
-async def _collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> tuple[str, str]:
+async def _collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> tuple[str, str, list]:
     parts = [first.text]
+    calls = list(first.tool_calls)
     delta = first
     try:
         while delta.finish_reason is None:
             delta = await anext(stream)
             parts.append(delta.text)
+            calls += delta.tool_calls
     except BackendError as exc:
         raise ApiError(
             exc.status, f"the answer failed midway: {exc}", code="backend_error", headers={"x-request-id": job.id}
         ) from exc
     finally:
         await stream.aclose()
-    return "".join(parts), delta.finish_reason
+    return "".join(parts), delta.finish_reason, calls
 
 
 def _usage(job: Job) -> dict:
@@ -266,10 +289,15 @@ async def _answer(request: Request, body, job: Job, chat: bool):
     first = await _first(request, job, stream)
     if body.stream:
         return _sse_response(request, job, first, stream, _Chunks(job, body.model, chat, body.include_usage))
-    text, finish = await _while_connected(request, _collect(job, first, stream), "mid-answer")
+    text, finish, calls = await _while_connected(request, _collect(job, first, stream), "mid-answer")
     if chat:
         obj = "chat.completion"
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
+        message = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
+        if calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+            ]
+        choice = {"index": 0, "message": message}
     else:
         obj = "text_completion"
         choice = {"index": 0, "text": text}

@@ -7,6 +7,7 @@ answers at once and `/health/ready` says 503 until every backend can serve.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -22,6 +23,7 @@ from app.serving.job import Job
 from app.serving.ledger import Ledger
 from app.serving.metrics import Metrics, RequestMetricsMiddleware
 from app.serving.orchestrator import Orchestrator
+from app.serving.structured import Structure, add_tools_prompt, structure_of, template_messages
 from clients.base import Backend, GenerationRequest
 from clients.embeddings import SentenceEmbedder
 from clients.openai_compat import OpenAICompatBackend, UpstreamOptions
@@ -303,7 +305,9 @@ class Gateway:
             return tuple(self.device.tokenize_prompt(text))
         return tuple(await asyncio.to_thread(self.device.tokenize_prompt, text))
 
-    def _generation(self, body, prompt_text: str, prompt_ids: tuple[int, ...], messages=None) -> GenerationRequest:
+    def _generation(
+        self, body, prompt_text: str, prompt_ids: tuple[int, ...], messages=None, structure: Structure | None = None
+    ) -> GenerationRequest:
         if not prompt_ids:
             raise ApiError(
                 400, "The prompt is empty: send at least one token of prompt.", param="prompt", code="invalid_value"
@@ -317,17 +321,34 @@ class Gateway:
             top_p=1.0 if body.top_p is None else body.top_p,
             stop=body.stop_sequences,
             seed=body.seed,
+            **(_structured_fields(structure) if structure is not None else {}),
         )
+
+    def _tag(self, text: str) -> str:
+        """A tool-call tag in a grammar: the device vocabulary's own token for it where there is one."""
+        special = getattr(self.device, "special_token", None)
+        token = special(text) if special is not None else None
+        return f"<[{token}]>" if token is not None else json.dumps(text)
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> Job:
         route = self._route(body.model, body.tandem)
         self._require_loaded()
-        messages = tuple(
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
-        )
-        prompt_text = self.device.render_chat(messages)
+        structure = structure_of(body, self._tag)
+        knows_tools = getattr(self.device, "template_knows_tools", False)
+        rendered = template_messages(body.messages, knows_tools)
+        if structure.tools and knows_tools:
+            prompt_text = self.device.render_chat(rendered, tools=structure.tools)
+        else:
+            prompt_text = self.device.render_chat(
+                add_tools_prompt(rendered, structure.tools) if structure.tools else rendered
+            )
         prompt_ids = await self._tokenize_prompt(prompt_text)
-        gen = self._generation(body, prompt_text, prompt_ids, messages)
+        # A chat upstream gets the conversation as the client sent it (tool calls and results included).
+        messages = tuple(
+            {**m.model_dump(exclude_none=True), "role": "system" if m.role == "developer" else m.role}
+            for m in body.messages
+        )
+        gen = self._generation(body, prompt_text, prompt_ids, messages, structure)
         return self._job("chatcmpl", gen, len(prompt_ids), route)
 
     async def prepare_completion(self, body: CompletionRequest) -> Job:
@@ -349,6 +370,16 @@ class Gateway:
             prompt_text = self.device.detokenize(prompt_ids)
         gen = self._generation(body, prompt_text, prompt_ids)
         return self._job("cmpl", gen, len(prompt_ids), route)
+
+
+def _structured_fields(structure: Structure) -> dict:
+    return {
+        "grammar": structure.grammar,
+        "tools": structure.tools,
+        "tool_choice": structure.tool_choice,
+        "parallel_tool_calls": structure.parallel_tool_calls,
+        "response_format": structure.response_format,
+    }
 
 
 def create_gateway(settings: Settings) -> FastAPI:

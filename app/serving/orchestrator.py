@@ -33,6 +33,7 @@ import anyio
 
 from app.serving.job import Attempt, Job
 from app.serving.metrics import Metrics
+from app.serving.tool_calls import ToolCall, ToolCallSplitter
 from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from clients.stops import StopMatcher
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 class Delta:
     text: str
     finish_reason: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class _Failed(Exception):
@@ -86,6 +88,17 @@ class Orchestrator:
     # -- helpers -----------------------------------------------------------------------------------
     def role_of(self, name: str) -> str:
         return "device" if name == self.device else "cloud"
+
+    def _serves(self, job: Job, name: str | None, continuing: bool = False) -> bool:
+        """Whether `name` can give this request's answer the structure it asks for (a grammar from tool_choice or
+        response_format): a chat upstream that enforces it natively only from the start, a backend that applies
+        the grammar itself also from a delivered prefix."""
+        if name is None:
+            return False
+        if job.gen.grammar is None:
+            return True
+        kind = self.backends[name].structured_output
+        return kind == "grammar" or (kind == "native" and not continuing)
 
     def _name_of(self, job: Job, role: str) -> str | None:
         return self.device if role == "device" else job.cloud
@@ -155,13 +168,20 @@ class Orchestrator:
         self.metrics.decisions.labels(policy=plan.policy, plan=plan_kind(plan)).inc()
         if job.pinned is not None:
             names = [job.pinned]
-        elif plan.start_cloud and plan.start_device:
+        elif plan.start_cloud and plan.start_device and self._serves(job, job.cloud) and self._serves(job, self.device):
             return await self._race(job, plan.device_delay or 0.0)
         else:
             names = [job.cloud if plan.start_cloud else self.device]
             other = self.device if plan.start_cloud else job.cloud
-            if self.fallback and other is not None:
+            if (self.fallback and other is not None) or not self._serves(job, names[0]):
                 names.append(other)
+        names = [n for n in names if self._serves(job, n)]
+        if not names:
+            raise BackendError(
+                f"{job.pinned or 'no endpoint of this request'} cannot enforce its tool_choice or response_format "
+                "(endpoints that can: the device's llama.cpp model and chat upstreams)",
+                400,
+            )
         last: BaseException | None = None
         for name in names:
             attempt = self._open(job, name, job.gen, job.prompt_tokens, False)
@@ -252,6 +272,7 @@ class Orchestrator:
             t_first = now
             r_c = self.disco.settings.consumption_rate
             matcher = StopMatcher(job.gen.stop)
+            splitter = ToolCallSplitter() if job.gen.tools else None
             limit = job.gen.max_tokens
             produced = 0
             ids: list[int] | None = []
@@ -269,26 +290,38 @@ class Orchestrator:
                     text_so_far.append(event.text)
                     if time.monotonic() > t_first + (produced - 1) / r_c + 1e-3:
                         job.delayed_tokens += 1
-                text, stopped = matcher.feed(event.text)
+                calls: list[ToolCall] = []
+                content = event.text
+                if splitter is not None and (event.text or event.token_id is not None):
+                    content, calls = splitter.feed(event.text)
+                text, stopped = matcher.feed(content)
                 finish = "stop" if stopped else event.finish_reason
                 if finish is None and produced >= limit:
                     finish = "length"
                 if finish is not None:
+                    if splitter is not None and not stopped:
+                        content, more = splitter.finish()
+                        text += matcher.feed(content)[0]
+                        calls += more
                     if not stopped:
                         text += matcher.flush()
+                    if splitter is not None and splitter.calls and finish == "stop":
+                        finish = "tool_calls"
                     job.finish_reason = finish
                     attempt.outcome = "finished"
                     attempt.ended = not stopped
                     self._account(job, produced, event.usage)
                     # The trace exists before the client sees the end of the answer (it may ask for it at once).
                     self._remember(job, final=False)
-                    yield Delta(text, finish)
+                    yield Delta(text, finish, tuple(calls))
                     return
-                yield Delta(text)
+                yield Delta(text, None, tuple(calls))
 
                 # Cost-driven migration (Eqs. 4-6): only at a clean text boundary, once per answer. The source
                 # keeps its stream until the target's first token: if the target fails, the answer goes on here.
-                target = self._migration_target(job, attempt, event, produced, t_first, ids)
+                target = None
+                if splitter is None or not splitter.holding:  # never inside a tool call
+                    target = self._migration_target(job, attempt, event, produced, t_first, ids)
                 if target is not None:
                     moved = await self._migrate(job, attempt, target, "cost", ids, "".join(text_so_far), produced)
                     if moved is not None:
@@ -300,6 +333,14 @@ class Orchestrator:
                     async with asyncio.timeout(self.stall_timeout):
                         event = await anext(attempt.stream)
                 except Exception as exc:
+                    if splitter is not None and splitter.holding:
+                        # A call the client has not seen: the next endpoint writes it again from the last
+                        # delivered token, so nothing goes out half or twice.
+                        produced = splitter.committed
+                        del text_so_far[produced:]
+                        if ids is not None:
+                            del ids[produced:]
+                        splitter.discard()
                     attempt, event = await self._recover(job, attempt, exc, ids, "".join(text_so_far), produced)
                     last_t = event.t
                     continue
@@ -337,7 +378,7 @@ class Orchestrator:
             return None
         target_role = "cloud" if attempt.role == "device" else "device"
         target = self._name_of(job, target_role)
-        if not self._can_continue(target):
+        if not self._can_continue(target) or not self._serves(job, target, continuing=True):
             return None
         decision = self.disco.check_migration(
             attempt.role,
@@ -376,7 +417,11 @@ class Orchestrator:
         failed = {a.name for a in job.attempts if a.outcome == "failed"}
         pair = job.cloud if source.role == "device" else self.device
         order = [pair, *(n for n in self.backends if n != pair)]
-        return [n for n in order if n != source.name and n not in failed and self._can_continue(n)]
+        return [
+            n
+            for n in order
+            if n != source.name and n not in failed and self._can_continue(n) and self._serves(job, n, continuing=True)
+        ]
 
     async def _recover(
         self, job: Job, source: Attempt, exc: BaseException, ids, text: str, produced: int

@@ -81,6 +81,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     """
 
     can_continue = True
+    structured_output = "none"  # the device half does not mask its head's logits yet
     accepts_token_ids = False  # True when the worker's model shares the device's vocabulary (set by the gateway)
 
     def __init__(self, options: HATOptions, *, model: Any = None, tokenizer: Any = None) -> None:

@@ -1,0 +1,172 @@
+"""Tools and structured output: what a request asks of the model's text, on every endpoint.
+
+One format for tool calls everywhere: the Hermes/Qwen2.5 one the bundled models' chat templates teach,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+The gateway renders the tools into the prompt (the model's own template when it knows tools, else the same
+instructions in a system message), and reads the calls back out of the generated text (app/serving/tool_calls.py),
+so a call from the device, a completions cloud or HAT looks the same, and an answer can move between them.
+`tool_choice` "required" or a named function, and `response_format` json_object / json_schema, become an llguidance
+grammar (clients/grammar.py) that an endpoint able to constrain applies token by token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from clients.grammar import GrammarError, check_grammar
+from endpoints.errors import ApiError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+_FALLBACK_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n'
+    "</tool_call>"
+)
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What a chat request asks beyond free text."""
+
+    tools: tuple[dict, ...] = ()  # OpenAI tool definitions, when the model may call them
+    tool_choice: str | dict | None = None  # as sent (chat upstreams take it as it is)
+    parallel_tool_calls: bool = True
+    response_format: dict | None = None  # as sent, None for plain text
+    grammar: str | None = None  # the llguidance grammar the answer must follow
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools)
+
+
+def _arguments(value: str):
+    """A call's arguments as the templates want them (an object), from the wire's JSON string."""
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def template_messages(messages: Sequence, knows_tools: bool) -> list[dict]:
+    """Chat messages as the device's chat template takes them. A template that knows tools gets assistant
+    `tool_calls` (arguments as objects) and `tool` messages; one that does not gets the same turns as text."""
+    out: list[dict] = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        text = m.text()
+        calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in m.tool_calls or ()]
+        if knows_tools:
+            item = {"role": role, "content": text}
+            if calls:
+                item["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+            out.append(item)
+            continue
+        if role == "tool":
+            response = f"<tool_response>\n{text}\n</tool_response>"
+            if out and out[-1].get("_tool_turn"):
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response, "_tool_turn": True})
+            continue
+        if calls:
+            text = "\n".join([text, *(f"{OPEN}\n{json.dumps(c)}\n{CLOSE}" for c in calls)]).lstrip("\n")
+        out.append({"role": role, "content": text})
+    return [{k: v for k, v in item.items() if k != "_tool_turn"} for item in out]
+
+
+def add_tools_prompt(messages: list[dict], tools: Sequence[dict]) -> list[dict]:
+    """For a template that does not know tools: the tool instructions in the (first) system message."""
+    listing = "".join("\n" + json.dumps(t) for t in tools)
+    prompt = _FALLBACK_TOOLS_PROMPT.format(tools=listing)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a JSON string literal is a Lark string literal
+
+
+def _json_rule(schema: dict) -> str:
+    return "%json " + json.dumps(schema)
+
+
+def _checked(schema, param: str) -> dict:
+    if not isinstance(schema, dict):
+        raise ApiError(400, "A JSON schema must be an object.", param=param)
+    try:
+        check_grammar("start: " + _json_rule(schema))
+    except GrammarError as exc:
+        raise ApiError(400, f"This JSON schema cannot be enforced: {exc}", param=param) from None
+    return schema
+
+
+def tool_call_grammar(
+    tools: Sequence[dict], names: Sequence[str], parallel: bool, marker: Callable[[str], str] = _literal
+) -> str:
+    """One call (or, with parallel calls, one or more) of the named functions, arguments valid for each one's
+    `parameters` schema. `marker` writes the <tool_call> tags: a special token of the device's vocabulary
+    (`<[id]>`) where it has one, so the model is not forced to spell the tag out."""
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    more = ' ("\\n" call)*' if parallel else ""
+    options = " | ".join(f"f{i}" for i in range(len(names)))
+    rules = [f"start: call{more}", f'call: {marker(OPEN)} "\\n" ({options}) "\\n" {marker(CLOSE)}']
+    for i, name in enumerate(names):
+        schema = by_name[name].get("parameters") or {"type": "object"}
+        head = _literal('{"name": ' + json.dumps(name) + ', "arguments": ')
+        rules.append(f'f{i}: {head} a{i} "}}"')
+        rules.append(f"a{i}: {_json_rule(schema)}")
+    return "\n".join(rules)
+
+
+def structure_of(body, marker: Callable[[str], str] = _literal) -> Structure:
+    """The Structure of a validated ChatCompletionRequest; 400 naming the field for what cannot be enforced."""
+    tools = tuple(t.model_dump(exclude_none=True) for t in body.tools or ())
+    for i, tool in enumerate(tools):
+        _checked(tool["function"].get("parameters") or {"type": "object"}, f"tools[{i}].function.parameters")
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise ApiError(400, "Tool function names must be unique.", param="tools")
+    choice = body.tool_choice
+    choice_wire = choice.model_dump() if hasattr(choice, "model_dump") else choice
+    grammar = None
+    if choice is not None and not isinstance(choice, str):
+        if choice.function.name not in names:
+            raise ApiError(
+                400, f"tool_choice names '{choice.function.name}', which is not in tools.", param="tool_choice"
+            )
+        called = [choice.function.name]
+    else:
+        called = names if choice == "required" else []
+    if choice is not None and not tools:
+        raise ApiError(400, "tool_choice needs tools.", param="tool_choice")
+    parallel = body.parallel_tool_calls is not False
+    if called:
+        # Forced calls repeat on small models once one is allowed to follow another (Qwen2.5-0.5B calls the same
+        # function until max_tokens): as llama.cpp's server does, a grammar allows several only when asked to.
+        several = body.parallel_tool_calls is True and len(called) == len(names) and choice == "required"
+        grammar = tool_call_grammar(tools, called, several, marker)
+    fmt = body.response_format
+    fmt_wire = fmt.model_dump(exclude_none=True, by_alias=True) if fmt is not None else None
+    if fmt is not None and fmt.type != "text":
+        if grammar is not None:
+            raise ApiError(
+                400, "response_format cannot go with a forced tool call (tool_choice).", param="response_format"
+            )
+        schema = {"type": "object"}
+        if fmt.type == "json_schema":
+            schema = _checked(fmt.json_schema.schema_ or {"type": "object"}, "response_format.json_schema.schema")
+        grammar = "start: " + _json_rule(schema)
+    else:
+        fmt_wire = None
+    offered = tools if choice != "none" else ()
+    return Structure(offered, choice_wire, parallel, fmt_wire, grammar)

@@ -1,0 +1,120 @@
+"""Tool calls read out of generated text, token by token.
+
+Text that is or may become a `<tool_call>` is held back, a whole token at a time, until its closing tag: a call
+reaches the client only complete, with arguments that parse, never half. Because holding starts at a token
+boundary, what was delivered is always exactly the first `committed` tokens, which is where another endpoint
+regenerates from when the source fails inside a call (app/serving/orchestrator.py). A held text that turns out
+not to be a valid call is delivered as plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+
+from app.serving.structured import CLOSE, OPEN
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+def _parse(body: str) -> ToolCall | None:
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string already
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(f"call_{secrets.token_hex(12)}", call["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _may_start_call(text: str) -> bool:
+    """Whether `text` contains the opening tag or ends with the start of one."""
+    if OPEN in text:
+        return True
+    return any(text.endswith(OPEN[:k]) for k in range(1, len(OPEN)))
+
+
+class ToolCallSplitter:
+    """Splits an answer's tokens into content to deliver and complete tool calls."""
+
+    def __init__(self) -> None:
+        self._held: list[str] = []  # texts of the held tokens
+        self.committed = 0  # tokens whose text (or call) has been handed out
+        self.calls = 0  # calls handed out so far
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """One token's text → (content to deliver now, calls completed by it)."""
+        if not self._held and not (self.calls and not text.strip()):  # whitespace after a call may precede another
+            if "<" not in text or not _may_start_call(text):
+                self.committed += 1
+                return text, []
+        self._held.append(text)
+        return self._settle(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The answer ended: what is still held goes out (a call whose closing tag never came counts if its JSON
+        is complete)."""
+        return self._settle(final=True)
+
+    def discard(self) -> None:
+        """Forget what is held (its tokens will be generated again elsewhere)."""
+        self._held.clear()
+
+    def _settle(self, final: bool) -> tuple[str, list[ToolCall]]:
+        joined = "".join(self._held)
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while True:
+            start = joined.find(OPEN)
+            if start < 0:
+                if final or not _may_start_call(joined):
+                    content.append(joined)
+                    joined = ""
+                break
+            end = joined.find(CLOSE, start)
+            if end < 0:
+                if final:
+                    call = _parse(joined[start + len(OPEN) :].strip())
+                    content.append(joined[:start] if call else joined)
+                    calls += [call] if call else []
+                    joined = ""
+                break
+            call = _parse(joined[start + len(OPEN) : end].strip())
+            if call is None:  # not a valid call: it was text after all
+                content.append(joined[: end + len(CLOSE)])
+            else:
+                content.append(joined[:start])
+                calls.append(call)
+            joined = joined[end + len(CLOSE) :]
+        if joined:
+            # Still undecided: keep holding, from the first held token (the tokens before it are all delivered).
+            if content or calls:
+                # Part of the held text went out; what remains stays held as one piece of the last token.
+                self.committed += len(self._held) - 1
+                self._held = [joined]
+        else:
+            self.committed += len(self._held)
+            self._held = []
+        self.calls += len(calls)
+        text = "".join(content)
+        if self.calls and not text.strip():
+            text = ""  # the newlines around calls are the format's, not content
+        return text, calls
