@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import API_KEY
+
 QUESTION = "Name three colours."
 INSTRUCTIONS = "Answer in one short sentence."
 
@@ -159,3 +161,12 @@ def test_previous_response_id_says_tandem_is_stateless(fallback_gateway):
     with pytest.raises(openai.BadRequestError) as info:
         client(fallback_gateway).responses.create(model="tandem", input=QUESTION, previous_response_id="resp_x")
     assert "stateless" in str(info.value)
+
+
+def test_responses_need_the_api_key_like_every_v1_route(faulty_gateway):
+    body = {"model": "device", "input": QUESTION, "max_output_tokens": 2}
+    for headers in ({}, {"authorization": "Bearer nope"}):
+        r = httpx.post(faulty_gateway.v1 + "/responses", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(faulty_gateway.v1 + "/responses", json=body, headers={"authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.json()["status"] == "incomplete"
