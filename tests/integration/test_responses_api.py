@@ -3,6 +3,8 @@ SmolLM2 answers), translated onto the chat path; bad requests through raw httpx.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -170,3 +172,31 @@ def test_responses_need_the_api_key_like_every_v1_route(faulty_gateway):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = httpx.post(faulty_gateway.v1 + "/responses", json=body, headers={"authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 200 and r.json()["status"] == "incomplete"
+
+
+def test_the_sdk_stream_helper_assembles_the_response(fallback_gateway):
+    c = client(fallback_gateway)
+    # A short answer that ends on its own: the helper's final response needs `response.completed`.
+    args = dict(model="tandem", input="Say hello.", max_output_tokens=48, temperature=0)
+    with c.responses.stream(**args) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert events[-1].type == "response.completed"
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == final.output_text == c.responses.create(**args).output_text
+
+
+def test_raw_sse_wire(fallback_gateway):
+    body = {"model": "tandem", "input": QUESTION, "max_output_tokens": 6, "stream": True}
+    with httpx.stream("POST", fallback_gateway.v1 + "/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"].startswith("resp_")
+        raw = r.read().decode()
+    assert raw.endswith("\n\n") and "[DONE]" not in raw
+    blocks = [b for b in raw.split("\n\n") if b and not b.startswith(":")]  # `: ping` comments aside
+    for block in blocks:
+        event, data = block.split("\n")
+        assert event.startswith("event: ") and data.startswith("data: ")
+        assert json.loads(data[6:])["type"] == event[7:]
+    assert json.loads(blocks[-1].split("\n")[1][6:])["response"]["id"] == r.headers["x-request-id"]
