@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 from fastapi import APIRouter, Depends, Request
@@ -78,10 +78,16 @@ async def _while_connected(request: Request, work: Awaitable, what: str):
         watcher.cancel()
 
 
-async def _first(request: Request, job: Job, stream: AsyncIterator[Delta]) -> Delta:
-    """Wait for the first token (an error before it is a real HTTP error, carrying the id of its trace)."""
+def _headers(job: Job) -> dict[str, str]:
+    return {"x-request-id": job.id, "x-tandem-backend": job.backend or ""}
+
+
+async def _begin(request: Request, job: Job) -> tuple[Delta, AsyncIterator[Delta]]:
+    """Start the answer and wait for its first token (an error before it is a real HTTP error, carrying the
+    id of its trace): (first delta, the rest of the stream)."""
+    stream = _gateway(request).orchestrator.generate(job)
     try:
-        return await _while_connected(request, anext(stream), "before the first token")
+        return await _while_connected(request, anext(stream), "before the first token"), stream
     except ApiError as exc:
         exc.headers["x-request-id"] = job.id
         with anyio.CancelScope(shield=True):
@@ -101,7 +107,11 @@ async def _first(request: Request, job: Job, stream: AsyncIterator[Delta]) -> De
 
 class _Chunks:
     """Pre-rendered JSON around the only part that changes per chunk (the text), because
-    the relay's per-chunk cost is the gateway's overhead on every token."""
+    the relay's per-chunk cost is the gateway's overhead on every token.
+
+    The events of one stream, as `_sse` asks for them: `opening()` goes out with the first text, `text(t)` for
+    each delta, then `closing(t, finish)` or `failure(exc)`, each ending the stream (endpoints/responses.py has
+    the Responses API's)."""
 
     def __init__(self, job: Job, model: str, chat: bool, include_usage: bool):
         self.job = job
@@ -133,6 +143,16 @@ class _Chunks:
                 out.append(self._head + f'"delta":{delta},' + self._tail % "null")
         return "".join(out).encode()
 
+    def opening(self) -> bytes:
+        return self.role() if self.chat else b""
+
+    def closing(self, text: str, finish: str) -> bytes:
+        return self.text(text, finish) + (self.usage() if self.include_usage else b"") + _DONE
+
+    @staticmethod
+    def failure(exc: BaseException) -> bytes:
+        return ("data: " + json.dumps(_error_body(exc)) + "\n\n").encode() + _DONE
+
     def usage(self) -> bytes:
         u = self.job.usage
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -158,35 +178,33 @@ class _Chunks:
         ).encode()
 
 
-async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], chunks: _Chunks) -> AsyncIterator[bytes]:
+async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], events) -> AsyncIterator[bytes]:
+    """The stream's bytes, rendered by `events` (a `_Chunks`, or the Responses API's events)."""
     try:
-        # The role chunk goes out with the first token's chunk, and the last one with the usage chunk and
-        # [DONE] (which `_SSEResponse` sends with the end of the body): one write, one wake-up of the client.
-        head = chunks.role() if chunks.chat else b""
+        # The opening (chat's role chunk) goes out with the first token's chunk, and the last one with the usage
+        # chunk and [DONE] (which `_SSEResponse` sends with the end of the body): one write, one wake-up of the
+        # client.
+        head = events.opening()
         delta = first
         calls = 0
         while delta.finish_reason is None:
             if delta.text:
-                yield head + chunks.text(delta.text)
+                yield head + events.text(delta.text)
                 head = b""
             if delta.tool_calls:
-                yield head + chunks.tool_calls(delta.tool_calls, calls)
+                yield head + events.tool_calls(delta.tool_calls, calls)
                 head, calls = b"", calls + len(delta.tool_calls)
             try:
                 delta = await anext(stream)
             except Exception as exc:  # the orchestrator raises BackendError; anything else is a bug, still framed
                 log.warning("request %s failed mid-stream: %s", job.id, exc)
-                yield head + ("data: " + json.dumps(_error_body(exc)) + "\n\n").encode() + _DONE
+                yield head + events.failure(exc)
                 return
-        usage = chunks.usage() if chunks.include_usage else b""
-        if delta.tool_calls:
-            if delta.text:
-                head += chunks.text(delta.text)
-            yield (
-                head + chunks.tool_calls(delta.tool_calls, calls) + chunks.text("", delta.finish_reason) + usage + _DONE
-            )
-            return
-        yield head + chunks.text(delta.text, delta.finish_reason) + usage + _DONE
+        text = delta.text
+        if delta.tool_calls:  # the last calls, then a finish chunk of its own
+            head += (events.text(text) if text else b"") + events.tool_calls(delta.tool_calls, calls)
+            text = ""
+        yield head + events.closing(text, delta.finish_reason)
     finally:
         # Client gone or done: stop the backend's work now (llama.cpp thread, upstream HTTP).
         with anyio.CancelScope(shield=True):
@@ -197,11 +215,19 @@ class _SSEResponse(Response):
     """text/event-stream over raw ASGI, with only the concurrency it needs: the stream runs in the request's
     own task; one watcher task turns a client disconnect into cancelling it and sends `: ping` comments when
     the stream has been quiet for `ping` seconds. sse-starlette's EventSourceResponse starts a task group of
-    four tasks per response, which under load cost the first token tens of milliseconds (BENCHMARKS.md)."""
+    four tasks per response, which under load cost the first token tens of milliseconds (BENCHMARKS.md).
+    `last` says which chunk ends the stream (chat's ends with [DONE]), so the body's end goes in its write."""
 
-    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str], ping: float) -> None:
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        headers: dict[str, str],
+        ping: float,
+        last: Callable[[bytes], bool] = lambda chunk: chunk.endswith(_DONE),
+    ) -> None:
         self.stream = body
         self.ping = ping
+        self.last = last
         self.status_code = 200
         self.background = None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
@@ -236,7 +262,7 @@ class _SSEResponse(Response):
         watcher = loop.create_task(watch())
         try:
             async for chunk in self.stream:
-                end = chunk.endswith(_DONE)  # nothing follows [DONE]: the body's end goes in the same write
+                end = self.last(chunk)  # nothing follows the last event: the body's end goes in the same write
                 async with lock:
                     await send({"type": "http.response.body", "body": chunk, "more_body": not end})
                 if end:
@@ -254,10 +280,9 @@ class _SSEResponse(Response):
                 await self.stream.aclose()
 
 
-def _sse_response(request: Request, job: Job, first: Delta, stream, chunks: _Chunks) -> _SSEResponse:
-    gw = _gateway(request)
-    headers = {**_SSE_HEADERS, "x-request-id": job.id, "x-tandem-backend": job.backend or ""}
-    return _SSEResponse(_sse(job, first, stream, chunks), headers, gw.settings.gateway.ping_seconds)
+def _sse_response(request: Request, job: Job, body: AsyncIterator[bytes], **kw) -> _SSEResponse:
+    ping = _gateway(request).settings.gateway.ping_seconds
+    return _SSEResponse(body, {**_SSE_HEADERS, **_headers(job)}, ping, **kw)
 
 
 async def _collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> tuple[str, str, list]:
@@ -285,10 +310,10 @@ def _usage(job: Job) -> dict:
 
 async def _answer(request: Request, body, job: Job, chat: bool):
     """Stream or collect one answer; the first token decides between an HTTP error and a 200."""
-    stream = _gateway(request).orchestrator.generate(job)
-    first = await _first(request, job, stream)
+    first, stream = await _begin(request, job)
     if body.stream:
-        return _sse_response(request, job, first, stream, _Chunks(job, body.model, chat, body.include_usage))
+        chunks = _Chunks(job, body.model, chat, body.include_usage)
+        return _sse_response(request, job, _sse(job, first, stream, chunks))
     text, finish, calls = await _while_connected(request, _collect(job, first, stream), "mid-answer")
     if chat:
         obj = "chat.completion"
@@ -311,7 +336,7 @@ async def _answer(request: Request, body, job: Job, chat: bool):
             "choices": [{**choice, "logprobs": None, "finish_reason": finish}],
             "usage": _usage(job),
         },
-        headers={"x-request-id": job.id, "x-tandem-backend": job.backend or ""},
+        headers=_headers(job),
     )
 
 

@@ -235,3 +235,80 @@ class EmbeddingRequest(_Request):
     @property
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+# -- the Responses API (POST /v1/responses), translated onto chat by endpoints/responses.py -----------------------
+
+
+class InputTextPart(_Request):
+    type: Literal["input_text", "output_text"]
+    text: str
+    # An earlier answer's output_text part, sent back as input, carries these; they say nothing about this request.
+    annotations: list | None = None
+    logprobs: list | None = None
+
+
+class InputMessage(_Request):
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputTextPart]
+    # An earlier response's output message, sent back as input (the stateless way to continue a conversation).
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class TextConfig(_Request):
+    format: dict | None = None
+
+    @field_validator("format")
+    @classmethod
+    def _plain_text(cls, value):
+        if value is not None and value != {"type": "text"}:
+            raise ValueError('structured output is not supported yet; only {"type": "text"} is accepted')
+        return value
+
+
+class ResponsesRequest(_Request):
+    model: str
+    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stream: bool | None = False
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # accepted either way: Tandem is stateless and stores nothing
+    previous_response_id: str | None = None
+    text: TextConfig | None = None
+    tools: list | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    tandem: TandemOptions | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None):
+        if value is not None:
+            if len(value) > 16:
+                raise ValueError(f"at most 16 key-value pairs are allowed, got {len(value)}")
+            for key, item in value.items():
+                if len(key) > 64 or len(item) > 512:
+                    raise ValueError(f"key {key[:64]!r}: keys are at most 64 characters and values at most 512")
+        return value
+
+    @field_validator("previous_response_id")
+    @classmethod
+    def _stateless(cls, value: str | None):
+        if value is not None:
+            raise ValueError("Tandem is stateless and stores no responses; send the whole conversation as input")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list | None):
+        if value:
+            raise ValueError("tools are not supported yet on /v1/responses")
+        return value

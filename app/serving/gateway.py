@@ -277,7 +277,7 @@ class Gateway:
     def _job(self, prefix: str, gen: GenerationRequest, prompt_tokens: int, route) -> Job:
         pinned, policy, cloud = route
         return Job(
-            id=f"{prefix}-{uuid.uuid4().hex[:24]}",
+            id=f"{prefix}{uuid.uuid4().hex[:24]}",
             gen=gen,
             prompt_tokens=prompt_tokens,
             policy=policy,
@@ -330,7 +330,8 @@ class Gateway:
         token = special(text) if special is not None else None
         return f"<[{token}]>" if token is not None else json.dumps(text)
 
-    async def prepare_chat(self, body: ChatCompletionRequest) -> Job:
+    async def prepare_chat(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl-") -> Job:
+        """A chat request's job; `id_prefix` names its kind in the id (`resp_` for the Responses API)."""
         route = self._route(body.model, body.tandem)
         self._require_loaded()
         structure = structure_of(body, self._tag)
@@ -349,7 +350,7 @@ class Gateway:
             for m in body.messages
         )
         gen = self._generation(body, prompt_text, prompt_ids, messages, structure)
-        return self._job("chatcmpl", gen, len(prompt_ids), route)
+        return self._job(id_prefix, gen, len(prompt_ids), route)
 
     async def prepare_completion(self, body: CompletionRequest) -> Job:
         route = self._route(body.model, body.tandem)
@@ -369,7 +370,7 @@ class Gateway:
                 )
             prompt_text = self.device.detokenize(prompt_ids)
         gen = self._generation(body, prompt_text, prompt_ids)
-        return self._job("cmpl", gen, len(prompt_ids), route)
+        return self._job("cmpl-", gen, len(prompt_ids), route)
 
 
 def _structured_fields(structure: Structure) -> dict:
@@ -391,9 +392,10 @@ def create_gateway(settings: Settings) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.gateway.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=gateway.metrics)  # outermost: counts the guard's answers
-    from endpoints import budget, embeddings, openai, ops
+    from endpoints import budget, embeddings, openai, ops, responses
 
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(embeddings.router)
     app.include_router(budget.router)
     app.include_router(ops.router)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from functools import cache
 
 import httpx
+import openai
 import pytest
 
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
@@ -217,3 +218,19 @@ def test_error_before_the_first_token_has_a_request_id_with_a_trace(gw, upstream
     t = trace(gw, r.headers["x-request-id"])
     assert [(e["backend"], e["outcome"]) for e in t["endpoints"]] == [("cloud", "failed")]
     assert "scripted 500" in t["error"]
+
+
+def test_responses_api_fault_after_the_first_token_is_a_failed_event(gw, upstream):
+    """POST /v1/responses pinned to the cloud: a fault after tokens were delivered ends the stream with a
+    `response.failed` event (the SDK yields it; no [DONE] in this API), and its trace says the cloud failed."""
+    upstream.push(_raw({"choices": [{"text": 5}]}))
+    c = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=60)
+    events = list(c.responses.create(model="cloud", input=MESSAGES[0]["content"], max_output_tokens=12, stream=True))
+    *body, failed = events
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error.code == "server_error" and "not a string" in failed.response.error.message
+    text = "".join(e.delta for e in body if e.type == "response.output_text.delta")
+    assert text == "".join(PIECES[:3]) == failed.response.output[0].content[0].text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    t = trace(gw, failed.response.id)
+    assert [(e["backend"], e["outcome"]) for e in t["endpoints"]] == [("cloud", "failed")]
