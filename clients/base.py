@@ -37,6 +37,7 @@ class GenerationRequest:
     # Tools and structured output (app/serving/structured.py). The tools are in `prompt_text` already; a chat
     # upstream gets them, `tool_choice` and `response_format` as the client sent them.
     grammar: str | None = None  # an llguidance grammar the answer must follow (clients/grammar.py)
+    grammar_covers_prefix: bool = True  # the delivered prefix is part of what the grammar reads (else it follows it)
     tools: tuple[dict, ...] = ()
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True

@@ -166,7 +166,8 @@ class LlamaCppBackend:
         if request.grammar is not None:
             try:
                 mask = await asyncio.to_thread(self._grammars.mask, request.grammar)  # the first builds the vocab
-                mask.advance(prefix)
+                if request.grammar_covers_prefix:
+                    mask.advance(prefix)
             except GrammarError as exc:
                 raise BackendError(f"grammar: {exc}", status=400, backend=self.name) from exc
         room = self.n_ctx - len(ids)

@@ -350,7 +350,9 @@ class Gateway:
             for m in body.messages
         )
         gen = self._generation(body, prompt_text, prompt_ids, messages, structure)
-        return self._job(id_prefix, gen, len(prompt_ids), route)
+        job = self._job(id_prefix, gen, len(prompt_ids), route)
+        job.call_grammar = structure.call_grammar
+        return job
 
     async def prepare_completion(self, body: CompletionRequest) -> Job:
         route = self._route(body.model, body.tandem)

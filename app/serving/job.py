@@ -41,6 +41,7 @@ class Job:
     policy: str
     pinned: str | None = None  # a backend name when the request's model names one
     cloud: str | None = None  # the cloud endpoint DiSCo plays against the device for this request
+    call_grammar: str | None = None  # app/serving/structured.py: Structure.call_grammar
     started: float = field(default_factory=time.monotonic)
     # Filled in while the answer streams:
     backend: str | None = None

@@ -147,7 +147,9 @@ class Orchestrator:
         attempt.outcome = "won"
         # A device that had the prompt's start in its KV cache (a repeated system prompt, the same
         # conversation again) computed only the rest: that is what costs energy and what T_d(l) must see.
-        attempt.cached_tokens = event.cached_tokens or 0
+        # (At most its context as counted here: a prefix delivered as another endpoint's text pieces may be more
+        # tokens of the device's own.)
+        attempt.cached_tokens = min(event.cached_tokens or 0, attempt.context_tokens)
         self.disco.observe_first_token(
             attempt.role,
             job.cloud,
@@ -334,13 +336,15 @@ class Orchestrator:
                         event = await anext(attempt.stream)
                 except Exception as exc:
                     if splitter is not None and splitter.holding:
-                        # A call the client has not seen: the next endpoint writes it again from the last
-                        # delivered token, so nothing goes out half or twice.
+                        # A call the client has not seen: the next endpoint writes it again, whole, from the last
+                        # delivered token (under the tool-call grammar), so nothing goes out half or twice.
                         produced = splitter.committed
                         del text_so_far[produced:]
                         if ids is not None:
                             del ids[produced:]
                         splitter.discard()
+                        if job.gen.grammar is None:
+                            job.gen = replace(job.gen, grammar=job.call_grammar, grammar_covers_prefix=False)
                     attempt, event = await self._recover(job, attempt, exc, ids, "".join(text_so_far), produced)
                     last_t = event.t
                     continue

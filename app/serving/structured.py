@@ -42,6 +42,9 @@ class Structure:
     parallel_tool_calls: bool = True
     response_format: dict | None = None  # as sent, None for plain text
     grammar: str | None = None  # the llguidance grammar the answer must follow
+    # Tool calls to any offered function: what an endpoint must write when it takes over an answer whose source
+    # failed inside a call (the call was not delivered, so it is written again, and written whole).
+    call_grammar: str | None = None
 
     @property
     def calls_tools(self) -> bool:
@@ -96,8 +99,13 @@ def _literal(text: str) -> str:
     return json.dumps(text)  # a JSON string literal is a Lark string literal
 
 
+# JSON the way the models' templates write it (`{"a": 1, "b": [2, 3]}`): free whitespace lets a small model
+# spend its tokens on newlines and indentation (SmolLM2 ran out of max_tokens inside a call that way).
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _json_rule(schema: dict) -> str:
-    return "%json " + json.dumps(schema)
+    return "%json " + json.dumps({**schema, "x-guidance": _COMPACT})
 
 
 def _checked(schema, param: str) -> dict:
@@ -169,4 +177,5 @@ def structure_of(body, marker: Callable[[str], str] = _literal) -> Structure:
     else:
         fmt_wire = None
     offered = tools if choice != "none" else ()
-    return Structure(offered, choice_wire, parallel, fmt_wire, grammar)
+    call_grammar = tool_call_grammar(tools, names, body.parallel_tool_calls is True, marker) if offered else None
+    return Structure(offered, choice_wire, parallel, fmt_wire, grammar, call_grammar)

@@ -38,6 +38,7 @@ class Answer:
     gap: float = 0.01
     then: str = "done"
     raw: bytes = b""
+    calls: tuple[dict, ...] = ()  # chat tool-call delta pieces ({"index", "id", "function": {...}}), after `pieces`
 
 
 @dataclass
@@ -140,6 +141,12 @@ class ScriptedUpstream:
         chat = path.endswith("/chat/completions")
         for piece in answer.pieces:
             writer.write(_chunked(_event(_chunk(piece, None, chat))))
+            await writer.drain()
+            await asyncio.sleep(answer.gap)
+        for piece in answer.calls:
+            chunk = _chunk("", None, chat)
+            chunk["choices"][0]["delta"] = {"tool_calls": [piece]}
+            writer.write(_chunked(_event(chunk)))
             await writer.drain()
             await asyncio.sleep(answer.gap)
         then = answer.then
