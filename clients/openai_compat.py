@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent, Usage
+from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent, TokenLogprob, Usage
 from clients.http_transport import AsyncioHTTPTransport
 from clients.tokencount import estimate_tokens
 
@@ -118,12 +118,15 @@ class OpenAICompatBackend(NoPrefixCache):
             common["stop"] = list(request.stop)
         if request.seed is not None:
             common["seed"] = request.seed
+        self._sampling_fields(request, common)
         continuing = bool(request.prefix_text) or bool(request.prefix_ids)
         if self.can_continue and (continuing or request.messages is None):
             if self.accepts_token_ids and request.prompt_ids is not None and (request.prefix_ids or not continuing):
                 prompt: str | list[int] = list(request.prompt_ids) + list(request.prefix_ids or ())
             else:
                 prompt = request.prompt_text + request.prefix_text
+            if request.logprobs is not None:
+                common["logprobs"] = request.logprobs
             return "/completions", {**common, "prompt": prompt}
         if continuing:
             raise BackendError(
@@ -133,7 +136,26 @@ class OpenAICompatBackend(NoPrefixCache):
             )
         if request.messages is None:
             raise BackendError(f"cloud backend {self.name!r} serves chat only", status=400, backend=self.name)
+        if request.logprobs is not None:
+            common["logprobs"] = True
+            common["top_logprobs"] = request.logprobs
         return "/chat/completions", {**common, "messages": list(request.messages)}
+
+    def _sampling_fields(self, request: GenerationRequest, body: dict) -> None:
+        """Penalties and logit_bias, passed through (logprobs go in the shape of the path's API)."""
+        if request.presence_penalty:
+            body["presence_penalty"] = request.presence_penalty
+        if request.frequency_penalty:
+            body["frequency_penalty"] = request.frequency_penalty
+        if request.logit_bias:
+            if not self.options.shares_device_tokenizer:
+                raise BackendError(
+                    f"cloud backend {self.name!r} has a vocabulary of its own: logit_bias (device token ids) "
+                    "cannot apply there",
+                    status=400,
+                    backend=self.name,
+                )
+            body["logit_bias"] = {str(tok): bias for tok, bias in request.logit_bias}
 
     # -- streaming ---------------------------------------------------------------------------
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
@@ -207,10 +229,10 @@ class OpenAICompatBackend(NoPrefixCache):
                 raise BackendError(f"cloud backend {self.name!r} failed mid-stream: {message}", 502, self.name)
             if chunk.get("usage"):
                 usage = self._usage(chunk["usage"], data)
-            for text, reason in self._choices(chunk, data):
+            for text, reason, lps in self._choices(chunk, data, request.logprobs is not None):
                 if text:
                     self.tokens_generated += 1
-                    yield TokenEvent(text=text)
+                    yield TokenEvent(text=text, logprobs=lps)
                 finish = reason or finish
         else:
             if finish is None:
@@ -221,8 +243,11 @@ class OpenAICompatBackend(NoPrefixCache):
     def _malformed(self, what: str) -> BackendError:
         return BackendError(f"cloud backend {self.name!r} {what}", 502, self.name)
 
-    def _choices(self, chunk: dict, data: bytes) -> list[tuple[str, str | None]]:
-        """(text, finish reason) of each choice of a chunk; a chunk of any other shape is an upstream fault."""
+    def _choices(
+        self, chunk: dict, data: bytes, logprobs: bool = False
+    ) -> list[tuple[str, str | None, tuple[TokenLogprob, ...] | None]]:
+        """(text, finish reason, logprobs if asked) of each choice of a chunk; a chunk of any other shape is an
+        upstream fault."""
         choices = chunk.get("choices")
         if choices is None:
             return []
@@ -244,7 +269,7 @@ class OpenAICompatBackend(NoPrefixCache):
             reason = choice.get("finish_reason")
             if not isinstance(text, str | None) or not isinstance(reason, str | None):
                 raise self._malformed(f"sent a choice whose text or finish_reason is not a string: {data[:100]!r}")
-            out.append((text or "", reason))
+            out.append((text or "", reason, _logprobs(choice.get("logprobs")) if logprobs else None))
         return out
 
     def _usage(self, u, data: bytes) -> Usage:
@@ -252,6 +277,48 @@ class OpenAICompatBackend(NoPrefixCache):
         if counts is None or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
             raise self._malformed(f"sent a malformed usage object: {data[:100]!r}")
         return Usage(*counts, exact=True)
+
+
+def _logprobs(obj) -> tuple[TokenLogprob, ...] | None:
+    """An upstream choice's logprobs, chat shape (`content: [{token, logprob, bytes, top_logprobs}]`) or completions
+    shape (`tokens`, `token_logprobs`, `top_logprobs: [{token: logprob}]`); None when absent or not understood
+    (the relay then reports the text's logprob as null rather than failing a good answer)."""
+    if not isinstance(obj, dict):
+        return None
+    try:
+        if isinstance(obj.get("content"), list):
+            return tuple(
+                TokenLogprob(
+                    float(e["logprob"]),
+                    bytes(e["bytes"]) if e.get("bytes") is not None else e["token"].encode("utf-8"),
+                    tuple(
+                        (
+                            str(t["token"]),
+                            float(t["logprob"]),
+                            bytes(t["bytes"]) if t.get("bytes") is not None else str(t["token"]).encode("utf-8"),
+                        )
+                        for t in e.get("top_logprobs") or ()
+                    ),
+                    str(e["token"]),
+                )
+                for e in obj["content"]
+            )
+        tokens, values = obj["tokens"], obj["token_logprobs"]
+        tops = obj.get("top_logprobs") or [None] * len(tokens)
+        return tuple(
+            TokenLogprob(
+                None if lp is None else float(lp),
+                str(tok).encode("utf-8"),
+                tuple(
+                    (str(t), float(v), str(t).encode("utf-8"))
+                    for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1])
+                ),
+                str(tok),
+            )
+            for tok, lp, top in zip(tokens, values, tops, strict=True)
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:

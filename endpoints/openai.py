@@ -20,9 +20,10 @@ from sse_starlette import ServerSentEvent
 
 from app.serving.job import Job
 from app.serving.orchestrator import Delta
-from clients.base import BackendError
+from clients.base import BackendError, TokenLogprob, Usage
 from endpoints.auth import require_api_key
 from endpoints.errors import ApiError
+from endpoints.logprobs import LogprobsRenderer
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,17 @@ async def _while_connected(request: Request, work: Awaitable, what: str):
         watcher.cancel()
 
 
+def _before_first(exc: BackendError, request_id: str) -> ApiError:
+    retry = exc.status >= 500 and exc.status != 501
+    return ApiError(
+        exc.status,
+        str(exc),
+        code="backend_error" if exc.status >= 500 else "invalid_request",
+        retry=retry,
+        headers={"x-request-id": request_id},
+    )
+
+
 async def _first(request: Request, job: Job, stream: AsyncIterator[Delta]) -> Delta:
     """Wait for the first token (an error before it is a real HTTP error, carrying the id of its trace)."""
     try:
@@ -89,42 +101,40 @@ async def _first(request: Request, job: Job, stream: AsyncIterator[Delta]) -> De
         raise
     except BackendError as exc:
         await stream.aclose()
-        retry = exc.status >= 500 and exc.status != 501
-        raise ApiError(
-            exc.status,
-            str(exc),
-            code="backend_error" if exc.status >= 500 else "invalid_request",
-            retry=retry,
-            headers={"x-request-id": job.id},
-        ) from exc
+        raise _before_first(exc, job.id) from exc
 
 
 class _Chunks:
     """Pre-rendered JSON around the only part that changes per chunk (the text), because
     the relay's per-chunk cost is the gateway's overhead on every token."""
 
-    def __init__(self, job: Job, model: str, chat: bool, include_usage: bool):
+    def __init__(self, job: Job, model: str, chat: bool, include_usage: bool, index: int = 0, logprobs: bool = False):
         self.job = job
         self.chat = chat
         self.include_usage = include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage = ',"usage":null' if include_usage else ""
-        self._head = f'data: {{"id":"{job.id}","object":"{obj}","created":{int(time.time())},"model":{json.dumps(model)},"system_fingerprint":null,"choices":[{{"index":0,'  # noqa: E501
+        self._head = f'data: {{"id":"{job.id}","object":"{obj}","created":{int(time.time())},"model":{json.dumps(model)},"system_fingerprint":null,"choices":[{{"index":{index},'  # noqa: E501
         self._tail = f'"logprobs":null,"finish_reason":%s}}]{usage}}}\n\n'
+        # Only when logprobs are asked: the chunk's logprobs object in place of null.
+        self._lp_tail = f'"logprobs":%s,"finish_reason":%s}}]{usage}}}\n\n'
+        self._logprobs = LogprobsRenderer(chat) if logprobs else None
         self._model = model
 
     def role(self) -> bytes:
         return (self._head + '"delta":{"role":"assistant","content":""},' + self._tail % "null").encode()
 
-    def text(self, text: str, finish: str | None = None) -> bytes:
+    def text(self, text: str, finish: str | None = None, logprobs: tuple[TokenLogprob, ...] | None = None) -> bytes:
         fin = "null" if finish is None else f'"{finish}"'
         body = f'"delta":{{"content":{json.dumps(text)}}},' if self.chat else f'"text":{json.dumps(text)},'
         if self.chat and finish is not None and not text:
             body = '"delta":{},'
+        if self._logprobs is not None and (logprobs or text):
+            return (self._head + body + self._lp_tail % (self._logprobs.json(logprobs or ()), fin)).encode()
         return (self._head + body + self._tail % fin).encode()
 
-    def usage(self) -> bytes:
-        u = self.job.usage
+    def usage(self, u: Usage | None = None) -> bytes:
+        u = u or self.job.usage
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return (
             "data: "
@@ -156,7 +166,7 @@ async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], chunks: _Ch
         delta = first
         while delta.finish_reason is None:
             if delta.text:
-                yield head + chunks.text(delta.text)
+                yield head + chunks.text(delta.text, None, delta.logprobs)
                 head = b""
             try:
                 delta = await anext(stream)
@@ -165,7 +175,7 @@ async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], chunks: _Ch
                 yield head + ("data: " + json.dumps(_error_body(exc)) + "\n\n").encode() + _DONE
                 return
         usage = chunks.usage() if chunks.include_usage else b""
-        yield head + chunks.text(delta.text, delta.finish_reason) + usage + _DONE
+        yield head + chunks.text(delta.text, delta.finish_reason, delta.logprobs) + usage + _DONE
     finally:
         # Client gone or done: stop the backend's work now (llama.cpp thread, upstream HTTP).
         with anyio.CancelScope(shield=True):
@@ -239,52 +249,184 @@ def _sse_response(request: Request, job: Job, first: Delta, stream, chunks: _Chu
     return _SSEResponse(_sse(job, first, stream, chunks), headers, gw.settings.gateway.ping_seconds)
 
 
-async def _collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> tuple[str, str]:
+async def _collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> tuple[str, str, list[TokenLogprob]]:
     parts = [first.text]
+    logprobs = list(first.logprobs or ())
     delta = first
     try:
         while delta.finish_reason is None:
             delta = await anext(stream)
             parts.append(delta.text)
+            if delta.logprobs:
+                logprobs.extend(delta.logprobs)
     except BackendError as exc:
         raise ApiError(
             exc.status, f"the answer failed midway: {exc}", code="backend_error", headers={"x-request-id": job.id}
         ) from exc
     finally:
         await stream.aclose()
-    return "".join(parts), delta.finish_reason
+    return "".join(parts), delta.finish_reason, logprobs
 
 
-def _usage(job: Job) -> dict:
-    u = job.usage
+def _usage(job: Job | Usage) -> dict:
+    u = job.usage if isinstance(job, Job) else job
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+
+
+def _choice(body, chat: bool, index: int, text: str, finish: str, logprobs: list[TokenLogprob]) -> dict:
+    if chat:
+        choice = {"index": index, "message": {"role": "assistant", "content": text, "refusal": None}}
+    else:
+        choice = {"index": index, "text": text}
+    lp = LogprobsRenderer(chat).obj(logprobs) if body.logprobs_top is not None else None
+    return {**choice, "logprobs": lp, "finish_reason": finish}
+
+
+def _completion(body, chat: bool, request_id: str, choices: list[dict], usage: Usage, backends: str) -> JSONResponse:
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": _usage(usage),
+        },
+        headers={"x-request-id": request_id, "x-tandem-backend": backends},
+    )
 
 
 async def _answer(request: Request, body, job: Job, chat: bool):
     """Stream or collect one answer; the first token decides between an HTTP error and a 200."""
+    if body.choices > 1:
+        return await _answer_choices(request, body, job, chat)
     stream = _gateway(request).orchestrator.generate(job)
     first = await _first(request, job, stream)
     if body.stream:
-        return _sse_response(request, job, first, stream, _Chunks(job, body.model, chat, body.include_usage))
-    text, finish = await _while_connected(request, _collect(job, first, stream), "mid-answer")
-    if chat:
-        obj = "chat.completion"
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None}}
-    else:
-        obj = "text_completion"
-        choice = {"index": 0, "text": text}
-    return JSONResponse(
-        {
-            "id": job.id,
-            "object": obj,
-            "created": int(time.time()),
-            "model": body.model,
-            "system_fingerprint": None,
-            "choices": [{**choice, "logprobs": None, "finish_reason": finish}],
-            "usage": _usage(job),
-        },
-        headers={"x-request-id": job.id, "x-tandem-backend": job.backend or ""},
-    )
+        chunks = _Chunks(job, body.model, chat, body.include_usage, logprobs=body.logprobs_top is not None)
+        return _sse_response(request, job, first, stream, chunks)
+    text, finish, logprobs = await _while_connected(request, _collect(job, first, stream), "mid-answer")
+    choice = _choice(body, chat, 0, text, finish, logprobs)
+    return _completion(body, chat, job.id, [choice], job.usage, job.backend or "")
+
+
+# -- n > 1: each choice is a job of its own (ids `<request id>-<index>`), on whichever endpoint serves it ------------
+
+
+def _summed_usage(jobs: list[Job]) -> Usage:
+    """The prompt counts once (as OpenAI counts it); the completions add up."""
+    return Usage(jobs[0].usage.prompt_tokens, sum(j.usage.completion_tokens for j in jobs))
+
+
+async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta | BaseException]]:
+    """The choices' deltas as they come, tagged with their index; a choice's failure is yielded as its exception.
+    One task per choice reads its stream (a llama.cpp device computes a token only once the last was read);
+    closing this iterator cancels them all and closes every stream (the backends' work stops)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                left -= 1
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _sse_choices(
+    request_id: str, jobs: list[Job], first, merged, chunks: list[_Chunks], include_usage: bool
+) -> AsyncIterator[bytes]:
+    try:
+        heads = [c.role() if c.chat else b"" for c in chunks]  # each choice's role chunk goes with its first text
+        i, delta = first
+        while True:
+            if isinstance(delta, BaseException):
+                log.warning("request %s: choice %d failed mid-stream: %s", request_id, i, delta)
+                yield ("data: " + json.dumps(_error_body(delta)) + "\n\n").encode() + _DONE
+                return
+            if delta.text or delta.finish_reason is not None:
+                yield heads[i] + chunks[i].text(delta.text, delta.finish_reason, delta.logprobs)
+                heads[i] = b""
+            try:
+                i, delta = await anext(merged)
+            except StopAsyncIteration:
+                break
+        yield (chunks[0].usage(_summed_usage(jobs)) if include_usage else b"") + _DONE
+    finally:
+        with anyio.CancelScope(shield=True):
+            await merged.aclose()
+
+
+async def _answer_choices(request: Request, body, job: Job, chat: bool):
+    """n answers to one request. The first token of any choice decides between an HTTP error and a 200; a
+    choice that fails later is an SSE error event (streamed) or an error answer (not streamed)."""
+    orchestrator = _gateway(request).orchestrator
+    jobs = [job.choice(i) for i in range(body.choices)]
+    if body.stream:
+        merged = _merge([orchestrator.generate(j) for j in jobs])
+        try:
+            first = await _while_connected(request, anext(merged), "before the first token")
+        except ApiError as exc:
+            exc.headers["x-request-id"] = job.id
+            with anyio.CancelScope(shield=True):
+                await merged.aclose()
+            raise
+        if isinstance(first[1], BaseException):
+            await merged.aclose()
+            exc = first[1]
+            if not isinstance(exc, BackendError):
+                exc = BackendError(f"internal error: {exc}", 500)
+            raise _before_first(exc, job.id) from exc
+        lp = body.logprobs_top is not None
+        chunks = [_Chunks(job, body.model, chat, body.include_usage, index=i, logprobs=lp) for i in range(len(jobs))]
+        headers = {**_SSE_HEADERS, "x-request-id": job.id, "x-tandem-backend": jobs[first[0]].backend or ""}
+        body_iter = _sse_choices(job.id, jobs, first, merged, chunks, body.include_usage)
+        return _SSEResponse(body_iter, headers, _gateway(request).settings.gateway.ping_seconds)
+
+    async def one(j: Job):
+        stream = orchestrator.generate(j)
+        try:
+            first = await anext(stream)
+        except BackendError as exc:
+            await stream.aclose()
+            raise _before_first(exc, job.id) from exc
+        return await _collect(j, first, stream)
+
+    async def all_choices():
+        tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        results = await _while_connected(request, all_choices(), "mid-answer")
+    except ApiError as exc:
+        exc.headers["x-request-id"] = job.id
+        raise
+    choices = [_choice(body, chat, i, *r) for i, r in enumerate(results)]
+    backends = ",".join(dict.fromkeys(j.backend or "" for j in jobs))
+    return _completion(body, chat, job.id, choices, _summed_usage(jobs), backends)
 
 
 @router.post("/chat/completions")
@@ -300,7 +442,13 @@ async def completions(body: CompletionRequest, request: Request):
 @router.get("/requests/{request_id}")
 async def request_trace(request_id: str, request: Request):
     """The trace of a recent request: plan, endpoints and timings, migrations, cost."""
-    trace = _gateway(request).orchestrator.traces.get(request_id)
+    traces = _gateway(request).orchestrator.traces
+    trace = traces.get(request_id)
+    if trace is None and f"{request_id}-0" in traces:  # a request with n > 1: one trace per choice
+        choices = []
+        while (t := traces.get(f"{request_id}-{len(choices)}")) is not None:
+            choices.append(t)
+        trace = {"id": request_id, "choices": choices}
     if trace is None:
         raise ApiError(
             404,

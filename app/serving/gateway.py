@@ -317,7 +317,24 @@ class Gateway:
             top_p=1.0 if body.top_p is None else body.top_p,
             stop=body.stop_sequences,
             seed=body.seed,
+            logprobs=body.logprobs_top,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=self._logit_bias(body),
         )
+
+    def _logit_bias(self, body) -> tuple[tuple[int, float], ...]:
+        pairs = body.logit_bias_pairs
+        vocab = self.device.vocab_size if pairs else 0
+        for tok, _ in pairs:
+            if tok >= vocab:
+                raise ApiError(
+                    400,
+                    f"logit_bias names token id {tok}, out of range for the device model's vocabulary of {vocab}.",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+        return pairs
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> Job:
         route = self._route(body.model, body.tandem)
