@@ -18,7 +18,7 @@ import pytest
 
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
 from deploy.models import model_path
-from tests.integration.scripted_upstream import PIECES, ScriptedUpstream, piece_logprob
+from tests.integration.scripted_upstream import PIECES, Answer, ScriptedUpstream, piece_logprob
 
 SMOL = "smollm2-135m-instruct"
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -363,3 +363,53 @@ def test_upstream_completions_logprobs_and_n(gw, upstream):
         assert ch.logprobs.tokens == list(PIECES)
         assert ch.logprobs.token_logprobs == pytest.approx([piece_logprob(k) for k in range(len(PIECES))])
         assert list(ch.logprobs.top_logprobs[0]) == [PIECES[0], " alt1", " alt2"]
+
+
+def test_logprobs_across_a_fault_migration_come_from_each_endpoint(gw, upstream):
+    """The cloud fails after 4 tokens; the device continues: the first 4 logprobs are the upstream's, the rest the
+    device's, and the trace says from which token each endpoint produced."""
+    upstream.push(Answer(pieces=PIECES[:4], then="reset"))
+    chunks = list(
+        client(gw).chat.completions.create(
+            model="tandem",
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=1,
+            stream=True,
+            extra_body={"tandem": {"policy": "cloud"}},
+        )
+    )
+    entries, text = [], ""
+    for ch in chunks:
+        text += ch.choices[0].delta.content or ""
+        if ch.choices[0].logprobs is not None:
+            entries += ch.choices[0].logprobs.content
+    assert text.startswith("".join(PIECES[:4])) and len(text) > len("".join(PIECES[:4]))
+    assert "".join(e.token for e in entries) == text
+    assert [e.logprob for e in entries[:4]] == pytest.approx([piece_logprob(k) for k in range(4)])
+    device = entries[4:]
+    assert device and all(e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-4) for e in device)
+    t = httpx.get(f"{gw.v1}/requests/{chunks[0].id}", timeout=10).json()
+    assert [(e["backend"], e["from_token"]) for e in t["endpoints"]] == [("cloud", 0), ("device", 4)]
+    assert t["migrations"][0]["at_token"] == 4
+
+
+def test_n_choices_errors(gw, upstream):
+    # Every choice fails before a token: a real HTTP error with the request's id.
+    upstream.push(Answer(status=500), Answer(status=500))
+    body = {"model": "cloud", "messages": MESSAGES, "max_tokens": 8, "n": 2}
+    for stream in (False, True):
+        r = httpx.post(gw.v1 + "/chat/completions", json={**body, "stream": stream}, timeout=30)
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["message"] and r.headers["x-request-id"].startswith("chatcmpl-")
+        upstream.push(Answer(status=500), Answer(status=500))
+    upstream.reset()
+    # One choice fails mid-stream (a pinned cloud cannot move): the SSE error event, then [DONE].
+    upstream.push(Answer(pieces=PIECES[:3], then="reset"), Answer(pieces=PIECES, gap=0.05))
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        datas = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]"
+    assert "error" in json.loads(datas[-2])
