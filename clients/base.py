@@ -42,6 +42,18 @@ class GenerationRequest:
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     response_format: dict | None = None
+    # Observability and sampling fields (docs: README "Supported request fields"). `logprobs` is None when not
+    # asked, else how many top alternatives each token carries (0..20). Penalties are OpenAI's, counted over the
+    # answer's tokens (the delivered prefix included); `logit_bias` is (device token id, bias) pairs.
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties or logit_bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass
@@ -53,6 +65,23 @@ class Usage:
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log probability and its most likely alternatives (OpenAI's logprobs), as the endpoint that
+    produced the token computed them: the log-softmax of the model's raw logits at the position the token was
+    sampled from (before logit_bias, penalties, temperature and top_p).
+
+    `token` is the token's text; a local backend leaves it None and the relay fills in the text of the event
+    that carried the token (so a chunk's text is exactly its tokens' texts joined). `top` holds
+    (text, logprob, bytes) of the alternatives, most likely first. `logprob` is None only for text an endpoint
+    sent without logprobs although they were asked for."""
+
+    logprob: float | None
+    bytes: bytes | None = None
+    top: tuple[tuple[str, float, bytes], ...] = ()
+    token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +100,9 @@ class TokenEvent:
     # Only on the first event, when the backend knows it: how many leading context tokens it took from its
     # own KV cache instead of prefilling them (llama.cpp reuses the longest prefix of its last sequence).
     cached_tokens: int | None = None
+    # Only when the request asked for logprobs: one entry per token this event carries (an upstream's text
+    # piece may carry several).
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class BackendError(Exception):

@@ -239,6 +239,18 @@ class HFTokenizerMixin:
             raise BackendError(f"{self.name}: empty prompt", status=400, backend=self.name)
         return context
 
+    def answer_prefix_ids(self, request: GenerationRequest) -> list[int]:
+        """The ids of the delivered prefix a continuation starts after (what penalties count as answered)."""
+        if request.prefix_ids is not None:
+            return list(request.prefix_ids)
+        return self.tokenize(request.prefix_text) if request.prefix_text else []
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's text as bytes (special tokens spelled out), for logprobs."""
+        tok = self._require_tokenizer()
+        with self._tok_lock:
+            return tok.decode([token], skip_special_tokens=False).encode("utf-8")
+
     # A rendered chat prompt spells out its special tokens (e.g. <|im_start|>): the same call.
     tokenize_prompt = tokenize
 

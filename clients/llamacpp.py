@@ -31,6 +31,7 @@ from pathlib import Path
 from clients.base import BackendError, GenerationRequest, TokenEvent
 from clients.chat_template import render_chat
 from clients.grammar import GrammarError, LlamaVocabGrammars, TokenMask
+from clients.logprobs import NumpyLogitAdjuster, entry_from_logprobs, log_softmax
 from clients.prompt_tokens import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class LlamaCppBackend:
         self._count_lock = threading.Lock()
         self.tokens_generated = 0
         self.evaluations = 0  # generate calls started: the KV cache can only have changed if this moved
+        self._pieces: dict[int, bytes] = {}  # token id -> its bytes (logprobs), filled on the model thread
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -215,6 +217,45 @@ class LlamaCppBackend:
             cancel.set()
             taken.release()  # a thread waiting for the reader sees the cancel at once
 
+    def _piece(self, tok: int) -> bytes:
+        piece = self._pieces.get(tok)
+        if piece is None:
+            piece = self._pieces[tok] = self._llm.detokenize([tok], special=True)
+        return piece
+
+    def _logits_processors(self, request: GenerationRequest, mask: TokenMask | None):
+        """What runs on the raw logits before llama.cpp samples (None for a plain request: no numpy work per
+        token then): the logprobs' capture (of the raw logits), then penalties and logit_bias, then the grammar's
+        mask (clients/grammar.py). Penalties are
+        applied here, not by llama.cpp's own sampler (which counts only its last 64 sampled tokens), so they
+        count the whole answer, a continued prefix included, as every other backend does."""
+        procs = []
+        captured: list = [None]
+        if request.logprobs is not None:
+
+            def capture(_ids, scores):
+                captured[0] = log_softmax(scores)
+                return scores
+
+            procs.append(capture)
+        adjuster = None
+        if request.adjusts_logits:
+            if request.prefix_ids is not None:
+                answer = list(request.prefix_ids)
+            else:
+                answer = self.tokenize(request.prefix_text) if request.prefix_text else []
+            adjuster = NumpyLogitAdjuster(
+                self._llm.n_vocab(),
+                request.presence_penalty,
+                request.frequency_penalty,
+                request.logit_bias,
+                answer,
+            )
+            procs.append(lambda _ids, scores: adjuster.apply(scores))
+        if mask is not None:
+            procs.append(lambda _ids, scores: mask.apply(scores))
+        return (procs or None), captured, adjuster
+
     def _generate(
         self,
         ids,
@@ -233,6 +274,7 @@ class LlamaCppBackend:
         produced = 0
         cached: int | None = self.cached_prefix(ids)
         self.evaluations += 1
+        processors, captured, adjuster = self._logits_processors(request, mask)
         for token in llm.generate(
             ids,
             temp=0.0 if greedy else request.temperature,
@@ -240,7 +282,7 @@ class LlamaCppBackend:
             top_k=0,
             min_p=0.0,
             repeat_penalty=1.0,
-            logits_processor=None if mask is None else [lambda _ids, logits: mask.apply(logits)],
+            logits_processor=processors,
         ):
             if cancel.is_set():
                 return
@@ -257,8 +299,14 @@ class LlamaCppBackend:
             last = produced >= max_tokens or complete
             if last:
                 text += decoder.decode(b"", final=True)
+            lps = None
+            if processors is not None:
+                if adjuster is not None:
+                    adjuster.accept(token)
+                if captured[0] is not None:
+                    lps = (entry_from_logprobs(captured[0], token, request.logprobs, self._piece),)
             finish = ("stop" if complete else "length") if last else None
-            emit(TokenEvent(text, token, finish_reason=finish, cached_tokens=cached))
+            emit(TokenEvent(text, token, finish_reason=finish, cached_tokens=cached, logprobs=lps))
             cached = None
             if last:
                 return

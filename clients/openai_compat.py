@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent, Usage
+from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent, TokenLogprob, Usage
 from clients.http_transport import AsyncioHTTPTransport
 from clients.tokencount import estimate_tokens
 
@@ -120,6 +120,7 @@ class OpenAICompatBackend(NoPrefixCache):
             common["stop"] = list(request.stop)
         if request.seed is not None:
             common["seed"] = request.seed
+        self._sampling_fields(request, common)
         continuing = bool(request.prefix_text) or bool(request.prefix_ids)
         # Tools go in the prompt rendered by the gateway where the upstream takes raw prompts: the calls come back
         # as text in the one format the gateway reads (app/serving/structured.py).
@@ -128,6 +129,8 @@ class OpenAICompatBackend(NoPrefixCache):
                 prompt: str | list[int] = list(request.prompt_ids) + list(request.prefix_ids or ())
             else:
                 prompt = request.prompt_text + request.prefix_text
+            if request.logprobs is not None:
+                common["logprobs"] = request.logprobs
             return "/completions", {**common, "prompt": prompt}
         if continuing:
             raise BackendError(
@@ -137,6 +140,9 @@ class OpenAICompatBackend(NoPrefixCache):
             )
         if request.messages is None:
             raise BackendError(f"cloud backend {self.name!r} serves chat only", status=400, backend=self.name)
+        if request.logprobs is not None:
+            common["logprobs"] = True
+            common["top_logprobs"] = request.logprobs
         body = {**common, "messages": list(request.messages)}
         if request.tools:
             body["tools"] = list(request.tools)
@@ -146,6 +152,22 @@ class OpenAICompatBackend(NoPrefixCache):
         if request.response_format is not None:
             body["response_format"] = request.response_format
         return "/chat/completions", body
+
+    def _sampling_fields(self, request: GenerationRequest, body: dict) -> None:
+        """Penalties and logit_bias, passed through (logprobs go in the shape of the path's API)."""
+        if request.presence_penalty:
+            body["presence_penalty"] = request.presence_penalty
+        if request.frequency_penalty:
+            body["frequency_penalty"] = request.frequency_penalty
+        if request.logit_bias:
+            if not self.options.shares_device_tokenizer:
+                raise BackendError(
+                    f"cloud backend {self.name!r} has a vocabulary of its own: logit_bias (device token ids) "
+                    "cannot apply there",
+                    status=400,
+                    backend=self.name,
+                )
+            body["logit_bias"] = {str(tok): bias for tok, bias in request.logit_bias}
 
     # -- streaming ---------------------------------------------------------------------------
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
@@ -220,10 +242,10 @@ class OpenAICompatBackend(NoPrefixCache):
                 raise BackendError(f"cloud backend {self.name!r} failed mid-stream: {message}", 502, self.name)
             if chunk.get("usage"):
                 usage = self._usage(chunk["usage"], data)
-            for text, reason, pieces in self._choices(chunk, data):
+            for text, reason, lps, pieces in self._choices(chunk, data, request.logprobs is not None):
                 if text:
                     self.tokens_generated += 1
-                    yield TokenEvent(text=text)
+                    yield TokenEvent(text=text, logprobs=lps)
                 for piece in pieces:
                     self._add_call_piece(calls, piece, data)
                 finish = reason or finish
@@ -249,9 +271,11 @@ class OpenAICompatBackend(NoPrefixCache):
     def _malformed(self, what: str) -> BackendError:
         return BackendError(f"cloud backend {self.name!r} {what}", 502, self.name)
 
-    def _choices(self, chunk: dict, data: bytes) -> list[tuple[str, str | None, list]]:
-        """(text, finish reason, tool call pieces) of each choice of a chunk; a chunk of any other shape is an
-        upstream fault."""
+    def _choices(
+        self, chunk: dict, data: bytes, logprobs: bool = False
+    ) -> list[tuple[str, str | None, tuple[TokenLogprob, ...] | None, list]]:
+        """(text, finish reason, logprobs if asked, tool call pieces) of each choice of a chunk; a chunk of any
+        other shape is an        upstream fault."""
         choices = chunk.get("choices")
         if choices is None:
             return []
@@ -277,7 +301,7 @@ class OpenAICompatBackend(NoPrefixCache):
             reason = choice.get("finish_reason")
             if not isinstance(text, str | None) or not isinstance(reason, str | None):
                 raise self._malformed(f"sent a choice whose text or finish_reason is not a string: {data[:100]!r}")
-            out.append((text or "", reason, pieces))
+            out.append((text or "", reason, _logprobs(choice.get("logprobs")) if logprobs else None, pieces))
         return out
 
     def _usage(self, u, data: bytes) -> Usage:
@@ -294,6 +318,48 @@ def _call_text(call: dict) -> str:
     except ValueError:
         arguments = call["arguments"]  # left as it is: the gateway delivers an unparsable call as text
     return f"<tool_call>\n{json.dumps({'name': call['name'], 'arguments': arguments})}\n</tool_call>"
+
+
+def _logprobs(obj) -> tuple[TokenLogprob, ...] | None:
+    """An upstream choice's logprobs, chat shape (`content: [{token, logprob, bytes, top_logprobs}]`) or completions
+    shape (`tokens`, `token_logprobs`, `top_logprobs: [{token: logprob}]`); None when absent or not understood
+    (the relay then reports the text's logprob as null rather than failing a good answer)."""
+    if not isinstance(obj, dict):
+        return None
+    try:
+        if isinstance(obj.get("content"), list):
+            return tuple(
+                TokenLogprob(
+                    float(e["logprob"]),
+                    bytes(e["bytes"]) if e.get("bytes") is not None else e["token"].encode("utf-8"),
+                    tuple(
+                        (
+                            str(t["token"]),
+                            float(t["logprob"]),
+                            bytes(t["bytes"]) if t.get("bytes") is not None else str(t["token"]).encode("utf-8"),
+                        )
+                        for t in e.get("top_logprobs") or ()
+                    ),
+                    str(e["token"]),
+                )
+                for e in obj["content"]
+            )
+        tokens, values = obj["tokens"], obj["token_logprobs"]
+        tops = obj.get("top_logprobs") or [None] * len(tokens)
+        return tuple(
+            TokenLogprob(
+                None if lp is None else float(lp),
+                str(tok).encode("utf-8"),
+                tuple(
+                    (str(t), float(v), str(t).encode("utf-8"))
+                    for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1])
+                ),
+                str(tok),
+            )
+            for tok, lp, top in zip(tokens, values, tops, strict=True)
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:

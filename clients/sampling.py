@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from clients.base import GenerationRequest, TokenLogprob
+
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """The distribution a sampler draws from: softmax(logits / T), nucleus-filtered to top_p and renormalised.
@@ -52,6 +54,65 @@ def seeded_generator(temperature: float, seed: int | None) -> torch.Generator | 
     generator = torch.Generator()
     generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
     return generator
+
+
+class LogitAdjuster:
+    """OpenAI's presence / frequency penalties (counted over the answer's tokens, a continued prefix included) and
+    logit_bias, applied to logits before a token is picked: logit[j] += bias[j] - frequency * count[j] -
+    presence * (count[j] > 0). Speculative verification applies it to each verified position with the drafts
+    before that position counted (`extra`), so drafts are accepted against exactly the distribution plain
+    decoding would sample from."""
+
+    def __init__(self, request: GenerationRequest, answer: Sequence[int] = ()) -> None:
+        self.presence, self.frequency = request.presence_penalty, request.frequency_penalty
+        self.bias_pairs = request.logit_bias
+        self.answer = list(answer)
+        self._bias: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+
+    def _ready(self, vocab: int) -> None:
+        if self._counts is None:
+            self._counts = torch.zeros(vocab)
+            for tok in self.answer:
+                self.accept(tok)
+            if self.bias_pairs:
+                self._bias = torch.zeros(vocab)
+                for tok, value in self.bias_pairs:
+                    if tok < vocab:
+                        self._bias[tok] = value
+
+    def accept(self, token: int) -> None:
+        if self._counts is None:
+            self.answer.append(token)
+        elif 0 <= token < self._counts.shape[0]:
+            self._counts[token] += 1
+
+    def apply(self, logits: torch.Tensor, extra: Sequence[int] = ()) -> torch.Tensor:
+        self._ready(logits.shape[-1])
+        out = logits.float()
+        if self._bias is not None:
+            out = out + self._bias
+        if self.presence or self.frequency:
+            counts = self._counts
+            if extra:
+                counts = counts.clone()
+                counts.index_add_(0, torch.tensor(list(extra), dtype=torch.long), torch.ones(len(extra)))
+            out = out - self.frequency * counts - self.presence * (counts > 0).float()
+        return out
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int, piece: Callable[[int], bytes]) -> TokenLogprob:
+    """`token`'s entry (clients.base.TokenLogprob) from the raw logits it was sampled from, with `top`
+    alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    tops = ()
+    if top > 0:
+        values, ids = torch.topk(logprobs, top)
+        tops = tuple(
+            (piece(i).decode("utf-8", errors="replace"), float(v), piece(i))
+            for v, i in zip(values.tolist(), ids.tolist(), strict=True)
+        )
+    return TokenLogprob(float(logprobs[token]), piece(token), tops)
 
 
 def speculative_sample(

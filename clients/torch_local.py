@@ -32,7 +32,7 @@ import torch
 
 from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent
 from clients.hf_model import HFTokenizerMixin, open_token_source
-from clients.sampling import sample_next, seeded_generator
+from clients.sampling import LogitAdjuster, sample_next, seeded_generator, token_logprob
 from clients.stops import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -333,6 +333,8 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
         generator = seeded_generator(req.temperature, req.seed)
         detok = IncrementalDetokenizer(self.detokenize, context)
         stops = StopMatcher(req.stop)
+        adjust = LogitAdjuster(req, self.answer_prefix_ids(req)) if req.adjusts_logits else None
+        lps = None
         if max_tokens <= 0:
             job.emit(TokenEvent(text="", finish_reason="length"))
             return
@@ -349,7 +351,13 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
             yield  # lets other streams and the cancel flag in between prefill chunks
         assert logits is not None
         for i in range(max_tokens):
-            token = sample_next(logits, req.temperature, req.top_p, generator)
+            token = sample_next(
+                logits if adjust is None else adjust.apply(logits), req.temperature, req.top_p, generator
+            )
+            if adjust is not None:
+                adjust.accept(token)
+            if req.logprobs is not None:
+                lps = (token_logprob(logits, token, req.logprobs, self.token_bytes),)
             job.generated += 1
             self.tokens_generated += 1
             if token in self.eos_ids:  # not emitted as a token: the final event carries any held-back text
@@ -358,14 +366,14 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
                 return
             text, stopped = stops.feed(detok.push(token))
             if stopped:
-                job.emit(TokenEvent(text=text, token_id=token, finish_reason="stop"))
+                job.emit(TokenEvent(text=text, token_id=token, finish_reason="stop", logprobs=lps))
                 return
             if i == max_tokens - 1:
                 tail, hit = stops.feed(detok.flush())
                 text += tail if hit else tail + stops.flush()
-                job.emit(TokenEvent(text=text, token_id=token, finish_reason="stop" if hit else "length"))
+                job.emit(TokenEvent(text=text, token_id=token, finish_reason="stop" if hit else "length", logprobs=lps))
                 return
-            job.emit(TokenEvent(text=text, token_id=token))
+            job.emit(TokenEvent(text=text, token_id=token, logprobs=lps))
             yield  # the cancel flag is checked here, before the next forward pass
             with torch.inference_mode():
                 out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)

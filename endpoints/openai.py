@@ -12,6 +12,8 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import NamedTuple
 
 import anyio
 from fastapi import APIRouter, Depends, Request
@@ -20,9 +22,10 @@ from sse_starlette import ServerSentEvent
 
 from app.serving.job import Job
 from app.serving.orchestrator import Delta
-from clients.base import BackendError
+from clients.base import BackendError, TokenLogprob, Usage
 from endpoints.auth import require_api_key
 from endpoints.errors import ApiError
+from endpoints.logprobs import LogprobsRenderer
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,17 @@ def _headers(job: Job) -> dict[str, str]:
     return {"x-request-id": job.id, "x-tandem-backend": job.backend or ""}
 
 
+def _before_first(exc: BackendError, request_id: str) -> ApiError:
+    retry = exc.status >= 500 and exc.status != 501
+    return ApiError(
+        exc.status,
+        str(exc),
+        code="backend_error" if exc.status >= 500 else "invalid_request",
+        retry=retry,
+        headers={"x-request-id": request_id},
+    )
+
+
 async def _begin(request: Request, job: Job) -> tuple[Delta, AsyncIterator[Delta]]:
     """Start the answer and wait for its first token (an error before it is a real HTTP error, carrying the
     id of its trace): (first delta, the rest of the stream)."""
@@ -95,14 +109,7 @@ async def _begin(request: Request, job: Job) -> tuple[Delta, AsyncIterator[Delta
         raise
     except BackendError as exc:
         await stream.aclose()
-        retry = exc.status >= 500 and exc.status != 501
-        raise ApiError(
-            exc.status,
-            str(exc),
-            code="backend_error" if exc.status >= 500 else "invalid_request",
-            retry=retry,
-            headers={"x-request-id": job.id},
-        ) from exc
+        raise _before_first(exc, job.id) from exc
 
 
 class _Chunks:
@@ -113,24 +120,29 @@ class _Chunks:
     each delta, then `closing(t, finish)` or `failure(exc)`, each ending the stream (endpoints/responses.py has
     the Responses API's)."""
 
-    def __init__(self, job: Job, model: str, chat: bool, include_usage: bool):
+    def __init__(self, job: Job, model: str, chat: bool, include_usage: bool, index: int = 0, logprobs: bool = False):
         self.job = job
         self.chat = chat
         self.include_usage = include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage = ',"usage":null' if include_usage else ""
-        self._head = f'data: {{"id":"{job.id}","object":"{obj}","created":{int(time.time())},"model":{json.dumps(model)},"system_fingerprint":null,"choices":[{{"index":0,'  # noqa: E501
+        self._head = f'data: {{"id":"{job.id}","object":"{obj}","created":{int(time.time())},"model":{json.dumps(model)},"system_fingerprint":null,"choices":[{{"index":{index},'  # noqa: E501
         self._tail = f'"logprobs":null,"finish_reason":%s}}]{usage}}}\n\n'
+        # Only when logprobs are asked: the chunk's logprobs object in place of null.
+        self._lp_tail = f'"logprobs":%s,"finish_reason":%s}}]{usage}}}\n\n'
+        self._logprobs = LogprobsRenderer(chat) if logprobs else None
         self._model = model
 
     def role(self) -> bytes:
         return (self._head + '"delta":{"role":"assistant","content":""},' + self._tail % "null").encode()
 
-    def text(self, text: str, finish: str | None = None) -> bytes:
+    def text(self, text: str, finish: str | None = None, logprobs: tuple[TokenLogprob, ...] | None = None) -> bytes:
         fin = "null" if finish is None else f'"{finish}"'
         body = f'"delta":{{"content":{json.dumps(text)}}},' if self.chat else f'"text":{json.dumps(text)},'
         if self.chat and finish is not None and not text:
             body = '"delta":{},'
+        if self._logprobs is not None and (logprobs or text):
+            return (self._head + body + self._lp_tail % (self._logprobs.json(logprobs or ()), fin)).encode()
         return (self._head + body + self._tail % fin).encode()
 
     def tool_calls(self, calls, first_index: int) -> bytes:
@@ -146,15 +158,15 @@ class _Chunks:
     def opening(self) -> bytes:
         return self.role() if self.chat else b""
 
-    def closing(self, text: str, finish: str) -> bytes:
-        return self.text(text, finish) + (self.usage() if self.include_usage else b"") + _DONE
+    def closing(self, text: str, finish: str, logprobs: tuple[TokenLogprob, ...] | None = None) -> bytes:
+        return self.text(text, finish, logprobs) + (self.usage() if self.include_usage else b"") + _DONE
 
     @staticmethod
     def failure(exc: BaseException) -> bytes:
         return ("data: " + json.dumps(_error_body(exc)) + "\n\n").encode() + _DONE
 
-    def usage(self) -> bytes:
-        u = self.job.usage
+    def usage(self, u: Usage | None = None) -> bytes:
+        u = u or self.job.usage
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return (
             "data: "
@@ -189,7 +201,7 @@ async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], events) -> 
         calls = 0
         while delta.finish_reason is None:
             if delta.text:
-                yield head + events.text(delta.text)
+                yield head + events.text(delta.text, logprobs=delta.logprobs)
                 head = b""
             if delta.tool_calls:
                 yield head + events.tool_calls(delta.tool_calls, calls)
@@ -204,7 +216,7 @@ async def _sse(job: Job, first: Delta, stream: AsyncIterator[Delta], events) -> 
         if delta.tool_calls:  # the last calls, then a finish chunk of its own
             head += (events.text(text) if text else b"") + events.tool_calls(delta.tool_calls, calls)
             text = ""
-        yield head + events.closing(text, delta.finish_reason)
+        yield head + events.closing(text, delta.finish_reason, delta.logprobs)
     finally:
         # Client gone or done: stop the backend's work now (llama.cpp thread, upstream HTTP).
         with anyio.CancelScope(shield=True):
@@ -285,8 +297,18 @@ def _sse_response(request: Request, job: Job, body: AsyncIterator[bytes], **kw) 
     return _SSEResponse(body, {**_SSE_HEADERS, **_headers(job)}, ping, **kw)
 
 
-async def _collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> tuple[str, str, list]:
+class _Collected(NamedTuple):
+    """A whole answer, read to its end."""
+
+    text: str
+    finish: str
+    logprobs: list[TokenLogprob]
+    calls: list
+
+
+async def _collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> _Collected:
     parts = [first.text]
+    logprobs = list(first.logprobs or ())
     calls = list(first.tool_calls)
     delta = first
     try:
@@ -294,50 +316,186 @@ async def _collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> tupl
             delta = await anext(stream)
             parts.append(delta.text)
             calls += delta.tool_calls
+            if delta.logprobs:
+                logprobs.extend(delta.logprobs)
     except BackendError as exc:
         raise ApiError(
             exc.status, f"the answer failed midway: {exc}", code="backend_error", headers={"x-request-id": job.id}
         ) from exc
     finally:
         await stream.aclose()
-    return "".join(parts), delta.finish_reason, calls
+    return _Collected("".join(parts), delta.finish_reason, logprobs, calls)
 
 
-def _usage(job: Job) -> dict:
-    u = job.usage
+def _usage(job: Job | Usage) -> dict:
+    u = job.usage if isinstance(job, Job) else job
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
 
 
-async def _answer(request: Request, body, job: Job, chat: bool):
-    """Stream or collect one answer; the first token decides between an HTTP error and a 200."""
-    first, stream = await _begin(request, job)
-    if body.stream:
-        chunks = _Chunks(job, body.model, chat, body.include_usage)
-        return _sse_response(request, job, _sse(job, first, stream, chunks))
-    text, finish, calls = await _while_connected(request, _collect(job, first, stream), "mid-answer")
+def _choice(body, chat: bool, index: int, answer: _Collected) -> dict:
+    text, finish, logprobs, calls = answer
     if chat:
-        obj = "chat.completion"
         message = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
         if calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
             ]
-        choice = {"index": 0, "message": message}
+        choice = {"index": index, "message": message}
     else:
-        obj = "text_completion"
-        choice = {"index": 0, "text": text}
+        choice = {"index": index, "text": text}
+    lp = LogprobsRenderer(chat).obj(logprobs) if body.logprobs_top is not None else None
+    return {**choice, "logprobs": lp, "finish_reason": finish}
+
+
+def _completion(body, chat: bool, request_id: str, choices: list[dict], usage: Usage, backends: str) -> JSONResponse:
     return JSONResponse(
         {
-            "id": job.id,
-            "object": obj,
+            "id": request_id,
+            "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": body.model,
             "system_fingerprint": None,
-            "choices": [{**choice, "logprobs": None, "finish_reason": finish}],
-            "usage": _usage(job),
+            "choices": choices,
+            "usage": _usage(usage),
         },
-        headers=_headers(job),
+        headers={"x-request-id": request_id, "x-tandem-backend": backends},
     )
+
+
+async def _answer(request: Request, body, job: Job, chat: bool):
+    """Stream or collect one answer; the first token decides between an HTTP error and a 200."""
+    if body.choices > 1:
+        return await _answer_choices(request, body, job, chat)
+    first, stream = await _begin(request, job)
+    if body.stream:
+        chunks = _Chunks(job, body.model, chat, body.include_usage, logprobs=body.logprobs_top is not None)
+        return _sse_response(request, job, _sse(job, first, stream, chunks))
+    answer = await _while_connected(request, _collect(job, first, stream), "mid-answer")
+    return _completion(body, chat, job.id, [_choice(body, chat, 0, answer)], job.usage, job.backend or "")
+
+
+# -- n > 1: each choice is a job of its own (ids `<request id>-<index>`), on whichever endpoint serves it ------------
+
+
+def _summed_usage(jobs: list[Job]) -> Usage:
+    """The prompt counts once (as OpenAI counts it); the completions add up."""
+    return Usage(jobs[0].usage.prompt_tokens, sum(j.usage.completion_tokens for j in jobs))
+
+
+async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta | BaseException]]:
+    """The choices' deltas as they come, tagged with their index; a choice's failure is yielded as its exception.
+    One task per choice reads its stream (a llama.cpp device computes a token only once the last was read);
+    closing this iterator cancels them all and closes every stream (the backends' work stops)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                left -= 1
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _sse_choices(
+    request_id: str, jobs: list[Job], first, merged, chunks: list[_Chunks], include_usage: bool
+) -> AsyncIterator[bytes]:
+    try:
+        heads = [c.role() if c.chat else b"" for c in chunks]  # each choice's role chunk goes with its first text
+        calls = [0] * len(chunks)
+        i, delta = first
+        while True:
+            if isinstance(delta, BaseException):
+                log.warning("request %s: choice %d failed mid-stream: %s", request_id, i, delta)
+                yield ("data: " + json.dumps(_error_body(delta)) + "\n\n").encode() + _DONE
+                return
+            if delta.tool_calls:
+                head = heads[i] + (chunks[i].text(delta.text, None, delta.logprobs) if delta.text else b"")
+                yield head + chunks[i].tool_calls(delta.tool_calls, calls[i])
+                heads[i], calls[i] = b"", calls[i] + len(delta.tool_calls)
+                delta = replace(delta, text="", logprobs=None)
+            if delta.text or delta.finish_reason is not None:
+                yield heads[i] + chunks[i].text(delta.text, delta.finish_reason, delta.logprobs)
+                heads[i] = b""
+            try:
+                i, delta = await anext(merged)
+            except StopAsyncIteration:
+                break
+        yield (chunks[0].usage(_summed_usage(jobs)) if include_usage else b"") + _DONE
+    finally:
+        with anyio.CancelScope(shield=True):
+            await merged.aclose()
+
+
+async def _answer_choices(request: Request, body, job: Job, chat: bool):
+    """n answers to one request. The first token of any choice decides between an HTTP error and a 200; a
+    choice that fails later is an SSE error event (streamed) or an error answer (not streamed)."""
+    orchestrator = _gateway(request).orchestrator
+    jobs = [job.choice(i) for i in range(body.choices)]
+    if body.stream:
+        merged = _merge([orchestrator.generate(j) for j in jobs])
+        try:
+            first = await _while_connected(request, anext(merged), "before the first token")
+        except ApiError as exc:
+            exc.headers["x-request-id"] = job.id
+            with anyio.CancelScope(shield=True):
+                await merged.aclose()
+            raise
+        if isinstance(first[1], BaseException):
+            await merged.aclose()
+            exc = first[1]
+            if not isinstance(exc, BackendError):
+                exc = BackendError(f"internal error: {exc}", 500)
+            raise _before_first(exc, job.id) from exc
+        lp = body.logprobs_top is not None
+        chunks = [_Chunks(job, body.model, chat, body.include_usage, index=i, logprobs=lp) for i in range(len(jobs))]
+        headers = {**_SSE_HEADERS, "x-request-id": job.id, "x-tandem-backend": jobs[first[0]].backend or ""}
+        body_iter = _sse_choices(job.id, jobs, first, merged, chunks, body.include_usage)
+        return _SSEResponse(body_iter, headers, _gateway(request).settings.gateway.ping_seconds)
+
+    async def one(j: Job):
+        stream = orchestrator.generate(j)
+        try:
+            first = await anext(stream)
+        except BackendError as exc:
+            await stream.aclose()
+            raise _before_first(exc, job.id) from exc
+        return await _collect(j, first, stream)
+
+    async def all_choices():
+        tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        results = await _while_connected(request, all_choices(), "mid-answer")
+    except ApiError as exc:
+        exc.headers["x-request-id"] = job.id
+        raise
+    choices = [_choice(body, chat, i, r) for i, r in enumerate(results)]
+    backends = ",".join(dict.fromkeys(j.backend or "" for j in jobs))
+    return _completion(body, chat, job.id, choices, _summed_usage(jobs), backends)
 
 
 @router.post("/chat/completions")
@@ -353,7 +511,13 @@ async def completions(body: CompletionRequest, request: Request):
 @router.get("/requests/{request_id}")
 async def request_trace(request_id: str, request: Request):
     """The trace of a recent request: plan, endpoints and timings, migrations, cost."""
-    trace = _gateway(request).orchestrator.traces.get(request_id)
+    traces = _gateway(request).orchestrator.traces
+    trace = traces.get(request_id)
+    if trace is None and f"{request_id}-0" in traces:  # a request with n > 1: one trace per choice
+        choices = []
+        while (t := traces.get(f"{request_id}-{len(choices)}")) is not None:
+            choices.append(t)
+        trace = {"id": request_id, "choices": choices}
     if trace is None:
         raise ApiError(
             404,

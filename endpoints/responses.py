@@ -133,13 +133,13 @@ class _Response:
             + self._event("response.content_part.added", **where, part=self._part(""))
         ).encode()
 
-    def text(self, text: str) -> bytes:
+    def text(self, text: str, logprobs=None) -> bytes:
         self.parts.append(text)
         event = f'{self._delta}{self.seq},"delta":{json.dumps(text)}}}\n\n'
         self.seq += 1
         return event.encode()
 
-    def closing(self, text: str, finish: str) -> bytes:
+    def closing(self, text: str, finish: str, logprobs=None) -> bytes:
         last = self.text(text) if text else b""
         self.finished = True
         whole = "".join(self.parts)
@@ -172,5 +172,5 @@ async def create_response(body: ResponsesRequest, request: Request):
     first, stream = await _begin(request, job)
     if body.stream:
         return _sse_response(request, job, _sse(job, first, stream, response), last=lambda _: response.finished)
-    text, finish, _calls = await _while_connected(request, _collect(job, first, stream), "mid-answer")
-    return JSONResponse(response.object(_status(finish), text, finish), headers=_headers(job))
+    answer = await _while_connected(request, _collect(job, first, stream), "mid-answer")
+    return JSONResponse(response.object(_status(answer.finish), answer.text, answer.finish), headers=_headers(job))

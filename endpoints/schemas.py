@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI surface Tandem serves.
 
 Requests forbid unknown fields: a parameter Tandem would silently ignore (tools,
-n > 1, logprobs, ...) is answered with a 400 that names it, because a client
+echo, best_of, ...) is answered with a 400 that names it, because a client
 that asked for it would otherwise get an answer that looks right and is not.
 """
 
@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # deep inside (float conversion in the estimators, ctypes in llama.cpp) as a server error.
 _MAX_COUNT = 2**31 - 1
 _INT64 = 2**63
+MAX_CHOICES = 8  # n: each choice is an answer of its own on some endpoint
+MAX_LOGIT_BIAS = 300
 
 
 def _check_text(value) -> None:
@@ -148,23 +150,21 @@ class _Sampling(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    # Token ids of the device model's vocabulary (checked against it when the request is prepared).
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)] | None
+    ) = None
     tandem: TandemOptions | None = None
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"n={value} is not supported; Tandem returns exactly one choice (n=1)")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported; only 0 is accepted")
+    def _token_id_keys(cls, value):
+        for key in value or {}:
+            if not key.isascii() or not key.isdigit() or int(key) > _MAX_COUNT:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
         return value
 
     @field_validator("stop")
@@ -188,20 +188,41 @@ class _Sampling(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
-    logprobs: Literal[False] | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value, info):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_top(self) -> int | None:
+        """None when logprobs are not asked, else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
@@ -210,11 +231,15 @@ class CompletionRequest(_Sampling):
     echo: Literal[False] | None = None
     suffix: None = None
     best_of: Literal[1] | None = None
-    logprobs: None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
 
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
 
 
 class EmbeddingRequest(_Request):

@@ -322,7 +322,24 @@ class Gateway:
             stop=body.stop_sequences,
             seed=body.seed,
             **(_structured_fields(structure) if structure is not None else {}),
+            logprobs=body.logprobs_top,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=self._logit_bias(body),
         )
+
+    def _logit_bias(self, body) -> tuple[tuple[int, float], ...]:
+        pairs = body.logit_bias_pairs
+        vocab = self.device.vocab_size if pairs else 0
+        for tok, _ in pairs:
+            if tok >= vocab:
+                raise ApiError(
+                    400,
+                    f"logit_bias names token id {tok}, out of range for the device model's vocabulary of {vocab}.",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+        return pairs
 
     def _tag(self, text: str) -> str:
         """A tool-call tag in a grammar: the device vocabulary's own token for it where there is one."""

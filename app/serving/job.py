@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from clients.base import GenerationRequest, TokenEvent, Usage
 from policies.dispatch import DispatchPlan
@@ -20,6 +20,7 @@ class Attempt:
     started: float
     context_tokens: int  # its context: prompt (+ delivered prefix for a migration target)
     migration: bool = False
+    from_token: int = 0  # the index in the answer of the first token it would produce (a migration target's prefix)
     cached_tokens: int = 0  # of those, taken from its own KV cache (the device says so on its first event)
     stream: AsyncIterator[TokenEvent] | None = None
     first_at: float | None = None
@@ -57,3 +58,20 @@ class Job:
     # only changes when the device has run something since.
     cache_probe: tuple[int, int] | None = None
     error: str | None = None
+
+    def choice(self, index: int) -> Job:
+        """Choice `index` of a request with n > 1: a job of its own (id `<id>-<index>`, its own trace), routed
+        like the request. With a seed, choice i samples with seed + i, so the choices differ and choice 0 is the
+        answer n=1 would give."""
+        gen = self.gen
+        if gen.seed is not None and index:
+            gen = replace(gen, seed=(gen.seed + index + 2**63) % 2**64 - 2**63)
+        return Job(
+            id=f"{self.id}-{index}",
+            gen=gen,
+            prompt_tokens=self.prompt_tokens,
+            policy=self.policy,
+            pinned=self.pinned,
+            cloud=self.cloud,
+            call_grammar=self.call_grammar,
+        )

@@ -35,7 +35,8 @@ from app.serving.job import Attempt, Job
 from app.serving.metrics import Metrics
 from app.serving.tool_calls import ToolCall, ToolCallSplitter
 from app.serving.traces import ms, plan_kind, replay_row, trace_of
-from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
+from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, TokenLogprob, Usage
+from clients.logprobs import LogprobAligner
 from clients.stops import StopMatcher
 from policies.cost import role_of
 from policies.dispatch import DispatchPlan
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 class Delta:
     text: str
     finish_reason: str | None = None
+    # Only when the request asked for logprobs: one entry per token of `text` (their texts join to it).
+    logprobs: tuple[TokenLogprob, ...] | None = None
     tool_calls: tuple[ToolCall, ...] = ()
 
 
@@ -275,6 +278,10 @@ class Orchestrator:
             r_c = self.disco.settings.consumption_rate
             matcher = StopMatcher(job.gen.stop)
             splitter = ToolCallSplitter() if job.gen.tools else None
+            # Only when logprobs are asked (never with tools): text then goes out on token boundaries, with its
+            # tokens' logprobs.
+            aligner = LogprobAligner() if job.gen.logprobs is not None else None
+            lps = None
             limit = job.gen.max_tokens
             produced = 0
             ids: list[int] | None = []
@@ -300,6 +307,8 @@ class Orchestrator:
                 finish = "stop" if stopped else event.finish_reason
                 if finish is None and produced >= limit:
                     finish = "length"
+                if aligner is not None:
+                    aligner.add(event)
                 if finish is not None:
                     if splitter is not None and not stopped:
                         content, more = splitter.finish()
@@ -309,15 +318,19 @@ class Orchestrator:
                         text += matcher.flush()
                     if splitter is not None and splitter.calls and finish == "stop":
                         finish = "tool_calls"
+                    if aligner is not None:
+                        text, lps = aligner.release(text, final=True)
                     job.finish_reason = finish
                     attempt.outcome = "finished"
                     attempt.ended = not stopped
                     self._account(job, produced, event.usage)
                     # The trace exists before the client sees the end of the answer (it may ask for it at once).
                     self._remember(job, final=False)
-                    yield Delta(text, finish, tuple(calls))
+                    yield Delta(text, finish, lps, tuple(calls))
                     return
-                yield Delta(text, None, tuple(calls))
+                if aligner is not None:
+                    text, lps = aligner.release(text)
+                yield Delta(text, None, lps, tuple(calls))
 
                 # Cost-driven migration (Eqs. 4-6): only at a clean text boundary, once per answer. The source
                 # keeps its stream until the target's first token: if the target fails, the answer goes on here.
@@ -460,6 +473,7 @@ class Orchestrator:
         context = job.prompt_tokens + produced
         log.info("request %s: migrating %s -> %s at token %d (%s)", job.id, source.name, target, produced, reason)
         attempt = self._open(job, target, gen, context, True)
+        attempt.from_token = produced
         record = {
             "at_token": produced,
             "from": source.name,

@@ -177,5 +177,8 @@ def structure_of(body, marker: Callable[[str], str] = _literal) -> Structure:
     else:
         fmt_wire = None
     offered = tools if choice != "none" else ()
+    if offered and body.logprobs:
+        # Logprobs line up with the content's tokens, and the tokens of a call are not content.
+        raise ApiError(400, "logprobs cannot be combined with tools.", param="logprobs")
     call_grammar = tool_call_grammar(tools, names, body.parallel_tool_calls is True, marker) if offered else None
     return Structure(offered, choice_wire, parallel, fmt_wire, grammar, call_grammar)

@@ -60,7 +60,14 @@ from clients.hat.options import HATOptions, HATStats
 from clients.hat.session import FrameSession
 from clients.hat.transport import LinkOptions, WorkerAddress
 from clients.hf_model import HFTokenizerMixin, open_token_source
-from clients.sampling import probabilities, sample_next, seeded_generator, speculative_sample
+from clients.sampling import (
+    LogitAdjuster,
+    probabilities,
+    sample_next,
+    seeded_generator,
+    speculative_sample,
+    token_logprob,
+)
 from clients.stops import StopMatcher
 from clients.torch_local import IncrementalDetokenizer
 from policies.chunking import chunk_bounds, chunk_size, split_prompt
@@ -254,12 +261,22 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         detok = IncrementalDetokenizer(self.detokenize, context)
         stops = StopMatcher(req.stop)
         emitted = 0
+        # Penalties / logit_bias: applied to the head's logits before every pick, also in verification (each
+        # verified position with the drafts before it counted), so speculative decoding stays on and exact.
+        adjust = LogitAdjuster(req, self.answer_prefix_ids(req)) if req.adjusts_logits else None
 
         logits = await self._prefill(link, st, context)
-        pending = [await self._run(sample_next, logits, req.temperature, req.top_p, generator)]
+        scores = logits if adjust is None else adjust.apply(logits)
+        pending = [await self._run(sample_next, scores, req.temperature, req.top_p, generator)]
+        pending_lps = None
+        if req.logprobs is not None:
+            pending_lps = [await self._run(token_logprob, logits, pending[0], req.logprobs, self.token_bytes)]
         position = len(context)  # where the last pending token goes
         while True:
-            for token in pending:
+            for j, token in enumerate(pending):
+                lps = None if pending_lps is None else (pending_lps[j],)
+                if adjust is not None:
+                    adjust.accept(token)
                 emitted += 1
                 self.tokens_generated += 1
                 if token in self.eos_ids:
@@ -268,21 +285,21 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                     return
                 text, stopped = stops.feed(detok.push(token))
                 if stopped:
-                    yield TokenEvent(text=text, token_id=token, finish_reason="stop")
+                    yield TokenEvent(text=text, token_id=token, finish_reason="stop", logprobs=lps)
                     return
                 if emitted >= max_tokens:
                     tail, hit = stops.feed(detok.flush())
                     text += tail if hit else tail + stops.flush()
-                    yield TokenEvent(text=text, token_id=token, finish_reason="stop" if hit else "length")
+                    yield TokenEvent(text=text, token_id=token, finish_reason="stop" if hit else "length", logprobs=lps)
                     return
-                yield TokenEvent(text=text, token_id=token)
+                yield TokenEvent(text=text, token_id=token, logprobs=lps)
             last = pending[-1]
             cap = (
                 min(self.rule.max_draft, max_tokens - emitted - 1, limit - position - 1)
                 if self.options.speculative
                 else 0
             )
-            pending = await self._round(link, st, last, position, max(cap, 0), req, generator)
+            pending, pending_lps = await self._round(link, st, last, position, max(cap, 0), req, generator, adjust)
             position += len(pending)
 
     # --- prefill --------------------------------------------------------------------------------
@@ -358,8 +375,10 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         cap: int,
         req: GenerationRequest,
         gen: torch.Generator | None,
-    ) -> list[int]:
-        """One speculative round from `token` at `position`; returns the new tokens (accepted drafts + 1)."""
+        adjust: LogitAdjuster | None = None,
+    ) -> tuple[list[int], list | None]:
+        """One speculative round from `token` at `position`; returns the new tokens (accepted drafts + 1) and,
+        when the request asked for them, their logprobs (from the head's logits at each token's position)."""
         t0 = time.perf_counter()
         temperature, top_p = req.temperature, req.top_p
         if st.prepared is not None and st.prepared_at == (token, position):
@@ -392,7 +411,9 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 502,
                 self.name,
             )
-        new, accepted = await self._run(self._verify, st, deep, draft, position, temperature, top_p, gen)
+        new, accepted, lps = await self._run(
+            self._verify, st, deep, draft, position, temperature, top_p, gen, adjust, req.logprobs
+        )
         if accepted < k:
             link.send_control(wire.Kind.ROLLBACK, position + accepted + 1)
         if branches is not None and accepted == k - 1 and new[-1] in branches.candidates and branches.shallows:
@@ -409,7 +430,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         st.round_seconds += t3 - t0
         if k and t1 - t0 > 1e-3:
             self.gamma.update((t1 - t0) / k)
-        return new
+        return new, lps
 
     def _draft_logits(self, feats: torch.Tensor, position: int) -> torch.Tensor:
         """Draft head: features [rows, hidden] of tokens fed at `position` -> logits [rows, vocab] for position+1.
@@ -480,10 +501,13 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         temperature: float,
         top_p: float,
         gen: torch.Generator | None,
-    ) -> tuple[list[int], int]:
+        adjust: LogitAdjuster | None = None,
+        logprobs: int | None = None,
+    ) -> tuple[list[int], int, list | None]:
         with torch.inference_mode():
             k = len(draft.tokens)
             rows: list[torch.Tensor] = []
+            raw: list[torch.Tensor] = []  # the head's own logits (logprobs)
 
             def target(i: int) -> torch.Tensor:
                 # The LM head is the device's biggest cost. Run it on the first position alone: if the first draft is
@@ -491,6 +515,11 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 if i >= len(rows):
                     part = deep[:1] if not rows else deep[len(rows) :]
                     logits = self._output(part).float()
+                    raw.extend(logits)
+                    if adjust is not None:  # position j follows drafts 0..j-1: they count for its penalties
+                        logits = torch.stack(
+                            [adjust.apply(row, draft.tokens[:j]) for j, row in enumerate(logits, start=len(rows))]
+                        )
                     rows.extend(logits if temperature <= 0 else probabilities(logits, temperature, top_p))
                 return rows[i]
 
@@ -502,4 +531,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             else:
                 a, nxt = speculative_sample(target, draft.dists, draft.tokens, gen)
             st.crop(position + a + 1)
-        return [*draft.tokens[:a], nxt], a
+            new = [*draft.tokens[:a], nxt]
+            lps = None
+            if logprobs is not None:
+                lps = [token_logprob(raw[j], t, logprobs, self.token_bytes) for j, t in enumerate(new)]
+        return new, a, lps

@@ -112,7 +112,7 @@ class ScriptedUpstream:
                     continue
                 self.requests.append(Request(path, json.loads(body or b"{}")))
                 answer = self.script.popleft() if self.script else Answer()
-                if not await self._answer(answer, path, writer):
+                if not await self._answer(answer, path, writer, self.requests[-1].body):
                     return
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -121,7 +121,7 @@ class ScriptedUpstream:
             if not writer.transport.is_closing():
                 writer.close()
 
-    async def _answer(self, answer: Answer, path: str, writer: asyncio.StreamWriter) -> bool:
+    async def _answer(self, answer: Answer, path: str, writer: asyncio.StreamWriter, body: dict) -> bool:
         """Writes one answer; False when the connection is finished with."""
         if answer.status != 200:
             err = {"error": {"message": f"scripted {answer.status}", "type": "server_error", "code": None}}
@@ -139,8 +139,11 @@ class ScriptedUpstream:
             b"connection: close\r\n\r\n"
         )
         chat = path.endswith("/chat/completions")
-        for piece in answer.pieces:
-            writer.write(_chunked(_event(_chunk(piece, None, chat))))
+        # Asked for logprobs: each piece is one token with logprob -(k+1)/10, its alternatives " alt<j>" below it.
+        top = (body.get("top_logprobs") or 0) if chat else body.get("logprobs")
+        top = top if body.get("logprobs") not in (None, False) else None
+        for k, piece in enumerate(answer.pieces):
+            writer.write(_chunked(_event(_chunk(piece, None, chat, None if top is None else (k, top)))))
             await writer.drain()
             await asyncio.sleep(answer.gap)
         for piece in answer.calls:
@@ -189,7 +192,34 @@ def _event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
-def _chunk(text: str, finish: str | None, chat: bool) -> dict:
+def piece_logprob(k: int) -> float:
+    return -(k + 1) / 10
+
+
+def _chunk(text: str, finish: str | None, chat: bool, logprobs: tuple[int, int] | None = None) -> dict:
     choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
     choice["finish_reason"] = finish
+    if logprobs is not None:
+        k, top = logprobs
+        lp = piece_logprob(k)
+        alts = [(text, lp)] + [(f" alt{j}", lp - j) for j in range(1, top)]
+        alts = alts[:top]
+        if chat:
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": text,
+                        "logprob": lp,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alts],
+                    }
+                ]
+            }
+        else:
+            choice["logprobs"] = {
+                "tokens": [text],
+                "token_logprobs": [lp],
+                "top_logprobs": [dict(alts)],
+                "text_offset": [0],
+            }
     return {"id": "scripted-1", "object": "chunk", "model": "scripted", "choices": [choice]}

@@ -46,11 +46,12 @@ def test_missing_messages(gateway):
     ("field", "value", "says"),
     [
         ("temperature", 7, "less than or equal to 2"),
-        ("n", 2, "n=2 is not supported"),
+        ("n", 9, "less than or equal to 8"),
         ("top_p", 0, "greater than 0"),
         ("max_tokens", 0, "greater than or equal to 1"),
         ("tools", [{"type": "function", "function": {"name": "f"}}], "Unrecognized request argument"),
-        ("logprobs", True, "Input should be False"),
+        ("logprobs", "yes please", "valid boolean"),
+        ("top_logprobs", 3, "needs logprobs"),
     ],
 )
 def test_bad_fields_are_named(gateway, field, value, says):
@@ -92,7 +93,7 @@ def test_gateway_still_serves_after_errors(gateway):
         return gateway.metric("tandem_requests_total", route="/v1/chat/completions", status=status)
 
     bad, good = count("400"), count("200")
-    assert post(gateway, {"model": "tandem", "messages": MESSAGES, "n": 3}).status_code == 400
+    assert post(gateway, {"model": "tandem", "messages": MESSAGES, "n": 30}).status_code == 400
     r = post(gateway, {"model": "tandem", "messages": MESSAGES, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"]

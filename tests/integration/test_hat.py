@@ -34,6 +34,7 @@ from clients.hat.device import HATBackend
 from clients.hat.link import LinkProfile
 from clients.hat.options import HATOptions
 from clients.hat.split import split_model
+from clients.sampling import LogitAdjuster
 from tests.integration.hf_fixtures import QWEN05, SMOL, chat_prompt, load
 
 Kind = wire.Kind
@@ -704,3 +705,56 @@ async def test_accepted_drafts_and_parallel_drafting_keep_greedy_exact(worker: W
         await backend.close()
     assert outputs[True] == outputs[False]
     check_against_reference(outputs[True], ref, gaps)
+
+
+def u_shape_penalised(model: Any, ids: list[int], n: int, request: GenerationRequest) -> list[int]:
+    """Plain U-shape greedy with the request's penalties / logit_bias applied before every pick."""
+    adjust = LogitAdjuster(request)
+    session = split_model(model, 2).session()
+    logits = session.prefill(torch.tensor([ids]), 16)[0, -1]
+    tokens: list[int] = []
+    for _ in range(n):
+        tokens.append(int(adjust.apply(logits).argmax()))
+        adjust.accept(tokens[-1])
+        logits = session.forward([[tokens[-1]]])[0, -1]
+    return tokens
+
+
+async def test_logprobs_and_penalties_through_accepted_drafts(worker: WorkerServer, smol, reference) -> None:
+    """Logprobs come from the head's logits at each token's position, accepted drafts included; penalties are
+    applied in verification too, so drafts of the unpenalised answer are rejected where the penalised one differs."""
+    model, tok = smol
+    ref, gaps = reference
+    ids = prompt_ids(tok)
+    answer = {len(ids) + i: t for i, t in enumerate(ref)}
+    options = HATOptions(worker.ws, model_id=SMOL, auth_token=TOKEN)
+    backend = OracleHAT(options, model=model, tokenizer=tok, answer=answer)
+    await backend.start()
+    try:
+        events = [e for e in await collect(backend, ids, max_tokens=12, logprobs=2) if e.token_id is not None]
+        assert backend.stats.accepted > 0
+        got = [e.token_id for e in events]
+        check_against_reference(got, ref[:12], gaps)
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids + got])).logits[0, len(ids) - 1 : len(ids) - 1 + len(got)]
+        expected = torch.log_softmax(logits.float(), dim=-1)
+        for i, e in enumerate(events):
+            (entry,) = e.logprobs
+            assert entry.logprob == pytest.approx(float(expected[i, got[i]]), abs=2e-3)
+            assert len(entry.top) == 2 and entry.top[0][1] == pytest.approx(entry.logprob, abs=1e-5)
+            assert entry.top[0][1] >= entry.top[1][1]
+
+        accepted = backend.stats.accepted
+        request = {
+            "max_tokens": 12,
+            "frequency_penalty": 1.5,
+            "presence_penalty": 0.5,
+            "logit_bias": ((ref[5], -100.0), (ref[6], 3.0)),
+        }
+        penalised = token_ids(await collect(backend, ids, **request))
+        assert backend.stats.accepted > accepted  # speculation stays on under penalties
+        want = u_shape_penalised(model, ids, 12, GenerationRequest(prompt_text="", **request))
+        assert penalised == want
+        assert penalised != got
+    finally:
+        await backend.close()

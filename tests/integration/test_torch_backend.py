@@ -217,3 +217,31 @@ def test_stop_matcher_holds_back_partial_matches() -> None:
     assert StopMatcher([]).feed("END") == ("END", False)
     m2 = StopMatcher(["stop"])
     assert m2.feed("go st") == ("go ", False) and m2.flush() == "st"
+
+
+@pytest.mark.asyncio
+async def test_logprobs_and_penalties(smollm: tuple[Any, Any]) -> None:  # noqa: F811
+    """Logprobs are the model's log-softmax at each token's position; penalties / logit_bias change the pick."""
+    model, tok = smollm
+    b = await _backend(smollm)
+    try:
+        prompt = chat_prompt(tok, "Repeat the word 'apple' ten times.")
+        ids = b.tokenize(prompt)
+        events = await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=10, temperature=0, logprobs=3))
+        got = _ids(events)
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids + got])).logits[0, len(ids) - 1 : len(ids) - 1 + len(got)]
+        expected = torch.log_softmax(logits.float(), dim=-1)
+        tokened = [e for e in events if e.token_id is not None]
+        for i, e in enumerate(tokened):
+            (entry,) = e.logprobs
+            assert entry.logprob == pytest.approx(float(expected[i, got[i]]), abs=1e-3)
+            assert [t[1] for t in entry.top] == sorted((t[1] for t in entry.top), reverse=True)
+            assert entry.top[0][2] == entry.bytes  # greedy: the likeliest
+        banned = GenerationRequest(
+            prompt_text=prompt, max_tokens=10, temperature=0, frequency_penalty=2.0, logit_bias=((got[0], -100.0),)
+        )
+        other = _ids(await _collect(b, banned))
+        assert other[0] != got[0] and other != got
+    finally:
+        await b.close()
