@@ -21,7 +21,22 @@ from app.serving.job import Job
 from endpoints.auth import require_api_key
 from endpoints.errors import ApiError
 from endpoints.openai import _begin, _collect, _gateway, _headers, _sse, _sse_response, _while_connected
-from endpoints.schemas import ChatCompletionRequest, ChatMessage, InputMessage, ResponsesRequest
+from endpoints.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionDefinition,
+    InputMessage,
+    JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    ResponsesRequest,
+    Tool,
+    ToolCall,
+)
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
@@ -29,21 +44,73 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that answers a Responses request (tools and text.format will map here, onto chat's
-    `tools` and `response_format`)."""
+def _messages(body: ResponsesRequest) -> list[ChatMessage]:
+    """The input items as chat messages: consecutive function calls are one assistant turn with tool_calls, each
+    function call output a tool turn."""
     items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
-    system = [ChatMessage(role="system", content=body.instructions)] if body.instructions is not None else []
+    out = [ChatMessage(role="system", content=body.instructions)] if body.instructions is not None else []
+    for item in items:
+        if isinstance(item, FunctionCallItem):
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            if out and out[-1].role == "assistant" and out[-1].tool_calls is not None:
+                out[-1].tool_calls.append(call)
+            else:
+                out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+        else:
+            out.append(ChatMessage(role=item.role, content=item.text()))
+    return out
+
+
+def _response_format(body: ResponsesRequest) -> ResponseFormat | None:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ResponseFormat(type="json_object")
+    schema = JsonSchemaFormat(name=fmt.name, schema=fmt.schema_, strict=fmt.strict, description=fmt.description)
+    return ResponseFormat(type="json_schema", json_schema=schema)
+
+
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that answers a Responses request."""
+    tools = [
+        Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"}))) for t in body.tools or ()
+    ]
+    choice = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
     return ChatCompletionRequest(
         model=body.model,
-        messages=[*system, *(ChatMessage(role=item.role, content=item.text()) for item in items)],
+        messages=_messages(body),
         max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         stream=body.stream,
         user=body.user,
+        tools=tools or None,
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=_response_format(body),
         tandem=body.tandem,
     )
+
+
+# Chat's names for the fields an error can name, as this API calls them.
+_PARAMS = {
+    "messages": "input",
+    "response_format": "text.format",
+    "response_format.json_schema.schema": "text.format.schema",
+}
+
+
+def _param(chat_param: str | None) -> str | None:
+    if chat_param is None:
+        return None
+    if chat_param.startswith("tools[") and chat_param.endswith("].function.parameters"):
+        return chat_param.replace("].function.parameters", "].parameters")
+    return _PARAMS.get(chat_param, chat_param)
 
 
 def _status(finish: str) -> str:
@@ -52,34 +119,38 @@ def _status(finish: str) -> str:
 
 class _Response:
     """One response's objects and, when streamed, its SSE events in order (the events `_sse` asks for:
-    `opening`, `text` per delta, then `closing` or `failure`). The per-token event is pre-rendered around the
-    only parts that change, its sequence number and text."""
+    `opening`, `text` per delta, `tool_calls`, then `closing` or `failure`). Output items follow the answer: a
+    message item opens at the first text, each complete tool call is a function_call item. The per-token event
+    is pre-rendered around the only parts that change, its sequence number and text."""
 
     def __init__(self, job: Job, body: ResponsesRequest):
         self.job = job
         self.body = body
         self.created_at = int(time.time())
-        self.item_id = "msg_" + job.id.removeprefix("resp_")
+        self._base = job.id.removeprefix("resp_")
         self.seq = 0
-        self.parts: list[str] = []
+        self.items: list[dict] = []  # output items so far; a message item keeps its text pieces in "_parts"
+        self._message: dict | None = None  # the message item text goes to, while open
+        self._delta = ""
         self.finished = False  # the stream's last event has been rendered
-        kind = "response.output_text.delta"
-        self._delta = (
-            f'event: {kind}\ndata: {{"type":"{kind}","item_id":"{self.item_id}","output_index":0,'
-            '"content_index":0,"logprobs":[],"sequence_number":'
-        )
 
     # -- objects -------------------------------------------------------------------------------------------------
     @staticmethod
     def _part(text: str) -> dict:
         return {"type": "output_text", "text": text, "annotations": []}
 
-    def _item(self, status: str, text: str | None) -> dict:
-        content = [] if text is None else [self._part(text)]
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
+    @staticmethod
+    def _public(item: dict, status: str) -> dict:
+        if item["type"] != "message":
+            return item
+        text = "".join(item["_parts"])
+        return {k: v for k, v in item.items() if k != "_parts"} | {"status": status, "content": [_Response._part(text)]}
 
-    def object(self, status: str, text: str | None, finish: str | None = None, error: dict | None = None) -> dict:
-        """The `response` object: `text` None before the answer has any (its first events)."""
+    def output(self, status: str) -> list[dict]:
+        item_status = "completed" if status == "completed" else "incomplete"
+        return [self._public(item, item_status) for item in self.items]
+
+    def object(self, status: str, finish: str | None = None, error: dict | None = None) -> dict:
         body = self.body
         u = self.job.usage
         usage = {
@@ -89,8 +160,8 @@ class _Response:
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.total_tokens,
         }
-        item_status = "completed" if status == "completed" else "incomplete"
         reason = _INCOMPLETE.get(finish) if status == "incomplete" else None
+        fmt = body.text.format if body.text is not None and body.text.format is not None else None
         return {
             "id": self.job.id,
             "object": "response",
@@ -103,19 +174,65 @@ class _Response:
             "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {},
             "model": body.model,
-            "output": [] if text is None else [self._item(item_status, text)],
-            "parallel_tool_calls": True,
+            "output": [] if status == "in_progress" else self.output(status),
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None,
             "store": False,  # whatever the request said: Tandem is stateless
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "top_p": 1.0 if body.top_p is None else body.top_p,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": body.tool_choice or "auto",
-            "tools": [],
+            "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt else {"type": "text"}},
+            "tool_choice": (
+                body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice or "auto"
+            ),
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
             "truncation": "disabled",
             "usage": usage if status != "in_progress" else None,
             "user": body.user,
         }
+
+    def _call_item(self, call) -> dict:
+        return {
+            "type": "function_call",
+            "id": "fc_" + call.id.removeprefix("call_"),
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": "completed",
+        }
+
+    def _open_message(self) -> bytes:
+        """Open a message item if none is open; its events when streamed."""
+        if self._message is not None:
+            return b""
+        n = sum(item["type"] == "message" for item in self.items)
+        item_id = f"msg_{self._base}" + (f"_{n}" if n else "")
+        self._message = {"type": "message", "id": item_id, "role": "assistant", "_parts": []}
+        self.items.append(self._message)
+        index = len(self.items) - 1
+        kind = "response.output_text.delta"
+        self._delta = (
+            f'event: {kind}\ndata: {{"type":"{kind}","item_id":"{item_id}","output_index":{index},'
+            '"content_index":0,"logprobs":[],"sequence_number":'
+        )
+        where = {"item_id": item_id, "output_index": index, "content_index": 0}
+        item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
+        return (
+            self._event("response.output_item.added", output_index=index, item=item)
+            + self._event("response.content_part.added", **where, part=self._part(""))
+        ).encode()
+
+    def _close_message(self) -> bytes:
+        if self._message is None:
+            return b""
+        item, self._message = self._message, None
+        index = self.items.index(item)
+        text = "".join(item["_parts"])
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return (
+            self._event("response.output_text.done", **where, text=text, logprobs=[])
+            + self._event("response.content_part.done", **where, part=self._part(text))
+            + self._event("response.output_item.done", output_index=index, item=self._public(item, "completed"))
+        ).encode()
 
     # -- events --------------------------------------------------------------------------------------------------
     def _event(self, kind: str, **fields) -> str:
@@ -124,40 +241,57 @@ class _Response:
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
     def opening(self) -> bytes:
-        shell = self.object("in_progress", None)
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        shell = self.object("in_progress")
         return (
-            self._event("response.created", response=shell)
-            + self._event("response.in_progress", response=shell)
-            + self._event("response.output_item.added", output_index=0, item=self._item("in_progress", None))
-            + self._event("response.content_part.added", **where, part=self._part(""))
+            self._event("response.created", response=shell) + self._event("response.in_progress", response=shell)
         ).encode()
 
     def text(self, text: str, logprobs=None) -> bytes:
-        self.parts.append(text)
+        head = self._open_message()
+        self._message["_parts"].append(text)
         event = f'{self._delta}{self.seq},"delta":{json.dumps(text)}}}\n\n'
         self.seq += 1
-        return event.encode()
+        return head + event.encode()
+
+    def tool_calls(self, calls, first_index: int) -> bytes:
+        out = [self._close_message()]
+        for call in calls:
+            item = self._call_item(call)
+            self.items.append(item)
+            index = len(self.items) - 1
+            where = {"item_id": item["id"], "output_index": index}
+            out.append(
+                (
+                    self._event(
+                        "response.output_item.added",
+                        output_index=index,
+                        item={**item, "arguments": "", "status": "in_progress"},
+                    )
+                    + self._event("response.function_call_arguments.delta", **where, delta=call.arguments)
+                    + self._event(
+                        "response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments
+                    )
+                    + self._event("response.output_item.done", output_index=index, item=item)
+                ).encode()
+            )
+        return b"".join(out)
 
     def closing(self, text: str, finish: str, logprobs=None) -> bytes:
         last = self.text(text) if text else b""
+        if not self.items:  # an empty answer still has its (empty) message
+            last += self._open_message()
         self.finished = True
-        whole = "".join(self.parts)
         status = _status(finish)
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        response = self.object(status, whole, finish)
-        events = (
-            self._event("response.output_text.done", **where, text=whole, logprobs=[])
-            + self._event("response.content_part.done", **where, part=self._part(whole))
-            + self._event("response.output_item.done", output_index=0, item=response["output"][0])
-            + self._event(f"response.{status}", response=response)
+        return (
+            last
+            + self._close_message()
+            + self._event(f"response.{status}", response=self.object(status, finish)).encode()
         )
-        return last + events.encode()
 
     def failure(self, exc: BaseException) -> bytes:
         self.finished = True
         error = {"code": "server_error", "message": f"the answer failed midway: {exc}"}
-        return self._event("response.failed", response=self.object("failed", "".join(self.parts), error=error)).encode()
+        return self._event("response.failed", response=self.object("failed", error=error)).encode()
 
 
 @router.post("/responses")
@@ -165,12 +299,16 @@ async def create_response(body: ResponsesRequest, request: Request):
     try:
         job = await _gateway(request).prepare_chat(chat_request(body), id_prefix="resp_")
     except ApiError as exc:
-        if exc.param == "messages":  # the prompt as a whole (too long for the context): here it is `input`
-            exc.param = "input"
+        exc.param = _param(exc.param)  # named as this API names it (e.g. the prompt as a whole is `input`)
         raise
     response = _Response(job, body)
     first, stream = await _begin(request, job)
     if body.stream:
         return _sse_response(request, job, _sse(job, first, stream, response), last=lambda _: response.finished)
     answer = await _while_connected(request, _collect(job, first, stream), "mid-answer")
-    return JSONResponse(response.object(_status(answer.finish), answer.text, answer.finish), headers=_headers(job))
+    # The same steps as a stream's build the output items (their events are not sent).
+    if answer.text:
+        response.text(answer.text)
+    response.tool_calls(answer.calls, 0)
+    response.closing("", answer.finish)
+    return JSONResponse(response.object(_status(answer.finish), answer.finish), headers=_headers(job))

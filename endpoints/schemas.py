@@ -201,7 +201,7 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
@@ -285,20 +285,64 @@ class InputMessage(_Request):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class TextConfig(_Request):
-    format: dict | None = None
+class FunctionCallItem(_Request):
+    """A function call the model made, sent back as input."""
 
-    @field_validator("format")
-    @classmethod
-    def _plain_text(cls, value):
-        if value is not None and value != {"type": "text"}:
-            raise ValueError('structured output is not supported yet; only {"type": "text"} is accepted')
-        return value
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(_Request):
+    """The result of a function call, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class ResponsesFunctionTool(_Request):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedTool(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    # json_schema only:
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")] | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.schema_ is not None and self.name is not None):
+            raise ValueError("name and schema are given exactly when type is 'json_schema'")
+        return self
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
 
 
 class ResponsesRequest(_Request):
     model: str
-    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    input: str | Annotated[list[InputMessage | FunctionCallItem | FunctionCallOutputItem], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -309,8 +353,9 @@ class ResponsesRequest(_Request):
     store: bool | None = None  # accepted either way: Tandem is stateless and stores nothing
     previous_response_id: str | None = None
     text: TextConfig | None = None
-    tools: list | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: Annotated[list[ResponsesFunctionTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: bool | None = None
     tandem: TandemOptions | None = None
 
     @field_validator("metadata")
@@ -329,11 +374,4 @@ class ResponsesRequest(_Request):
     def _stateless(cls, value: str | None):
         if value is not None:
             raise ValueError("Tandem is stateless and stores no responses; send the whole conversation as input")
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list | None):
-        if value:
-            raise ValueError("tools are not supported yet on /v1/responses")
         return value

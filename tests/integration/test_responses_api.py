@@ -143,8 +143,13 @@ def test_the_trace_of_a_response_is_at_its_id(fallback_gateway):
     [
         ({"temprature": 0.5}, "temprature"),
         ({"previous_response_id": "resp_abc"}, "previous_response_id"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objectx"}}}},
+            "text.format.schema",
+        ),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"input": []}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -200,3 +205,80 @@ def test_raw_sse_wire(fallback_gateway):
         assert event.startswith("event: ") and data.startswith("data: ")
         assert json.loads(data[6:])["type"] == event[7:]
     assert json.loads(blocks[-1].split("\n")[1][6:])["response"]["id"] == r.headers["x-request-id"]
+
+
+# --- tools and structured output (mapped onto chat's tools and response_format; the device applies the grammar) --
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+ASK = "What is the weather in Paris?"
+
+
+def test_a_forced_function_call_and_its_result_round_trip(fallback_gateway):
+    c = client(fallback_gateway)
+    first = c.responses.create(model="tandem", input=ASK, tools=[WEATHER], tool_choice="required", temperature=0)
+    assert first.status == "completed"
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    follow = [
+        {"role": "user", "content": ASK},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 31}'},
+    ]
+    second = c.responses.create(model="tandem", input=follow, tools=[WEATHER], temperature=0, max_output_tokens=30)
+    assert [item.type for item in second.output] == ["message"] and second.output_text
+    assert second.usage.input_tokens > first.usage.input_tokens + 10  # the call and its result reached the prompt
+
+
+def test_a_streamed_function_call_has_its_events(fallback_gateway):
+    stream = client(fallback_gateway).responses.create(
+        model="tandem",
+        input=ASK,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        stream=True,
+    )
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" not in kinds
+    assert kinds[2:-1] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1].response
+    [call] = done.output
+    assert call.type == "function_call" and json.loads(call.arguments) == json.loads(events[4].arguments)
+
+
+def test_text_format_json_schema(fallback_gateway):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    r = client(fallback_gateway).responses.create(
+        model="tandem",
+        input=ASK,
+        text={"format": {"type": "json_schema", "name": "weather", "schema": schema, "strict": True}},
+        temperature=0,
+        max_output_tokens=60,
+    )
+    answer = json.loads(r.output_text)
+    assert set(answer) == {"city", "sunny"} and isinstance(answer["sunny"], bool)
+    assert r.text.format.type == "json_schema"
