@@ -238,6 +238,8 @@ stall_timeout = 20
 [disco]
 migration = false
 profile_device = false
+side = "server"   # with a budget of 1, DiSCo-S races every prompt (tandem.policy = "disco-s")
+budget = 1.0
 [device]
 model = "smollm2-135m-instruct"
 n_ctx = 2048
@@ -309,6 +311,28 @@ def test_a_race_with_a_json_schema_is_won_by_an_endpoint_that_enforces_it(script
     )
     assert r.headers["x-tandem-backend"] == "chat"
     valid_city(r.parse().choices[0].message.content)
+
+
+def test_a_race_on_a_forced_tool_call_between_two_endpoints_that_enforce_it(scripted_gw, upstream):
+    # The chat upstream takes its time; the device, under the tool-call grammar, wins the race with a whole call.
+    upstream.reset()
+    upstream.push(Answer(pieces=("",), gap=3.0, calls=call_pieces('{"city": "Rome", "unit": "celsius"}')))
+    r = sdk(scripted_gw).chat.completions.with_raw_response.create(
+        model="tandem",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=120,
+        extra_body={"tandem": {"policy": "disco-s", "cloud": "chat"}},
+    )
+    c = r.parse().choices[0]
+    assert r.headers["x-tandem-backend"] == "device" and c.finish_reason == "tool_calls"
+    valid_weather_arguments(c.message.tool_calls[0].function.arguments)
+    t = trace(scripted_gw, r.headers["x-request-id"])
+    assert t["plan"]["kind"] == "race"
+    assert sorted((e["backend"], e["outcome"]) for e in t["endpoints"]) == [("chat", "lost"), ("device", "finished")]
+    assert upstream.requests[-1].body["tool_choice"] == "required"  # the upstream raced under the same rule
 
 
 def test_a_fault_inside_json_output_continues_under_the_schema(scripted_gw, upstream):
