@@ -8,7 +8,9 @@ alternating rounds, so machine noise hits them alike. Reports:
 - added TTFT p50/p99 at 1 and 32 concurrent streams (gateway minus direct, per percentile);
 - relayed chunk throughput at 32 streams, gateway / direct, for an upstream paced like a
   fast LLM (10 ms per chunk = 100 tok/s per stream) and for an unpaced one (saturation);
-- the gateway process's CPU time per relayed chunk.
+- the gateway process's CPU time per relayed chunk;
+- the time to the first tool-call delta of a streamed tool call (paced upstream): the gateway sends a call only
+  once it is whole, so it arrives when the upstream's last argument piece does.
 
 `--busy` keeps one core spinning in another process for the whole run, as a device model generating on
 the same machine would: it shows what the gateway pays for each wake-up of a peer process.
@@ -34,6 +36,7 @@ from app.bench.output import publish
 
 _CHUNK = 'data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":0,"model":"fast","choices":[{"index":0,"delta":{"content":"tok%d "},"logprobs":null,"finish_reason":null}]}\n\n'  # noqa: E501
 _LAST = 'data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":0,"model":"fast","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"%s"}]}\n\n'  # noqa: E501
+_TOOL = 'data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":0,"model":"fast","choices":[{"index":0,"delta":{"tool_calls":[%s]},"logprobs":null,"finish_reason":null}]}\n\n'  # noqa: E501
 _USAGE = 'data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":0,"model":"fast","choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n'  # noqa: E501
 
 
@@ -63,11 +66,19 @@ def make_upstream(gap: float):
                 "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
             }
         )
-        for i in range(n):
-            await send({"type": "http.response.body", "body": (_CHUNK % i).encode(), "more_body": True})
+        pieces = [_CHUNK % i for i in range(n)]
+        finish = "length"
+        if req.get("tools"):  # one call, its arguments in n pieces: {"q": "tok0 tok1 ... "}
+            head = {"index": 0, "id": "call_up", "type": "function", "function": {"name": "search", "arguments": ""}}
+            args = ['{"q": "', *(f"tok{i} " for i in range(n - 2)), '"}']
+            pieces = [_TOOL % json.dumps(head)]
+            pieces += [_TOOL % json.dumps({"index": 0, "function": {"arguments": a}}) for a in args]
+            finish = "tool_calls"
+        for piece in pieces:
+            await send({"type": "http.response.body", "body": piece.encode(), "more_body": True})
             if gap:
                 await asyncio.sleep(gap)
-        tail = _LAST % "length"
+        tail = _LAST % finish
         if (req.get("stream_options") or {}).get("include_usage"):
             tail += _USAGE % (10, n, 10 + n)
         await send({"type": "http.response.body", "body": (tail + "data: [DONE]\n\n").encode()})
@@ -105,6 +116,25 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, n: int) -> tuple
     if chunks != n:
         raise RuntimeError(f"{url}: expected {n} content chunks, got {chunks}")
     return ttft, chunks
+
+
+_TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+
+
+async def _first_tool_delta(client: httpx.AsyncClient, url: str, n: int) -> float:
+    """Seconds to the first tool-call delta of a streamed answer that is one call (n argument pieces)."""
+    body = {**_request("paced", n), "tools": _TOOLS}
+    t0 = time.perf_counter()
+    first = None
+    async with client.stream("POST", url + "/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if first is None and '"tool_calls"' in line:
+                first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError(f"{url}: no tool call in the answer")
+    return first
 
 
 class _RawClient:
@@ -185,6 +215,12 @@ async def _measure(direct: dict[str, str], gateway: str, gw_pid: int, rounds: in
                 cpu_per_chunk.append((_cpu_seconds(gw_pid) - cpu0) / chunks)
                 g_rates.append(chunks / wall)
             out[f"tput_{model}"] = (d_rates, g_rates, cpu_per_chunk)
+        # A streamed tool call of 16 pieces, 10 ms apart.
+        d_tool, g_tool = [], []
+        for _ in range(rounds * 4):
+            d_tool.append(await _first_tool_delta(client, direct["paced"], 16))
+            g_tool.append(await _first_tool_delta(client, gateway, 16))
+        out["tool_call"] = (d_tool, g_tool)
     # Last, so that no kept-alive connection of the client above idles long enough for a server to close it.
     async with _RawClient(direct["fast"], 4) as d_raw, _RawClient(gateway, 4) as g_raw:
         d_ttft, g_ttft = [], []
@@ -212,6 +248,12 @@ def _report(results: dict, rounds: int) -> str:
             f"| chunks/s, 32 streams, {label} (median of {rounds}) | {dm:,.0f} | {gm:,.0f} | **{gm / dm:.1%}** |"
         )
         lines.append(f"| gateway CPU per relayed chunk, {label} | | {statistics.median(cpu) * 1e6:.0f} µs | |")
+    d, g = results["tool_call"]
+    dm, gm = statistics.median(d) * 1e3, statistics.median(g) * 1e3
+    lines.append(
+        f"| first tool-call delta, one 16-piece call at 10 ms/piece (median of {len(d)}) | {dm:.1f} ms | {gm:.1f} ms"
+        f" | **{gm - dm:+.1f} ms** |"
+    )
     return "\n".join(lines)
 
 
