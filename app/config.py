@@ -140,6 +140,10 @@ class CloudSettings(_Strict):
     # Upstream accepts `prompt` as a list of token IDs (vLLM does; llama.cpp's Python
     # server does not, so continuations to it go as text and it re-tokenises them).
     token_id_prompts: bool = False
+    # Whether a chat upstream takes `tools`, `tool_choice` and `response_format` (OpenAI, vLLM, SGLang and
+    # llama.cpp's server do): "none" keeps requests that use them away from it. A completions upstream gets
+    # tools in the prompt the gateway renders and cannot enforce a format: its value is always "none".
+    structured_output: Literal["native", "none"] = "native"
     connect_timeout: Annotated[float, Field(gt=0)] = 3.0
     read_timeout: Annotated[float, Field(gt=0)] = 60.0  # max gap between two streamed chunks
     write_timeout: Annotated[float, Field(gt=0)] = 10.0
@@ -162,6 +166,12 @@ class CloudSettings(_Strict):
                 "continuation='completions' needs the gateway to know the upstream chat template; "
                 "set tokenizer='device' (upstream shares the device model's tokenizer) or continuation='chat'"
             )
+        if self.continuation == "completions" and "structured_output" in self.model_fields_set:
+            if self.structured_output != "none":
+                raise ValueError(
+                    "structured_output='native' needs continuation='chat' (a completions upstream is "
+                    "given tools in the prompt and cannot enforce response_format)"
+                )
         return self
 
 

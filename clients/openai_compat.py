@@ -39,6 +39,7 @@ class UpstreamOptions:
     shares_device_tokenizer: bool = False  # exact usage and token-id continuation with the device's tokenizer
     continues: bool = False  # continue answers through raw /completions (else fresh chat answers only)
     token_id_prompts: bool = False  # the upstream takes prompts as token ids
+    native_structure: bool = True  # a chat upstream takes tools / tool_choice / response_format
     connect_timeout: float = 3.0
     read_timeout: float = 60.0  # the longest silence between two streamed chunks
     write_timeout: float = 10.0
@@ -64,7 +65,7 @@ class OpenAICompatBackend(NoPrefixCache):
         self._count_exact = count_exact if options.shares_device_tokenizer else None
         self.can_continue = options.continues
         # A chat upstream enforces tools and response_format itself; a completions one only sees text.
-        self.structured_output = "none" if options.continues else "native"
+        self.structured_output = "native" if options.native_structure and not options.continues else "none"
         self.accepts_token_ids = options.token_id_prompts
         # Uncompressed answers: a compressed stream holds tokens back in the compressor, and raw bytes are
         # what `_sse_lines` reads.

@@ -95,13 +95,16 @@ class Orchestrator:
     def _serves(self, job: Job, name: str | None, continuing: bool = False) -> bool:
         """Whether `name` can give this request's answer the structure it asks for (a grammar from tool_choice or
         response_format): a chat upstream that enforces it natively only from the start, a backend that applies
-        the grammar itself also from a delivered prefix."""
+        the grammar itself also from a delivered prefix. Tools without a grammar go anywhere but to a chat
+        upstream configured not to take them."""
         if name is None:
             return False
-        if job.gen.grammar is None:
-            return True
-        kind = self.backends[name].structured_output
-        return kind == "grammar" or (kind == "native" and not continuing)
+        backend = self.backends[name]
+        kind = backend.structured_output
+        if job.gen.grammar is not None:
+            return kind == "grammar" or (kind == "native" and not continuing)
+        # Tools travel in the prompt the gateway renders, except to a chat upstream, which must take them itself.
+        return not (job.gen.tools and kind == "none" and not backend.can_continue)
 
     def _name_of(self, job: Job, role: str) -> str | None:
         return self.device if role == "device" else job.cloud

@@ -247,6 +247,11 @@ n_ctx = 2048
 base_url = "{upstream.base_url}"
 model = "scripted-chat"
 continuation = "chat"
+[clouds.plain]
+base_url = "{upstream.base_url}"
+model = "scripted-plain"
+continuation = "chat"
+structured_output = "none"
 [clouds.raw]
 base_url = "{upstream.base_url}"
 model = "scripted-raw"
@@ -289,6 +294,25 @@ def test_tools_and_formats_pass_through_to_a_chat_upstream(scripted_gw, upstream
     )
     assert upstream.requests[-1].body["response_format"] == CITY
     assert valid_city(r.choices[0].message.content)["population"] == 520000
+
+
+def test_a_chat_upstream_that_takes_no_tools_gets_no_tool_request(scripted_gw, upstream):
+    upstream.reset()
+    r = sdk(scripted_gw).chat.completions.with_raw_response.create(
+        model="tandem",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="auto",
+        temperature=0,
+        max_tokens=8,
+        extra_body={"tandem": {"cloud": "plain"}},
+    )
+    assert r.headers["x-tandem-backend"] == "device" and upstream.requests == []
+    # A plain request still goes there.
+    r = sdk(scripted_gw).chat.completions.with_raw_response.create(
+        model="tandem", messages=ASK, max_tokens=8, extra_body={"tandem": {"cloud": "plain"}}
+    )
+    assert r.headers["x-tandem-backend"] == "plain" and "tools" not in upstream.requests[-1].body
 
 
 def test_a_race_with_a_json_schema_is_won_by_an_endpoint_that_enforces_it(scripted_gw, upstream):

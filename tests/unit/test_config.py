@@ -31,6 +31,11 @@ def test_embedded_default_is_valid():
         ("[gateway]\nprot = 1", "gateway.prot"),
         ("[clouds.c]\nbase_url = 'ftp://x'", "clouds.c.base_url"),
         ("[clouds.c]\ntokenizer = 'tiktoken'\ncontinuation = 'completions'", "clouds.c"),
+        (
+            "[clouds.c]\ntokenizer = 'device'\ncontinuation = 'completions'\nstructured_output = 'native'",
+            "clouds.c",
+        ),
+        ("[clouds.c]\nstructured_output = 'grammar'", "clouds.c.structured_output"),
         ("[gateway]\ncloud = 'nope'\n[clouds.c]\nmodel = 'm'", "gateway.cloud"),
         ("[disco]\nbudget = 1.5", "disco.budget"),  # the budget knobs' rules: BudgetSettings', checked at load
         ("[disco]\nside = 'moon'", "disco.side"),
