@@ -148,8 +148,8 @@ class OpenAICompatBackend(NoPrefixCache):
         if request.tools:
             body["tools"] = list(request.tools)
             body["parallel_tool_calls"] = request.parallel_tool_calls
-        if request.tool_choice is not None:
-            body["tool_choice"] = request.tool_choice
+            if request.tool_choice is not None:
+                body["tool_choice"] = request.tool_choice
         if request.response_format is not None:
             body["response_format"] = request.response_format
         return "/chat/completions", body
