@@ -43,11 +43,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class ApiKeySettings(_Strict):
+    """An API key with a privacy level of its own (policies/privacy.py): its requests never go further."""
+
+    key: SecretStr
+    privacy: Literal["device", "split", "any"]
+
+
 class GatewaySettings(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     model_name: str = "tandem"
-    api_keys: list[SecretStr] = []
+    # A key, or {key = "...", privacy = "device" | "split" | "any"}.
+    api_keys: list[SecretStr | ApiKeySettings] = []
+    # Where a request may go unless it or its key says otherwise (policies/privacy.py).
+    privacy: Literal["device", "split", "any"] = "any"
     # Keys for PUT /v1/budget; when empty, budget changes need a gateway API key (if any).
     admin_keys: list[SecretStr] = []
     # Where budget settings changed over HTTP are kept across restarts.

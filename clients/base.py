@@ -127,6 +127,9 @@ class Backend(Protocol):
     # How it follows GenerationRequest.grammar: "grammar" applies it token by token, also from a delivered prefix;
     # "native" passes tools / response_format to an upstream that enforces them (fresh answers only); "none" cannot.
     structured_output: str
+    # What leaves the device when it serves (policies/privacy.py): "device" nothing, "split" hidden states (HAT),
+    # "cloud" the prompt's text.
+    locality: str
 
     def cached_prefix(self, ids: Sequence[int]) -> int:
         """How many leading tokens of `ids` it would take from its own KV cache instead of prefilling them."""

@@ -41,6 +41,7 @@ _END = object()
 
 class LlamaCppBackend:
     can_continue = True
+    locality = "device"
     structured_output = "grammar"  # clients/grammar.py, in the sampling loop
     accepts_token_ids = True  # the device model's own vocabulary
 

@@ -51,6 +51,8 @@ class UpstreamOptions:
 
 
 class OpenAICompatBackend(NoPrefixCache):
+    locality = "cloud"
+
     def __init__(
         self,
         name: str,

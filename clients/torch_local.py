@@ -181,6 +181,7 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
     """
 
     can_continue = True
+    locality = "device"
     structured_output = "none"
     accepts_token_ids = True  # the device model's own vocabulary
 

@@ -21,18 +21,34 @@ def bearer(authorization: str | None) -> bytes:
     return token.strip().encode() if scheme.lower() == "bearer" else b""
 
 
+def secret(entry) -> bytes:
+    """A configured key's bytes: a plain key, or a key entry with settings of its own (`.key`)."""
+    return getattr(entry, "key", entry).get_secret_value().encode()
+
+
+def matching(given: bytes, keys: Iterable[bytes]) -> int | None:
+    """The index of the key `given` is, or None; every key is compared, each in constant time."""
+    found = None
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(given, key):
+            found = i
+    return found
+
+
 def matches_any(given: bytes, keys: Iterable[bytes]) -> bool:
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(given, key)
-    return ok
+    return matching(given, keys) is not None
 
 
 async def require_api_key(request: Request) -> None:
+    """Every /v1 route but the budget's. Sets `request.state.key_privacy`: the matched key's privacy level, if
+    it has one."""
+    request.state.key_privacy = None
     keys = request.app.state.gateway.settings.gateway.api_keys
     if not keys:
         return
     given = bearer(request.headers.get("authorization"))
-    if not matches_any(given, (key.get_secret_value().encode() for key in keys)):
+    found = matching(given, (secret(key) for key in keys))
+    if found is None:
         message = "Missing API key: send 'Authorization: Bearer <key>'." if not given else "Incorrect API key provided."
         raise ApiError(401, message, code="invalid_api_key", type="authentication_error")
+    request.state.key_privacy = getattr(keys[found], "privacy", None)

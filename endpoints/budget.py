@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends, Request
 
 from app.serving.budget import BudgetValidationError
 from app.serving.ledger import Ledger, LedgerStateError
-from endpoints.auth import bearer, matches_any
+from endpoints.auth import bearer, matches_any, secret
 from endpoints.errors import ApiError
 
 
@@ -37,7 +37,7 @@ async def require_admin_key(request: Request) -> None:
     if not keys:
         return
     given = bearer(request.headers.get("authorization"))
-    if matches_any(given, (key.get_secret_value().encode() for key in keys)):
+    if matches_any(given, (secret(key) for key in keys)):
         return
     what = "admin key" if admin else "API key"
     message = f"Missing {what}: send 'Authorization: Bearer <key>'." if not given else f"Incorrect {what} provided."

@@ -500,12 +500,14 @@ async def _answer_choices(request: Request, body, job: Job, chat: bool):
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    return await _answer(request, body, await _gateway(request).prepare_chat(body), chat=True)
+    job = await _gateway(request).prepare_chat(body, request.state.key_privacy)
+    return await _answer(request, body, job, chat=True)
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
-    return await _answer(request, body, await _gateway(request).prepare_completion(body), chat=False)
+    job = await _gateway(request).prepare_completion(body, request.state.key_privacy)
+    return await _answer(request, body, job, chat=False)
 
 
 @router.get("/requests/{request_id}")

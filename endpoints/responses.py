@@ -297,7 +297,7 @@ class _Response:
 @router.post("/responses")
 async def create_response(body: ResponsesRequest, request: Request):
     try:
-        job = await _gateway(request).prepare_chat(chat_request(body), id_prefix="resp_")
+        job = await _gateway(request).prepare_chat(chat_request(body), request.state.key_privacy, id_prefix="resp_")
     except ApiError as exc:
         exc.param = _param(exc.param)  # named as this API names it (e.g. the prompt as a whole is `input`)
         raise

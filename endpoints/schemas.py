@@ -53,6 +53,9 @@ class TandemOptions(_Request):
 
     policy: str | None = Field(None, description="routing policy for this request, e.g. 'disco', 'device', 'cloud'")
     cloud: str | None = Field(None, description="which configured cloud endpoint DiSCo plays against the device")
+    privacy: Literal["device", "split", "any"] | None = Field(
+        None, description="where the request may go: the device only, the device or HAT, or anywhere"
+    )
 
 
 class TextPart(_Request):

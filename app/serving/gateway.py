@@ -34,6 +34,7 @@ from endpoints.guard import RequestGuard
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
 from policies import cost
 from policies.dispatch import canonical_name
+from policies.privacy import allows, effective_level
 
 # Architectures of the bundled models (checked against their GGUF metadata in the tests);
 # reading a GGUF's metadata takes ~10 s in Python, so other models pay that at start-up.
@@ -235,8 +236,8 @@ class Gateway:
             ids += [backend.name, backend.model_id]
         return list(dict.fromkeys(ids))
 
-    def _route(self, model: str, tandem) -> tuple[str | None, str, str | None]:
-        """(pinned backend, policy, cloud endpoint) for a request."""
+    def _route(self, model: str, tandem, key_privacy: str | None) -> tuple[str | None, str, str | None, str]:
+        """(pinned backend, policy, cloud endpoint, privacy level) for a request."""
         pinned = None
         if model != self.settings.gateway.model_name:
             pinned = next((n for n, b in self.backends.items() if model in (n, b.model_id)), None)
@@ -266,7 +267,17 @@ class Gateway:
             raise ApiError(
                 400, f"Policy '{chosen}' needs a cloud backend, and none is configured.", param="tandem.policy"
             )
-        return pinned, chosen, cloud
+        requested = tandem.privacy if tandem else None
+        privacy = effective_level(self.settings.gateway.privacy, key_privacy, requested)
+        if pinned is not None and not allows(privacy, self.backends[pinned].locality):
+            whose = "this request's" if requested == privacy else "this API key's" if key_privacy else "the gateway's"
+            raise ApiError(
+                400,
+                f"The model '{model}' is served by {pinned} ({self.backends[pinned].locality}), which {whose} "
+                f"privacy level '{privacy}' does not allow.",
+                param="tandem.privacy" if requested == privacy else "model",
+            )
+        return pinned, chosen, cloud, privacy
 
     def _require_loaded(self) -> None:
         if not self.loaded.is_set():
@@ -276,7 +287,7 @@ class Gateway:
             )
 
     def _job(self, prefix: str, gen: GenerationRequest, prompt_tokens: int, route) -> Job:
-        pinned, policy, cloud = route
+        pinned, policy, cloud, privacy = route
         return Job(
             id=f"{prefix}{uuid.uuid4().hex[:24]}",
             gen=gen,
@@ -284,6 +295,7 @@ class Gateway:
             policy=policy,
             pinned=pinned,
             cloud=cloud,
+            privacy=privacy,
         )
 
     def _limits(self, body, prompt_tokens: int) -> int:
@@ -348,9 +360,12 @@ class Gateway:
         token = special(text) if special is not None else None
         return f"<[{token}]>" if token is not None else json.dumps(text)
 
-    async def prepare_chat(self, body: ChatCompletionRequest, id_prefix: str = "chatcmpl-") -> Job:
-        """A chat request's job; `id_prefix` names its kind in the id (`resp_` for the Responses API)."""
-        route = self._route(body.model, body.tandem)
+    async def prepare_chat(
+        self, body: ChatCompletionRequest, key_privacy: str | None = None, id_prefix: str = "chatcmpl-"
+    ) -> Job:
+        """A chat request's job; `key_privacy` is its API key's privacy level, `id_prefix` names its kind in the
+        id (`resp_` for the Responses API)."""
+        route = self._route(body.model, body.tandem, key_privacy)
         self._require_loaded()
         structure = structure_of(body, self._tag)
         knows_tools = getattr(self.device, "template_knows_tools", False)
@@ -372,8 +387,8 @@ class Gateway:
         job.call_grammar = structure.call_grammar
         return job
 
-    async def prepare_completion(self, body: CompletionRequest) -> Job:
-        route = self._route(body.model, body.tandem)
+    async def prepare_completion(self, body: CompletionRequest, key_privacy: str | None = None) -> Job:
+        route = self._route(body.model, body.tandem, key_privacy)
         self._require_loaded()
         if isinstance(body.prompt, str):
             prompt_text = body.prompt

@@ -43,6 +43,7 @@ class Job:
     pinned: str | None = None  # a backend name when the request's model names one
     cloud: str | None = None  # the cloud endpoint DiSCo plays against the device for this request
     call_grammar: str | None = None  # app/serving/structured.py: Structure.call_grammar
+    privacy: str = "any"  # where it may go (policies/privacy.py)
     started: float = field(default_factory=time.monotonic)
     # Filled in while the answer streams:
     backend: str | None = None
@@ -74,4 +75,5 @@ class Job:
             pinned=self.pinned,
             cloud=self.cloud,
             call_grammar=self.call_grammar,
+            privacy=self.privacy,
         )

@@ -41,6 +41,7 @@ from clients.stops import StopMatcher
 from policies.cost import role_of
 from policies.dispatch import DispatchPlan
 from policies.migration import lead
+from policies.privacy import allows
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +94,16 @@ class Orchestrator:
         return "device" if name == self.device else "cloud"
 
     def _serves(self, job: Job, name: str | None, continuing: bool = False) -> bool:
-        """Whether `name` can give this request's answer the structure it asks for (a grammar from tool_choice or
-        response_format): a chat upstream that enforces it natively only from the start, a backend that applies
-        the grammar itself also from a delivered prefix. Tools without a grammar go anywhere but to a chat
-        upstream configured not to take them."""
+        """Whether `name` may serve this request: its privacy level allows the endpoint's locality, and the
+        endpoint can give the answer the structure it asks for (a grammar from tool_choice or response_format: a
+        chat upstream that enforces it natively only from the start, a backend that applies the grammar itself
+        also from a delivered prefix; tools without a grammar go anywhere but to a chat upstream configured not
+        to take them). Starts, races, fallbacks, cost migrations and fault migrations all ask here."""
         if name is None:
             return False
         backend = self.backends[name]
+        if not allows(job.privacy, backend.locality):  # the one place every route passes: plan, race, moves
+            return False
         kind = backend.structured_output
         if job.gen.grammar is not None:
             return kind == "grammar" or (kind == "native" and not continuing)
@@ -186,8 +190,9 @@ class Orchestrator:
         names = [n for n in names if self._serves(job, n)]
         if not names:
             raise BackendError(
-                f"{job.pinned or 'no endpoint of this request'} cannot enforce its tool_choice or response_format "
-                "(endpoints that can: the device's llama.cpp model and chat upstreams)",
+                f"{job.pinned or 'no endpoint of this request'} cannot serve it: its tool_choice or response_format "
+                "needs an endpoint that enforces it (the device's llama.cpp model, a chat upstream), within its "
+                f"privacy level '{job.privacy}'",
                 400,
             )
         last: BaseException | None = None

@@ -42,6 +42,7 @@ def trace_of(job: Job) -> dict:
     return {
         "id": job.id,
         "policy": job.policy,
+        "privacy": job.privacy,
         "plan": None
         if plan is None
         else {

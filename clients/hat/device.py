@@ -88,6 +88,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     """
 
     can_continue = True
+    locality = "split"
     structured_output = "none"  # the device half does not mask its head's logits yet
     accepts_token_ids = False  # True when the worker's model shares the device's vocabulary (set by the gateway)
 
