@@ -101,6 +101,8 @@ class Orchestrator:
         if job.gen.grammar is None:
             return True
         kind = self.backends[name].structured_output
+        if kind == "grammar" and not self._takes_ids(name) and "<[" in job.gen.grammar:
+            return False  # its `<[id]>` special tokens are the device vocabulary's ids (a HAT with another model)
         return kind == "grammar" or (kind == "native" and not continuing)
 
     def _name_of(self, job: Job, role: str) -> str | None:
@@ -184,7 +186,7 @@ class Orchestrator:
         if not names:
             raise BackendError(
                 f"{job.pinned or 'no endpoint of this request'} cannot enforce its tool_choice or response_format "
-                "(endpoints that can: the device's llama.cpp model and chat upstreams)",
+                "(endpoints that can: the device model, HAT and chat upstreams)",
                 400,
             )
         last: BaseException | None = None
