@@ -30,6 +30,15 @@ One generation = one worker session:
    one of the candidates, the next round starts with that branch's drafts and caches. It changes no output
    (drafts are only proposals); with sampling, it makes seeded runs timing-dependent (not reproducible run to
    run), while keeping the output distribution exact.
+5. Grammars (tool_choice / response_format: GenerationRequest.grammar, clients/grammar.py). The head's logits are
+   masked before every pick, after penalties / logit_bias; the grammar is advanced over the delivered prefix when
+   it covers it; the answer ends ("stop") once the grammar is complete, and EOS can only be picked where the
+   grammar allows it. Speculative decoding stays on and exact: the draft model picks each draft from its masked
+   logits (the matcher walked over the drafts tentatively, then rolled back), and verification masks position j
+   with the matcher advanced over drafts 0..j-1, so greedy output equals plain masked U-shape decoding token for
+   token and sampling keeps the masked distribution. Parallel drafting is off under a grammar (each branch would
+   need its own grammar state). Logprobs come from the head's raw logits. Requests without a grammar do no mask
+   work at all.
 
 Here: the backend and its schedule (prefill, rounds, verification, when to draft in parallel). Beside it:
 clients/hat/drafting.py (the draft model), clients/hat/session.py (a generation's frames),
