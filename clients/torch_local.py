@@ -11,6 +11,9 @@ prefill chunk or one decode token) at a time across the active streams, so
 concurrent requests queue safely and a second stream is not starved by a long
 first one. Each stream has a cancel flag, checked before every step; closing
 the async iterator (aclose or task cancellation) sets it.
+
+A request's grammar (tool_choice / response_format, clients/grammar.py) masks the logits before every pick, from
+the delivered prefix on when the grammar covers it; the answer ends ("stop") once the grammar is complete.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent
+from clients.grammar import GrammarError, HFTokenizerGrammars, TokenMask
 from clients.hf_model import HFTokenizerMixin, open_token_source
 from clients.sampling import LogitAdjuster, sample_next, seeded_generator, token_logprob
 from clients.stops import StopMatcher
@@ -83,6 +87,7 @@ class _Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     steps: Iterator[None] | None = None
     generated: int = 0
+    mask: TokenMask | None = None  # the request's grammar, if any
 
 
 _DONE = object()
@@ -182,7 +187,7 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
 
     can_continue = True
     locality = "device"
-    structured_output = "none"
+    structured_output = "grammar"  # clients/grammar.py, in the decode loop
     accepts_token_ids = True  # the device model's own vocabulary
 
     def __init__(
@@ -210,6 +215,7 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
         self.model = model
         self.tokenizer = tokenizer
         self._tok_lock = threading.Lock()  # the Rust tokenizer is shared by the loop and the model thread
+        self._grammars: HFTokenizerGrammars | None = None
         self._thread: _ModelThread | None = None
         self._ready = False
         self.eos_ids: frozenset[int] = frozenset()
@@ -241,6 +247,7 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
         )
         self.model, self.tokenizer = src.model, src.tokenizer
         self.eos_ids, self.max_context = src.eos_ids, src.max_context
+        self._grammars = HFTokenizerGrammars(self.tokenizer, self.eos_ids, self._tok_lock)
         self.load_seconds = time.monotonic() - t0
         log.info(
             "%s: model %s ready in %.1f s (eos ids %s)",
@@ -298,6 +305,15 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
                 status=400,
                 backend=self.name,
             )
+        mask = None
+        if request.grammar is not None:
+            assert self._grammars is not None
+            try:
+                mask = await asyncio.to_thread(self._grammars.mask, request.grammar)  # the first builds the vocab
+                if request.grammar_covers_prefix:
+                    mask.advance(self.answer_prefix_ids(request))
+            except GrammarError as exc:
+                raise BackendError(f"grammar: {exc}", status=400, backend=self.name) from exc
 
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Any] = asyncio.Queue()
@@ -306,7 +322,7 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
             with contextlib.suppress(RuntimeError):  # loop already closed: nobody is listening
                 loop.call_soon_threadsafe(events.put_nowait, item)
 
-        job = _Job(request=request, emit=emit)
+        job = _Job(request=request, emit=emit, mask=mask)
         job.steps = self._steps(job, context)
         self._thread.add(job)
         try:
@@ -351,10 +367,12 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
             logits = out.logits[0, -1]
             yield  # lets other streams and the cancel flag in between prefill chunks
         assert logits is not None
+        mask = job.mask
         for i in range(max_tokens):
-            token = sample_next(
-                logits if adjust is None else adjust.apply(logits), req.temperature, req.top_p, generator
-            )
+            scores = logits if adjust is None else adjust.apply(logits)
+            if mask is not None:
+                scores = mask.apply(scores)
+            token = sample_next(scores, req.temperature, req.top_p, generator)
             if adjust is not None:
                 adjust.accept(token)
             if req.logprobs is not None:
@@ -365,14 +383,19 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
                 tail, hit = stops.feed(detok.flush())
                 job.emit(TokenEvent(text=tail if hit else tail + stops.flush(), finish_reason="stop"))
                 return
+            complete = False
+            if mask is not None:
+                mask.accept(token)
+                complete = mask.finished  # the grammar allows nothing more: the answer ends with this token
             text, stopped = stops.feed(detok.push(token))
             if stopped:
                 job.emit(TokenEvent(text=text, token_id=token, finish_reason="stop", logprobs=lps))
                 return
-            if i == max_tokens - 1:
+            if i == max_tokens - 1 or complete:
                 tail, hit = stops.feed(detok.flush())
                 text += tail if hit else tail + stops.flush()
-                job.emit(TokenEvent(text=text, token_id=token, finish_reason="stop" if hit else "length", logprobs=lps))
+                finish = "stop" if hit or complete else "length"
+                job.emit(TokenEvent(text=text, token_id=token, finish_reason=finish, logprobs=lps))
                 return
             job.emit(TokenEvent(text=text, token_id=token, logprobs=lps))
             yield  # the cancel flag is checked here, before the next forward pass

@@ -106,6 +106,8 @@ class Orchestrator:
             return False
         kind = backend.structured_output
         if job.gen.grammar is not None:
+            if kind == "grammar" and not self._takes_ids(name) and "<[" in job.gen.grammar:
+                return False  # its `<[id]>` special tokens are the device vocabulary's ids (a HAT with another model)
             return kind == "grammar" or (kind == "native" and not continuing)
         # Tools travel in the prompt the gateway renders, except to a chat upstream, which must take them itself.
         return not (job.gen.tools and kind == "none" and not backend.can_continue)
@@ -191,8 +193,8 @@ class Orchestrator:
         if not names:
             raise BackendError(
                 f"{job.pinned or 'no endpoint of this request'} cannot serve it: its tool_choice or response_format "
-                "needs an endpoint that enforces it (the device's llama.cpp model, a chat upstream), within its "
-                f"privacy level '{job.privacy}'",
+                "needs an endpoint that enforces it (the device model, HAT, a chat upstream), within its privacy "
+                f"level '{job.privacy}'",
                 400,
             )
         last: BaseException | None = None

@@ -30,6 +30,15 @@ One generation = one worker session:
    one of the candidates, the next round starts with that branch's drafts and caches. It changes no output
    (drafts are only proposals); with sampling, it makes seeded runs timing-dependent (not reproducible run to
    run), while keeping the output distribution exact.
+5. Grammars (tool_choice / response_format: GenerationRequest.grammar, clients/grammar.py). The head's logits are
+   masked before every pick, after penalties / logit_bias; the grammar is advanced over the delivered prefix when
+   it covers it; the answer ends ("stop") once the grammar is complete, and EOS can only be picked where the
+   grammar allows it. Speculative decoding stays on and exact: the draft model picks each draft from its masked
+   logits (the matcher walked over the drafts tentatively, then rolled back), and verification masks position j
+   with the matcher advanced over drafts 0..j-1, so greedy output equals plain masked U-shape decoding token for
+   token and sampling keeps the masked distribution. Parallel drafting is off under a grammar (each branch would
+   need its own grammar state). Logprobs come from the head's raw logits. Requests without a grammar do no mask
+   work at all.
 
 Here: the backend and its schedule (prefill, rounds, verification, when to draft in parallel). Beside it:
 clients/hat/drafting.py (the draft model), clients/hat/session.py (a generation's frames),
@@ -54,6 +63,7 @@ from typing import Any
 import torch
 
 from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent
+from clients.grammar import GrammarError, HFTokenizerGrammars, TokenMask
 from clients.hat import wire
 from clients.hat.drafting import Branches, Draft, Drafter, DraftState
 from clients.hat.options import HATOptions, HATStats
@@ -89,7 +99,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
 
     can_continue = True
     locality = "split"
-    structured_output = "none"  # the device half does not mask its head's logits yet
+    structured_output = "grammar"  # clients/grammar.py: the head's logits masked before every pick, drafts included
     accepts_token_ids = False  # True when the worker's model shares the device's vocabulary (set by the gateway)
 
     def __init__(self, options: HATOptions, *, model: Any = None, tokenizer: Any = None) -> None:
@@ -123,6 +133,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self.model = model
         self.tokenizer = tokenizer
         self._tok_lock = threading.Lock()
+        self._grammars: HFTokenizerGrammars | None = None  # built at load, its tokenizer at the first grammar
         self._executor: ThreadPoolExecutor | None = None
         self._ready = False
         self._worker_ok: tuple[float, bool] = (0.0, False)
@@ -173,6 +184,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             model.model.layers = nn.ModuleList(list(model.model.layers)[: o.m])
         del split
         self.eos_ids, self.max_context = src.eos_ids, src.max_context
+        self._grammars = HFTokenizerGrammars(self.tokenizer, self.eos_ids, self._tok_lock)
         if o.draft_vocab_path:
             self._load_draft_vocab(o.draft_vocab_path)
         log.info("%s: device half of %s ready in %.1f s", self.name, self.model_id, time.monotonic() - t0)
@@ -222,6 +234,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if not self._ready:
             raise BackendError(f"{self.name}: model not loaded", status=503, backend=self.name)
         context = self.context_ids(request)
+        mask = await self._grammar_mask(request) if request.grammar is not None else None
         self.active += 1
         transport = self.address.transport(self.link_options)
         link = FrameSession(transport, self.link_options, self.hidden_size)
@@ -236,7 +249,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                     backend=self.name,
                 )
             self.stats.sessions += 1
-            async for event in self._generate(link, st, request, context, limit):
+            async for event in self._generate(link, st, request, context, limit, mask):
                 yield event
         except TimeoutError:
             raise BackendError(f"{self.name}: the worker did not answer in time", 504, self.name) from None
@@ -251,8 +264,30 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             self.stats.bytes_up += transport.bytes_up
             self.stats.bytes_down += transport.bytes_down
 
+    async def _grammar_mask(self, request: GenerationRequest) -> TokenMask:
+        """The request's grammar over the device's vocabulary, advanced over the delivered prefix when the grammar
+        covers it (a 400 when it does not compile or the prefix does not fit it)."""
+        assert self._grammars is not None and request.grammar is not None
+
+        def build() -> TokenMask:
+            mask = self._grammars.mask(request.grammar)  # the first builds the vocabulary (~2 s)
+            if request.grammar_covers_prefix:
+                mask.advance(self.answer_prefix_ids(request))
+            return mask
+
+        try:
+            return await asyncio.to_thread(build)
+        except GrammarError as exc:
+            raise BackendError(f"grammar: {exc}", status=400, backend=self.name) from exc
+
     async def _generate(
-        self, link: FrameSession, st: DraftState, req: GenerationRequest, context: list[int], limit: int
+        self,
+        link: FrameSession,
+        st: DraftState,
+        req: GenerationRequest,
+        context: list[int],
+        limit: int,
+        mask: TokenMask | None = None,
     ) -> AsyncIterator[TokenEvent]:
         max_tokens = min(req.max_tokens, limit - len(context))
         if max_tokens <= 0:
@@ -268,6 +303,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
 
         logits = await self._prefill(link, st, context)
         scores = logits if adjust is None else adjust.apply(logits)
+        if mask is not None:  # after penalties / logit_bias: nothing may bring back a token the grammar forbids
+            scores = await self._run(mask.apply, scores)
         pending = [await self._run(sample_next, scores, req.temperature, req.top_p, generator)]
         pending_lps = None
         if req.logprobs is not None:
@@ -284,14 +321,19 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                     tail, hit = stops.feed(detok.flush())
                     yield TokenEvent(text=tail if hit else tail + stops.flush(), finish_reason="stop")
                     return
+                complete = False
+                if mask is not None:
+                    mask.accept(token)
+                    complete = mask.finished  # the grammar allows nothing more: the answer ends with this token
                 text, stopped = stops.feed(detok.push(token))
                 if stopped:
                     yield TokenEvent(text=text, token_id=token, finish_reason="stop", logprobs=lps)
                     return
-                if emitted >= max_tokens:
+                if emitted >= max_tokens or complete:
                     tail, hit = stops.feed(detok.flush())
                     text += tail if hit else tail + stops.flush()
-                    yield TokenEvent(text=text, token_id=token, finish_reason="stop" if hit else "length", logprobs=lps)
+                    finish = "stop" if hit or complete else "length"
+                    yield TokenEvent(text=text, token_id=token, finish_reason=finish, logprobs=lps)
                     return
                 yield TokenEvent(text=text, token_id=token, logprobs=lps)
             last = pending[-1]
@@ -300,7 +342,9 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 if self.options.speculative
                 else 0
             )
-            pending, pending_lps = await self._round(link, st, last, position, max(cap, 0), req, generator, adjust)
+            pending, pending_lps = await self._round(
+                link, st, last, position, max(cap, 0), req, generator, adjust, mask
+            )
             position += len(pending)
 
     # --- prefill --------------------------------------------------------------------------------
@@ -377,6 +421,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         req: GenerationRequest,
         gen: torch.Generator | None,
         adjust: LogitAdjuster | None = None,
+        mask: TokenMask | None = None,
     ) -> tuple[list[int], list | None]:
         """One speculative round from `token` at `position`; returns the new tokens (accepted drafts + 1) and,
         when the request asked for them, their logprobs (from the head's logits at each token's position)."""
@@ -388,14 +433,14 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         else:
             if st.prepared is not None:  # stale branch (cannot happen unless the caller skipped a round): drop it
                 raise BackendError(f"{self.name}: internal error: unused parallel draft", 500, self.name)
-            draft = await self._run(self.drafter.draft, st, token, position, cap, temperature, top_p, gen)
+            draft = await self._run(self.drafter.draft, st, token, position, cap, temperature, top_p, gen, mask)
         st.prepared = st.prepared_at = None
         t1 = time.perf_counter()
         k = len(draft.tokens)
         seq = link.send_tensor(wire.Kind.DRAFT, draft.shallow, position)
         parallel: asyncio.Task[Branches | None] | None = None
         stop = threading.Event()
-        if self.options.parallel_drafting and k >= 1:
+        if self.options.parallel_drafting and k >= 1 and mask is None:  # branches would need a grammar state each
             timing = self._pd_window(k, link.info)
             parallel = asyncio.create_task(self._parallel(st, draft, position, temperature, top_p, gen, stop, timing))
         try:
@@ -413,7 +458,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 self.name,
             )
         new, accepted, lps = await self._run(
-            self._verify, st, deep, draft, position, temperature, top_p, gen, adjust, req.logprobs
+            self._verify, st, deep, draft, position, temperature, top_p, gen, adjust, req.logprobs, mask
         )
         if accepted < k:
             link.send_control(wire.Kind.ROLLBACK, position + accepted + 1)
@@ -504,6 +549,41 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         gen: torch.Generator | None,
         adjust: LogitAdjuster | None = None,
         logprobs: int | None = None,
+        mask: TokenMask | None = None,
+    ) -> tuple[list[int], int, list | None]:
+        walked = [0, True]  # drafts the grammar has tentatively consumed; whether all so far fitted it
+
+        def constrain(j: int, row: torch.Tensor) -> torch.Tensor:
+            """Position j's logits masked by the grammar advanced over drafts 0..j-1 (as plain decoding would see
+            them had it chosen those drafts). Past a draft the grammar refuses, positions are never reached
+            (that draft has probability 0 in its own masked row and is rejected): left unmasked."""
+            assert mask is not None
+            while walked[0] < j and walked[1]:
+                if mask.try_accept(draft.tokens[walked[0]]):
+                    walked[0] += 1
+                else:
+                    walked[1] = False
+            return mask.apply(row) if walked[0] == j else row
+
+        check = None if mask is None else constrain
+        try:
+            return self._verify_rows(st, deep, draft, position, temperature, top_p, gen, adjust, logprobs, check)
+        finally:
+            if mask is not None:
+                mask.rollback(walked[0])  # the emitted tokens are accepted as they are delivered
+
+    def _verify_rows(
+        self,
+        st: DraftState,
+        deep: torch.Tensor,
+        draft: Draft,
+        position: int,
+        temperature: float,
+        top_p: float,
+        gen: torch.Generator | None,
+        adjust: LogitAdjuster | None,
+        logprobs: int | None,
+        constrain: Callable[[int, torch.Tensor], torch.Tensor] | None,
     ) -> tuple[list[int], int, list | None]:
         with torch.inference_mode():
             k = len(draft.tokens)
@@ -521,6 +601,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                         logits = torch.stack(
                             [adjust.apply(row, draft.tokens[:j]) for j, row in enumerate(logits, start=len(rows))]
                         )
+                    if constrain is not None:  # after penalties, as in plain decoding
+                        logits = torch.stack([constrain(j, row) for j, row in enumerate(logits, start=len(rows))])
                     rows.extend(logits if temperature <= 0 else probabilities(logits, temperature, top_p))
                 return rows[i]
 

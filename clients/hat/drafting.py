@@ -97,8 +97,13 @@ class Drafter:
         temperature: float,
         top_p: float,
         gen: torch.Generator | None,
+        mask: Any = None,
     ) -> Draft:
-        """Draft up to `cap` tokens after `token` (Eq. 5 stop rule); shallow states of token + drafts."""
+        """Draft up to `cap` tokens after `token` (Eq. 5 stop rule); shallow states of token + drafts.
+
+        `mask` (clients.grammar.TokenMask, a constrained request's): every draft is chosen from the head's logits
+        masked by the grammar advanced over the drafts before it; the grammar is stepped back to where it was
+        before returning. Drafting stops where the grammar is complete (nothing but the end may follow)."""
         tokens: list[int] = []
         dists: list[torch.Tensor] = []
         shallows: list[torch.Tensor] = []
@@ -111,14 +116,25 @@ class Drafter:
                 shallows.append(shallow[0])
                 if stop:
                     break
-                d, probs = choose(self.head(feats[:, -1], pos)[0], temperature, top_p, gen)
+                logits = self.head(feats[:, -1], pos)[0]
+                if mask is not None:
+                    logits = mask.apply(logits)
+                    if not torch.isfinite(logits).any():  # a reduced draft vocabulary without an allowed token
+                        break
+                d, probs = choose(logits, temperature, top_p, gen)
                 keep, stop = self.rule.decide(float(probs[d]), len(tokens))
                 if not keep:
                     break
+                if mask is not None:
+                    if not mask.try_accept(d):
+                        break
+                    stop = stop or mask.finished
                 tokens.append(d)
                 dists.append(probs)
                 stop = stop or len(tokens) >= cap
                 cur, pos = d, pos + 1
+        if mask is not None:
+            mask.rollback(len(tokens))
         return Draft(tokens, dists, torch.cat(shallows))
 
     def take_prepared(self, st: DraftState, position: int, cap: int) -> Draft:

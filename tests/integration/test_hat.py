@@ -758,3 +758,146 @@ async def test_logprobs_and_penalties_through_accepted_drafts(worker: WorkerServ
         assert penalised != got
     finally:
         await backend.close()
+
+
+# --- grammars (tool_choice / response_format) -------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def u_shape_masked(model: Any, ids: list[int], n: int, mask: Any, eos: frozenset[int]) -> list[int]:
+    """Plain U-shape greedy with the grammar's mask applied before every pick (ends where the grammar does)."""
+    session = split_model(model, 2).session()
+    logits = session.prefill(torch.tensor([ids]), 16)[0, -1]
+    tokens: list[int] = []
+    for _ in range(n):
+        token = int(mask.apply(logits).argmax())
+        if token in eos:
+            break
+        tokens.append(token)
+        mask.accept(token)
+        if mask.finished:
+            break
+        logits = session.forward([[token]])[0, -1]
+    return tokens
+
+
+def _valid_person(value: Any) -> bool:
+    return set(value) == {"name", "age"} and isinstance(value["name"], str) and type(value["age"]) is int
+
+
+@pytest.fixture(scope="module")
+def qwen_hat() -> Iterator[tuple[WorkerServer, Any, Any, dict[str, Any]]]:
+    """Qwen2.5-0.5B (its vocabulary has <tool_call> tokens) with the shipped adapter and draft vocabulary:
+    speculative decoding on, parallel drafting configured on too."""
+    model, tok = load(QWEN05)
+    adapter, draft_vocab = draft_files("qwen2.5-coder-0.5b-instruct", 2)
+    server = WorkerServer(model, QWEN05, max_sessions=2).start()
+    kw = {"adapter_path": adapter, "draft_vocab_path": draft_vocab, "parallel_drafting": True}
+    yield server, model, tok, kw
+    server.stop()
+
+
+async def test_forced_tool_call_and_json_schema_under_speculative_decoding(qwen_hat) -> None:
+    """A forced call (special-token tags) and a json_schema answer: drafts and verified positions are masked, so
+    the output is the plain masked greedy answer, it parses, and the answer ends as soon as the grammar does."""
+    from app.serving.structured import _json_rule, tool_call_grammar
+    from app.serving.tool_calls import ToolCallSplitter
+
+    server, model, tok, kw = qwen_hat
+    backend = server.backend(model, tok, QWEN05, **kw)
+    await backend.start()
+    try:
+        tag = lambda text: f"<[{tok.convert_tokens_to_ids(text)}]>"  # noqa: E731 - Gateway._tag, Qwen's vocabulary
+        tools_prompt = tok.apply_chat_template(
+            [{"role": "user", "content": "Tell me a joke."}],
+            tools=[WEATHER],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        ids = tok(tools_prompt, add_special_tokens=False)["input_ids"]
+        grammar = tool_call_grammar([WEATHER], ["get_weather"], False, tag)
+        assert "<[" in grammar
+        events = await collect(backend, ids, max_tokens=48, grammar=grammar)
+        text = "".join(e.text for e in events)
+        assert events[-1].finish_reason == "stop"
+        splitter = ToolCallSplitter()
+        content, calls = [], []
+        for e in events:
+            c, done = splitter.feed(e.text)
+            content.append(c)
+            calls += done
+        c, done = splitter.finish()
+        calls += done
+        assert not "".join([*content, c]).strip(), text
+        assert [call.name for call in calls] == ["get_weather"], text
+        assert isinstance(json.loads(calls[0].arguments)["city"], str)
+        assert backend.stats.drafted > 0 and backend.stats.parallel_steps == 0  # speculation on, no branches
+        got = token_ids(events)
+        want = u_shape_masked(model, ids, 48, backend._grammars.mask(grammar), backend.eos_ids)
+        assert got == want
+        print(f"forced call: {text!r}; {backend.stats.summary()}")
+
+        before = backend.stats.accepted
+        ids = prompt_ids(tok, "Invent a person. Answer in JSON with their name and age.")
+        grammar = "start: " + _json_rule(PERSON)
+        for temperature in (0.0, 0.8):  # greedy verification, then speculative rejection sampling
+            events = await collect(backend, ids, max_tokens=40, grammar=grammar, temperature=temperature, seed=3)
+            text = "".join(e.text for e in events)
+            assert events[-1].finish_reason == "stop", text
+            assert _valid_person(json.loads(text)), text
+            print(f"json_schema at T={temperature}: {text!r}")
+        assert backend.stats.accepted > before  # masked drafts were accepted
+        print(backend.stats.summary())
+    finally:
+        await backend.close()
+    await wait_for(lambda: server.engine.session_count == 0)
+
+
+async def test_json_continuation_from_a_delivered_prefix(qwen_hat) -> None:
+    """A migration's continuation: the grammar is advanced over the delivered JSON prefix first, so the answer
+    completes that JSON; logprobs still come from the head's own (unmasked) logits."""
+    from app.serving.structured import _json_rule
+
+    server, model, tok, kw = qwen_hat
+    backend = server.backend(model, tok, QWEN05, **kw)
+    await backend.start()
+    try:
+        ids = prompt_ids(tok, "Invent a person. Answer in JSON with their name and age.")
+        prefix = '{"name": "Ada'
+        prefix_ids = tuple(tok(prefix, add_special_tokens=False)["input_ids"])
+        grammar = "start: " + _json_rule(PERSON)
+        events = await collect(
+            backend, ids, max_tokens=30, grammar=grammar, prefix_text=prefix, prefix_ids=prefix_ids, logprobs=1
+        )
+        text = prefix + "".join(e.text for e in events)
+        assert events[-1].finish_reason == "stop", text
+        value = json.loads(text)
+        assert _valid_person(value) and value["name"].startswith("Ada"), text
+        got = token_ids(events)
+        context = ids + list(prefix_ids)
+        with torch.inference_mode():
+            logits = model(torch.tensor([context + got])).logits[0, len(context) - 1 : len(context) - 1 + len(got)]
+        expected = torch.log_softmax(logits.float(), dim=-1)
+        for i, e in enumerate(e for e in events if e.token_id is not None):
+            assert e.logprobs[0].logprob == pytest.approx(float(expected[i, got[i]]), abs=2e-3)
+        assert min(float(expected[i, t]) for i, t in enumerate(got)) < -1e-3  # not the masked (forced: 0) ones
+        with pytest.raises(BackendError) as err:  # a prefix the grammar cannot read: the request is wrong
+            await collect(backend, ids, grammar=grammar, prefix_text="[1", prefix_ids=(58, 16))
+        assert err.value.status == 400
+    finally:
+        await backend.close()
+    await wait_for(lambda: server.engine.session_count == 0)

@@ -85,3 +85,28 @@ def test_migration_between_device_and_hat(hat_gateway, policy, patch, source, ta
     prefix, rest = "".join(pieces[:k]), "".join(pieces[k:])
     assert independent_continuation(hat_gateway, target, MESSAGES, prefix, len(pieces) - k) == rest
     assert [(e["backend"], e["outcome"]) for e in t["endpoints"]] == [(source, "migrated-from"), (target, "finished")]
+
+
+def test_sdk_json_schema_through_hat(hat_gateway):
+    """response_format json_schema pinned to HAT: the device half masks its head's logits with the grammar."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    c = openai.OpenAI(base_url=hat_gateway.v1, api_key="x", max_retries=0, timeout=180)
+    raw = c.chat.completions.with_raw_response.create(
+        model="hat",
+        messages=[{"role": "user", "content": "Invent a person."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    )
+    assert raw.headers["x-tandem-backend"] == "hat"
+    r = raw.parse()
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"name", "age"} and isinstance(value["name"], str) and type(value["age"]) is int
+    assert r.choices[0].finish_reason == "stop"

@@ -245,3 +245,40 @@ async def test_logprobs_and_penalties(smollm: tuple[Any, Any]) -> None:  # noqa:
         assert other[0] != got[0] and other != got
     finally:
         await b.close()
+
+
+@pytest.mark.asyncio
+async def test_grammar_constrained_json_and_continuation(smollm: tuple[Any, Any]) -> None:  # noqa: F811
+    """A json_schema grammar masks every pick (the answer ends with the grammar, "stop"); a continuation from a
+    delivered JSON prefix completes that JSON; logprobs stay the model's own."""
+    import json
+
+    from app.serving.structured import _json_rule
+
+    _, tok = smollm
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    grammar = "start: " + _json_rule(schema)
+    b = await _backend(smollm)
+    try:
+        prompt = chat_prompt(tok, "Invent a person. Answer in JSON.")
+        events = await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=40, temperature=0, grammar=grammar))
+        text = "".join(e.text for e in events)
+        assert events[-1].finish_reason == "stop", text
+        value = json.loads(text)
+        assert set(value) == {"name", "age"} and type(value["age"]) is int
+        prefix = '{"name": "Bo'
+        req = GenerationRequest(
+            prompt_text=prompt, prefix_text=prefix, max_tokens=40, temperature=0, grammar=grammar, logprobs=0
+        )
+        events = await _collect(b, req)
+        text = prefix + "".join(e.text for e in events)
+        assert events[-1].finish_reason == "stop", text
+        assert json.loads(text)["name"].startswith("Bo")
+        assert any(e.logprobs[0].logprob < -1e-3 for e in events if e.token_id is not None)
+    finally:
+        await b.close()
