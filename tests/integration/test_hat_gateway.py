@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from app.launcher import GatewayProcess, free_port
 from tests.conftest import start_gateway, stop_gateway
 from tests.integration.disco_helpers import independent_continuation, stream_chunks, trace
 
@@ -16,8 +17,9 @@ MESSAGES = [{"role": "user", "content": "Write a Python function that checks whe
 
 
 @pytest.fixture(scope="module")
-def hat_gateway():
-    gw = start_gateway("""
+def hat_gateway(upstream):
+    worker_port = free_port()
+    gw = start_gateway(f"""
 [gateway]
 policy = "device"
 cloud = "hat"
@@ -32,8 +34,13 @@ kind = "hat"
 model = "qwen2.5-coder-0.5b-instruct"
 m = 2
 [clouds.hat.embedded]
-port = 0
+port = {worker_port}
+[clouds.plain]
+base_url = "{upstream.base_url}"
+model = "scripted"
+continuation = "chat"
 """)
+    gw.worker_url = f"http://127.0.0.1:{worker_port}"
     yield gw
     stop_gateway(gw)
 
@@ -110,3 +117,45 @@ def test_sdk_json_schema_through_hat(hat_gateway):
     value = json.loads(r.choices[0].message.content)
     assert set(value) == {"name", "age"} and isinstance(value["name"], str) and type(value["age"]) is int
     assert r.choices[0].finish_reason == "stop"
+
+
+# --- privacy levels: `split` allows HAT and never a plain cloud; `device` allows neither ----------------------------
+
+
+def _sessions_opened(gw: GatewayProcess) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(gw.worker_url + "/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("tandem_worker_sessions_opened"):
+                return float(sample.value)
+    raise AssertionError("no sessions_opened metric at the worker")
+
+
+def _ask(gw, **body) -> httpx.Response:
+    body = {"model": "tandem", "messages": MESSAGES, "max_tokens": 4, "temperature": 0, **body}
+    return httpx.post(gw.v1 + "/chat/completions", json=body, timeout=180)
+
+
+def test_split_level_uses_hat_and_never_the_plain_cloud(hat_gateway, upstream):
+    upstream.reset()
+    r = _ask(hat_gateway, tandem={"policy": "cloud", "cloud": "plain", "privacy": "split"})
+    assert r.status_code == 200 and r.headers["x-tandem-backend"] == "device" and upstream.requests == []
+    before = _sessions_opened(hat_gateway)
+    r = _ask(hat_gateway, model="hat", tandem={"privacy": "split"})
+    assert r.status_code == 200 and r.headers["x-tandem-backend"] == "hat"
+    assert _sessions_opened(hat_gateway) == before + 1
+    assert trace(hat_gateway, r.headers["x-request-id"])["privacy"] == "split"
+    r = _ask(hat_gateway, model="plain", tandem={"privacy": "split"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tandem.privacy"
+    assert upstream.requests == []
+
+
+def test_device_level_opens_no_session_at_the_worker(hat_gateway):
+    before = _sessions_opened(hat_gateway)
+    r = _ask(hat_gateway, tandem={"policy": "cloud", "cloud": "hat", "privacy": "device"})
+    assert r.status_code == 200 and r.headers["x-tandem-backend"] == "device"
+    r = _ask(hat_gateway, model="hat", tandem={"privacy": "device"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tandem.privacy"
+    assert _sessions_opened(hat_gateway) == before
