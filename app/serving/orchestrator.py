@@ -287,7 +287,9 @@ class Orchestrator:
             t_first = now
             r_c = self.disco.settings.consumption_rate
             matcher = StopMatcher(job.gen.stop)
-            splitter = ToolCallSplitter() if job.gen.tools else None
+            splitter = (
+                ToolCallSplitter(frozenset(t["function"]["name"] for t in job.gen.tools)) if job.gen.tools else None
+            )
             # Only when logprobs are asked (never with tools): text then goes out on token boundaries, with its
             # tokens' logprobs.
             aligner = LogprobAligner() if job.gen.logprobs is not None else None

@@ -4,7 +4,8 @@ Text that is or may become a `<tool_call>` is held back, a whole token at a time
 reaches the client only complete, with arguments that parse, never half. Because holding starts at a token
 boundary, what was delivered is always exactly the first `committed` tokens, which is where another endpoint
 regenerates from when the source fails inside a call (app/serving/orchestrator.py). A held text that turns out
-not to be a valid call is delivered as plain text.
+not to be a valid call is delivered as plain text. An answer that starts with a bare JSON object naming an offered
+tool (`{"name": ..., "arguments": ...}`, as Qwen2.5-Coder often writes calls) is held to its end and read as a call.
 """
 
 from __future__ import annotations
@@ -48,11 +49,19 @@ def _may_start_call(text: str) -> bool:
     return any(text.endswith(OPEN[:k]) for k in range(1, len(OPEN)))
 
 
+# Qwen2.5-Coder often writes a call as a bare JSON object, without the tags. An answer that *starts* with one, naming
+# an offered tool, is read as a call (held to the end of the answer, then parsed whole).
+_BARE = '{"name"'
+
+
 class ToolCallSplitter:
     """Splits an answer's tokens into content to deliver and complete tool calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] = frozenset()) -> None:
+        self._names = names  # the offered tools
         self._held: list[str] = []  # texts of the held tokens
+        self._bare = False  # what is held may be a bare JSON call
+        self._spoke = False  # content other than whitespace went out
         self.committed = 0  # tokens whose text (or call) has been handed out
         self.calls = 0  # calls handed out so far
 
@@ -62,10 +71,14 @@ class ToolCallSplitter:
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """One token's text → (content to deliver now, calls completed by it)."""
-        if not self._held and not (self.calls and not text.strip()):  # whitespace after a call may precede another
-            if "<" not in text or not _may_start_call(text):
-                self.committed += 1
-                return text, []
+        if not self._held:
+            if self._may_start_bare(text):
+                self._bare = True
+            elif not (self.calls and not text.strip()):  # whitespace after a call may precede another
+                if "<" not in text or not _may_start_call(text):
+                    self.committed += 1
+                    self._spoke = self._spoke or bool(text.strip())
+                    return text, []
         self._held.append(text)
         return self._settle(final=False)
 
@@ -77,9 +90,32 @@ class ToolCallSplitter:
     def discard(self) -> None:
         """Forget what is held (its tokens will be generated again elsewhere)."""
         self._held.clear()
+        self._bare = False
+
+    def _may_start_bare(self, text: str) -> bool:
+        start = text.lstrip()
+        return bool(self._names and start) and not (self._spoke or self.calls) and _BARE.startswith(start[:7])
+
+    def _bare_call(self, joined: str, final: bool) -> tuple[bool, ToolCall | None]:
+        """(still undecided, the call) for held text that may be a bare JSON call."""
+        candidate = joined.strip()
+        if not final and (_BARE.startswith(candidate) or candidate.startswith(_BARE)):
+            return True, None
+        self._bare = False
+        call = _parse(candidate) if final and candidate.startswith(_BARE) else None
+        return False, call if call is not None and call.name in self._names else None
 
     def _settle(self, final: bool) -> tuple[str, list[ToolCall]]:
         joined = "".join(self._held)
+        if self._bare:
+            undecided, call = self._bare_call(joined, final)
+            if undecided:
+                return "", []
+            if call is not None:
+                self.committed += len(self._held)
+                self._held = []
+                self.calls += 1
+                return "", [call]
         content: list[str] = []
         calls: list[ToolCall] = []
         while True:
@@ -117,4 +153,5 @@ class ToolCallSplitter:
         text = "".join(content)
         if self.calls and not text.strip():
             text = ""  # the newlines around calls are the format's, not content
+        self._spoke = self._spoke or bool(text.strip())
         return text, calls

@@ -119,6 +119,49 @@ def test_sdk_json_schema_through_hat(hat_gateway):
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_a_streamed_forced_tool_call_through_hat_and_its_result(hat_gateway):
+    """A forced call through HAT (the device half masks drafts and verification with the tool-call grammar, whose
+    <tool_call> tags are Qwen's own tokens), then the tool's result read by HAT in the next turn."""
+    import json
+
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    c = openai.OpenAI(base_url=hat_gateway.v1, api_key="x", max_retries=0, timeout=180)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    chunks = list(
+        c.chat.completions.create(
+            model="hat",
+            messages=ask,
+            tools=[weather],
+            tool_choice="required",
+            temperature=0,
+            max_tokens=60,
+            stream=True,
+        )
+    )
+    pieces = [p for ch in chunks for p in (ch.choices[0].delta.tool_calls or ())]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    call_id, name = pieces[0].id, pieces[0].function.name
+    arguments = "".join(p.function.arguments or "" for p in pieces)
+    assert name == "get_weather" and json.loads(arguments)["city"] == "Paris"
+    follow = [
+        *ask,
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": '{"temperature": 31}'},
+    ]
+    r = c.chat.completions.create(model="hat", messages=follow, tools=[weather], temperature=0, max_tokens=30)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    assert "31" in r.choices[0].message.content
+
+
 # --- privacy levels: `split` allows HAT and never a plain cloud; `device` allows neither ----------------------------
 
 
