@@ -58,6 +58,8 @@ class GatewaySettings(_Strict):
     api_keys: list[SecretStr | ApiKeySettings] = []
     # Where a request may go unless it or its key says otherwise (policies/privacy.py).
     privacy: Literal["device", "split", "any"] = "any"
+    # Outline-based parallel decoding unless a request says otherwise (policies/outline.py).
+    decoding: Literal["outline", "auto", "sequential"] = "sequential"
     # Keys for PUT /v1/budget; when empty, budget changes need a gateway API key (if any).
     admin_keys: list[SecretStr] = []
     # Where budget settings changed over HTTP are kept across restarts.

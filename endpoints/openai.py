@@ -99,7 +99,7 @@ def _before_first(exc: BackendError, request_id: str) -> ApiError:
 async def _begin(request: Request, job: Job) -> tuple[Delta, AsyncIterator[Delta]]:
     """Start the answer and wait for its first token (an error before it is a real HTTP error, carrying the
     id of its trace): (first delta, the rest of the stream)."""
-    stream = _gateway(request).orchestrator.generate(job)
+    stream = _gateway(request).answer(job)
     try:
         return await _while_connected(request, anext(stream), "before the first token"), stream
     except ApiError as exc:

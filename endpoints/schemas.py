@@ -56,6 +56,9 @@ class TandemOptions(_Request):
     privacy: Literal["device", "split", "any"] | None = Field(
         None, description="where the request may go: the device only, the device or HAT, or anywhere"
     )
+    decoding: Literal["outline", "auto", "sequential"] | None = Field(
+        None, description="outline: expand an outline's points in parallel; auto: when the question suits it"
+    )
 
 
 class TextPart(_Request):

@@ -23,6 +23,7 @@ from app.serving.job import Job
 from app.serving.ledger import Ledger
 from app.serving.metrics import Metrics, RequestMetricsMiddleware
 from app.serving.orchestrator import Orchestrator
+from app.serving.outline import OutlineDecoding, OutlineRequest
 from app.serving.structured import Structure, add_tools_prompt, structure_of, template_messages
 from clients.base import Backend, GenerationRequest
 from clients.embeddings import SentenceEmbedder
@@ -34,6 +35,7 @@ from endpoints.guard import RequestGuard
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
 from policies import cost
 from policies.dispatch import canonical_name
+from policies.outline import gate
 from policies.privacy import allows, effective_level
 
 # Architectures of the bundled models (checked against their GGUF metadata in the tests);
@@ -385,7 +387,27 @@ class Gateway:
         gen = self._generation(body, prompt_text, prompt_ids, messages, structure)
         job = self._job(id_prefix, gen, len(prompt_ids), route)
         job.call_grammar = structure.call_grammar
+        self._decoding(job, body, key_privacy)
         return job
+
+    def _decoding(self, job: Job, body: ChatCompletionRequest, key_privacy: str | None) -> None:
+        """Outline decoding's gate (policies/outline.py), when the request or the gateway asks for it."""
+        mode = (body.tandem.decoding if body.tandem else None) or self.settings.gateway.decoding
+        if mode == "sequential":
+            return
+        users = [m for m in body.messages if m.role == "user"]
+        fmt = body.response_format
+        plain = not (job.gen.tools or (fmt is not None and fmt.type != "text") or body.logprobs or body.choices > 1)
+        verdict = gate(mode, len(users), users[-1].text() if users else "", job.gen.max_tokens, plain)
+        job.decoding = {"mode": mode, "outline": verdict.use, "reason": verdict.reason}
+        if verdict.use:
+            job.outline = OutlineRequest(body, key_privacy, users[-1].text())
+
+    def answer(self, job: Job):
+        """The answer's deltas: by outline decoding when its gate said yes, else the orchestrator's."""
+        if job.outline is not None:
+            return OutlineDecoding(self).generate(job)
+        return self.orchestrator.generate(job)
 
     async def prepare_completion(self, body: CompletionRequest, key_privacy: str | None = None) -> Job:
         route = self._route(body.model, body.tandem, key_privacy)

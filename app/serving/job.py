@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from clients.base import GenerationRequest, TokenEvent, Usage
 from policies.dispatch import DispatchPlan
@@ -44,6 +45,10 @@ class Job:
     cloud: str | None = None  # the cloud endpoint DiSCo plays against the device for this request
     call_grammar: str | None = None  # app/serving/structured.py: Structure.call_grammar
     privacy: str = "any"  # where it may go (policies/privacy.py)
+    # Outline decoding (app/serving/outline.py): what the request needs of it when its gate said yes, and what the
+    # trace says about it (mode, the gate's reason, the sub-requests).
+    outline: Any = None
+    decoding: dict | None = None
     started: float = field(default_factory=time.monotonic)
     # Filled in while the answer streams:
     backend: str | None = None

@@ -40,6 +40,7 @@ from clients.logprobs import LogprobAligner
 from clients.stops import StopMatcher
 from policies.cost import role_of
 from policies.dispatch import DispatchPlan
+from policies.estimate import MovingAverage
 from policies.migration import lead
 from policies.privacy import allows
 
@@ -82,6 +83,8 @@ class Orchestrator:
         self.ledger = ledger
         self.stall_timeout = stall_timeout
         self.traces: OrderedDict[str, dict] = OrderedDict()
+        # Seconds between two tokens of each endpoint (outline decoding places points by predicted finish time).
+        self.token_seconds: dict[str, MovingAverage] = {name: MovingAverage() for name in backends}
         self.history = history
         self._trace_out = None
         if trace_file:
@@ -337,7 +340,7 @@ class Orchestrator:
                     attempt.ended = not stopped
                     self._account(job, produced, event.usage)
                     # The trace exists before the client sees the end of the answer (it may ask for it at once).
-                    self._remember(job, final=False)
+                    self.remember(job, final=False)
                     yield Delta(text, finish, lps, tuple(calls))
                     return
                 if aligner is not None:
@@ -374,6 +377,7 @@ class Orchestrator:
                     last_t = event.t
                     continue
                 self.metrics.inter_token.labels(backend=attempt.name).observe(event.t - last_t)
+                self.token_seconds[attempt.name].update(event.t - last_t)
                 last_t = event.t
         except Exception as exc:
             job.error = str(exc)
@@ -391,7 +395,7 @@ class Orchestrator:
                 await self._close(a)
             if job.finish_reason is None:  # failed or abandoned: book what was spent
                 self._account(job, sum(a.decode_tokens for a in job.attempts), None, finished=False)
-            self._remember(job)
+            self.remember(job)
 
     def _migration_target(
         self, job: Job, attempt: Attempt, event: TokenEvent, produced: int, t_first: float, ids: list[int] | None
@@ -547,7 +551,8 @@ class Orchestrator:
         job.cost = total
         self.metrics.delayed_tokens.inc(job.delayed_tokens)
 
-    def _remember(self, job: Job, final: bool = True) -> None:
+    def remember(self, job: Job, final: bool = True) -> None:
+        """Keep the job's trace (and write its line to the trace file when it finished)."""
         self.traces[job.id] = trace_of(job)
         while len(self.traces) > self.history:
             self.traces.popitem(last=False)

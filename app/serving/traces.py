@@ -43,6 +43,7 @@ def trace_of(job: Job) -> dict:
         "id": job.id,
         "policy": job.policy,
         "privacy": job.privacy,
+        **({"decoding": job.decoding} if job.decoding is not None else {}),
         "plan": None
         if plan is None
         else {

@@ -1,0 +1,189 @@
+"""Outline-based parallel decoding (Jupiter §V-B) on top of the orchestrator.
+
+The gate (policies/outline.py) lets a list-style question through; the endpoint DiSCo picks writes a short outline;
+each point is then expanded by a sub-request of its own through the same orchestrator — so dispatch, fallback,
+migration, privacy, accounting and traces apply per point — pinned to the endpoint predicted to finish it first,
+all at once. The answer streams in order: point 1 live, each later point flushed when the ones before it are done.
+An outline that does not parse falls back to the normal answer. Closing the stream cancels every sub-request.
+
+Sub-requests' ids are the request's with `-outline` and `-p<i>`; the request's own trace lists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+
+from app.serving.job import Job
+from app.serving.orchestrator import Delta
+from clients.base import BackendError, Usage
+from endpoints.schemas import ChatCompletionRequest, ChatMessage, TandemOptions
+from policies.outline import assign, parse_outline
+
+_OUTLINE_PROMPT = (
+    "Plan the answer to the user's request as an outline: a numbered list of 3 to 8 short points (at most eight "
+    "words each) that a complete answer would cover, in a sensible order. Write only the list."
+)
+_POINT_PROMPT = (
+    "{question}\n\nThe answer is organised in these points:\n{outline}\n\nWrite the part of the answer for point "
+    '{number} only ("{point}"), in two to four sentences. Do not repeat its title and do not cover the other points.'
+)
+_OUTLINE_TOKENS = 120
+
+
+@dataclass
+class OutlineRequest:
+    """What outline decoding needs of a request whose gate said yes (set by Gateway.prepare_chat)."""
+
+    body: ChatCompletionRequest
+    key_privacy: str | None
+    question: str
+
+
+def _head(points: list[str], i: int) -> str:
+    return ("\n\n" if i else "") + f"{i + 1}. **{points[i]}**\n"
+
+
+class OutlineDecoding:
+    def __init__(self, gateway) -> None:
+        self.gateway = gateway
+        self.orchestrator = gateway.orchestrator
+
+    async def _sub_job(
+        self, job: Job, suffix: str, messages: list[ChatMessage], max_tokens: int, endpoint: str | None = None
+    ) -> Job:
+        """A sub-request routed like the request (`endpoint` None) or started on `endpoint` (with the request's
+        fallback and migration rules still applying)."""
+        plan = job.outline
+        body = plan.body
+        route = {"decoding": "sequential", "privacy": job.privacy}
+        if endpoint is not None:
+            route["policy"] = "device" if endpoint == self.orchestrator.device else "cloud"
+            route["cloud"] = job.cloud if endpoint == self.orchestrator.device else endpoint
+        sub = ChatCompletionRequest(
+            model=body.model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            tandem=(body.tandem or TandemOptions()).model_copy(update=route),
+        )
+        part = await self.gateway.prepare_chat(sub, plan.key_privacy)
+        part.id = f"{job.id}-{suffix}"
+        return part
+
+    async def generate(self, job: Job) -> AsyncIterator[Delta]:
+        plan = job.outline
+        outline_job = await self._sub_job(
+            job,
+            "outline",
+            [ChatMessage(role="system", content=_OUTLINE_PROMPT), ChatMessage(role="user", content=plan.question)],
+            _OUTLINE_TOKENS,
+        )
+        parts = [outline_job]
+        job.decoding["outline_request"] = outline_job.id
+        outline = await self._collect(outline_job)
+        points = parse_outline(outline)
+        if points is None:
+            job.decoding.update(outline=False, reason="the outline did not parse: answered normally")
+            async for delta in self.orchestrator.generate(job):
+                yield delta
+            return
+        job.backend = outline_job.backend
+        listing = "\n".join(f"{i + 1}. {p}" for i, p in enumerate(points))
+        per_point = max(48, min(256, job.gen.max_tokens // len(points)))
+        where = assign(len(points), per_point, self._rates(job), {})
+        point_jobs = []
+        for i, (point, endpoint) in enumerate(zip(points, where, strict=True)):
+            text = _POINT_PROMPT.format(question=plan.question, outline=listing, number=i + 1, point=point)
+            point_jobs.append(
+                await self._sub_job(job, f"p{i}", [ChatMessage(role="user", content=text)], per_point, endpoint)
+            )
+        parts += point_jobs
+        job.decoding["points"] = [
+            {"id": p.id, "endpoint": e, "title": t} for p, e, t in zip(point_jobs, where, points, strict=True)
+        ]
+        finish = "stop"
+        queues: list[asyncio.Queue] = [asyncio.Queue() for _ in point_jobs]
+        pumps = [asyncio.ensure_future(self._pump(p, q)) for p, q in zip(point_jobs, queues, strict=True)]
+        try:
+            for i, queue in enumerate(queues):
+                head = _head(points, i)
+                while True:
+                    item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finish_reason == "length":
+                        finish = "length"
+                    text = head + item.text
+                    head = ""
+                    if item.finish_reason is not None:
+                        if i == len(queues) - 1:
+                            self._account(job, parts, finish)
+                            yield Delta(text, finish)
+                            return
+                        if text:
+                            yield Delta(text)
+                        break
+                    if text:
+                        yield Delta(text)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*pumps, return_exceptions=True)
+            if job.finish_reason is None:
+                self._account(job, parts, None)
+
+    async def _collect(self, part: Job) -> str:
+        texts = []
+        stream = self.orchestrator.generate(part)
+        try:
+            async for delta in stream:
+                texts.append(delta.text)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+        return "".join(texts)
+
+    async def _pump(self, part: Job, queue: asyncio.Queue) -> None:
+        """Read one point's stream to its end into `queue` (a llama.cpp device computes a token only once the last
+        was read, so every point is read as it comes, whether or not it is its turn to be sent)."""
+        stream = self.orchestrator.generate(part)
+        try:
+            async for delta in stream:
+                queue.put_nowait(delta)
+        except Exception as exc:
+            queue.put_nowait(exc if isinstance(exc, BackendError) else BackendError(str(exc), 500))
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await stream.aclose()
+
+    def _rates(self, job: Job) -> dict[str, float]:
+        """Tokens per second of the endpoints the points may run on — the request's DiSCo pair, as far as its
+        privacy level allows (measured; 1 where nothing is known yet)."""
+        if job.pinned is not None:
+            names = [job.pinned]
+        else:
+            names = [n for n in (self.orchestrator.device, job.cloud) if self.orchestrator._serves(job, n)]
+        rates = {}
+        for name in names:
+            seconds = self.orchestrator.token_seconds[name].get(0.0)
+            rates[name] = 1.0 / seconds if seconds > 0 else 1.0
+        return rates
+
+    def _account(self, job: Job, parts: list[Job], finish: str | None) -> None:
+        """The request's usage and cost are its sub-requests' sums; its trace lists them."""
+        job.usage = Usage(sum(p.usage.prompt_tokens for p in parts), sum(p.usage.completion_tokens for p in parts))
+        job.cost = sum(p.cost for p in parts)
+        job.finish_reason = finish
+        job.decoding["parts"] = [p.id for p in parts]
+        job.decoding["endpoints"] = sorted({p.backend for p in parts if p.backend})
+        if finish is None:
+            job.error = job.error or "cancelled or failed"
+        self.orchestrator.remember(job)
