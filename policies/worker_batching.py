@@ -82,7 +82,7 @@ def plan_groups(
             if max_tokens is not None and j - i > 1 and tokens > max_tokens:
                 break
             cost = pass_time(tokens, slope, intercept) * (n - i) + best[j]
-            if cost < best[i] - 1e-12 * max(1.0, abs(best[i])):
+            if best[i] == math.inf or cost < best[i] - 1e-12 * max(1.0, best[i]):
                 best[i], nxt[i] = cost, j
         if best[i] == math.inf and i == 0:  # the cap cannot hold the forced frames: run them together anyway
             nxt[0] = first_end_min
