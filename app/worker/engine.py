@@ -452,8 +452,6 @@ class Engine:
                 rows = remaining
                 if frame.kind == wire.Kind.PREFILL_CHUNK and remaining > budget:
                     rows = split_sizes(remaining, budget)[0]
-                    if item.done == 0:
-                        self.stats.split_frames += 1
                 pieces.append((item, rows))
                 break
             if not session.queue:
@@ -476,8 +474,10 @@ class Engine:
                 st.deferred_frames += 1
                 continue
             item.deferred = 0
-            if rows < int(item.tensor.shape[0]) - item.done or item.done:  # type: ignore[union-attr]
+            remaining = int(item.tensor.shape[0]) - item.done  # type: ignore[union-attr]
+            if rows < remaining or item.done:
                 st.subchunk_passes += 1
+                st.split_frames += rows < remaining and item.done == 0
             batch.append((item, rows))
         for item, _ in batch:
             if item.session.id in self._ready:
