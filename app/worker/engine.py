@@ -23,10 +23,14 @@ per-session idle timeout (408, session dropped), frame size (413), kind/dtype/sh
 non-finite values (400), positions and sequence numbers (409).
 
 Batching (continuous, "ragged"): every tick the engine thread takes the next tensor frame of every session that
-has one pending (prefill chunks and verification rounds alike, up to max_batch_tokens) and runs them through the
-middle layers in ONE forward pass (clients/hat/ragged.py: packed rows, attention per session, each row's result
-independent of its neighbours). That forward is checked against the model's own layers at start-up
-(`self_check`), so an unsupported layer layout fails loudly instead of computing garbage.
+has one pending and runs a group of them through the middle layers in ONE forward pass. `batching = "greedy"`: all of
+them, up to max_batch_tokens. `batching = "planned"` (default): prefill frames longer than a budget derived from the
+fitted delay predictor g are cut into consecutive sub-chunks (exact with the KV cache), the pending pieces are sorted
+shortest first and grouped by policies/worker_batching.plan_groups (least mean completion time under g), and only
+the first group runs; the rest are re-planned next tick with whatever arrived meanwhile. A verification round so
+waits behind at most the one pass already running. Passes are ragged (clients/hat/ragged.py: packed rows, attention
+per session, each row's result independent of its neighbours). That forward is checked against the model's own
+layers at start-up (`self_check`), so an unsupported layer layout fails loudly instead of computing garbage.
 
 Threading: all model calls run on one dedicated engine thread under torch.inference_mode(); the event loop only
 validates frames and hands them over (`submit` returns a concurrent Future of the reply frames).
@@ -65,6 +69,7 @@ from clients.hat.ragged import RaggedMiddle
 from clients.hat.split import MiddleSubmodel
 from policies.drafting import DelayPredictor
 from policies.estimate import MovingAverage
+from policies.worker_batching import plan_groups, split_sizes, subchunk_tokens
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +92,14 @@ class EngineStats:
     rejected: dict[str, int] = field(default_factory=dict)
     sessions_opened: int = 0
     sessions_expired: int = 0
+    # Planned batching (policies/worker_batching.py)
+    planned_passes: int = 0  # passes chosen by the planner
+    planned_groups: int = 0  # groups in those plans (1 = everything pending ran together)
+    deferred_frames: int = 0  # times a pending frame was left for a later pass
+    forced_frames: int = 0  # times a frame went in because it had been left out max_defer times
+    split_frames: int = 0  # prefill frames split into sub-chunks
+    subchunk_passes: int = 0  # sub-chunks run (pieces of split frames)
+    subchunk_budget: int = 0  # the current sub-chunk size from g (tokens)
 
 
 FrameHook = Callable[[bytes | None, bytes], None]
@@ -398,8 +411,81 @@ class Engine:
                 with contextlib.suppress(Exception):
                     session.on_expire(f"{Reason.IDLE.value}: session idle for more than {limit:g} s; closed")
 
-    def _collect(self) -> list[Item]:
-        """Apply control frames and pick at most one tensor frame per session, up to max_batch_tokens."""
+    def _collect(self) -> list[tuple[Item, int]]:
+        """Apply control frames, then choose this pass's (frame, rows) pieces by the configured batching."""
+        if self.limits.batching == "planned":
+            return self._collect_planned()
+        return [(item, int(item.tensor.shape[0])) for item in self._collect_greedy()]  # type: ignore[union-attr]
+
+    def _collect_planned(self) -> list[tuple[Item, int]]:
+        """One candidate piece per session (a sub-chunk for a long prefill frame); run the plan's first group."""
+        slope, intercept = self.stats.g.coefficients()
+        limits = self.limits
+        budget = subchunk_tokens(
+            slope,
+            intercept,
+            overhead=limits.subchunk_overhead,
+            min_tokens=limits.min_subchunk,
+            max_tokens=limits.max_batch_tokens,
+        )
+        self.stats.subchunk_budget = budget
+        pieces: list[tuple[Item, int]] = []
+        for sid in list(self._ready):
+            session = self._ready.get(sid)
+            if session is None:
+                continue
+            while session.queue:
+                item = session.queue[0]
+                frame = item.frame
+                assert frame is not None
+                if frame.kind == wire.Kind.ROLLBACK:
+                    session.queue.popleft()
+                    self._rollback(item)
+                    continue
+                remaining = int(item.tensor.shape[0]) - item.done  # type: ignore[union-attr]
+                err = check_positions(len(session.cache), frame.arg + item.done, remaining, self.max_context)
+                if err is not None:
+                    session.queue.popleft()
+                    self.count_rejection(err.reason)
+                    _resolve(item.future, [self._error(session.id, item.seq, err)])
+                    continue
+                rows = remaining
+                if frame.kind == wire.Kind.PREFILL_CHUNK and remaining > budget:
+                    rows = split_sizes(remaining, budget)[0]
+                pieces.append((item, rows))
+                break
+            if not session.queue:
+                self._ready.pop(sid, None)
+        if not pieces:
+            return []
+        forced = [i for i, (item, _) in enumerate(pieces) if item.deferred >= limits.max_defer]
+        groups = plan_groups(
+            [rows for _, rows in pieces], slope, intercept, max_tokens=limits.max_batch_tokens, forced=forced
+        )
+        first = set(groups[0])
+        st = self.stats
+        st.planned_passes += 1
+        st.planned_groups += len(groups)
+        st.forced_frames += len(forced)
+        batch: list[tuple[Item, int]] = []
+        for i, (item, rows) in enumerate(pieces):
+            if i not in first:
+                item.deferred += 1
+                st.deferred_frames += 1
+                continue
+            item.deferred = 0
+            remaining = int(item.tensor.shape[0]) - item.done  # type: ignore[union-attr]
+            if rows < remaining or item.done:
+                st.subchunk_passes += 1
+                st.split_frames += rows < remaining and item.done == 0
+            batch.append((item, rows))
+        for item, _ in batch:
+            if item.session.id in self._ready:
+                self._ready.move_to_end(item.session.id)
+        return batch
+
+    def _collect_greedy(self) -> list[Item]:
+        """Pick at most one tensor frame per session, up to max_batch_tokens."""
         batch: list[Item] = []
         tokens = 0
         for sid in list(self._ready):
@@ -437,6 +523,14 @@ class Engine:
                 self._ready.move_to_end(item.session.id)
         return batch
 
+    def _unqueue(self, item: Item) -> None:
+        """Take a finished (or failed) frame off its session's queue if the planner left it there."""
+        queue_ = item.session.queue
+        if queue_ and queue_[0] is item:
+            queue_.popleft()
+            if not queue_:
+                self._ready.pop(item.session.id, None)
+
     def _rollback(self, item: Item) -> None:
         session, keep = item.session, item.frame.arg  # type: ignore[union-attr]
         have = len(session.cache)
@@ -448,9 +542,10 @@ class Engine:
         session.cache.crop(keep)
         _resolve(item.future, [])
 
-    def _forward(self, batch: list[Item]) -> None:
+    def _forward(self, batch: list[tuple[Item, int]]) -> None:
+        """Run each item's next `n` rows (from item.done); reply for items whose last row ran."""
         t0 = time.perf_counter()
-        rows = [(item.tensor, item.session.cache) for item in batch]
+        rows = [(item.tensor[item.done : item.done + n], item.session.cache) for item, n in batch]  # type: ignore[index]
         try:
             with torch.inference_mode():
                 outs = self.ragged.forward(rows)  # type: ignore[arg-type]
@@ -459,16 +554,17 @@ class Engine:
         except Exception as e:
             if len(batch) > 1:  # find the culprit: one session's failure must not fail the others
                 log.warning("batched forward failed (%s); retrying %d rows one by one", e, len(batch))
-                for item in batch:
-                    self._forward([item])
+                for piece in batch:
+                    self._forward([piece])
                 return
             log.exception("middle forward failed")
-            item = batch[0]
+            item = batch[0][0]
+            self._unqueue(item)
             self.count_rejection(Reason.INTERNAL)
             _resolve(item.future, [self._error(item.session.id, item.seq, EngineError(500, Reason.INTERNAL, str(e)))])
             return
         elapsed = time.perf_counter() - t0
-        tokens = sum(int(item.tensor.shape[0]) for item in batch)  # type: ignore[union-attr]
+        tokens = sum(n for _, n in batch)
         st = self.stats
         st.forwards += 1
         st.tokens += tokens
@@ -479,13 +575,17 @@ class Engine:
         st.mu.update(tokens)
         st.eta.update(elapsed)
         st.g.update(tokens, elapsed)
-        for item, deep in zip(batch, outs, strict=True):
+        for (item, n), deep in zip(batch, outs, strict=True):
             frame = item.frame
             assert frame is not None
-            item.session.frames += 1
             item.session.tokens += int(deep.shape[0])
+            item.done += n
+            if item.done < int(item.tensor.shape[0]):  # type: ignore[union-attr]
+                continue  # a sub-chunk: the frame's reply comes with its last piece
+            self._unqueue(item)
+            item.session.frames += 1
             if frame.kind == wire.Kind.PREFILL_CHUNK:
-                last = frame.arg + deep.shape[0] - 1
+                last = frame.arg + item.done - 1
                 reply = wire.encode_tensor(
                     wire.Kind.DEEP_STATE, item.session.id, item.seq, deep[-1:], arg=last, wire_dtype=self.wire_dtype
                 )

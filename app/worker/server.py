@@ -10,7 +10,8 @@ dropped (it never needs token ids or logits, and on Qwen 0.5B the untied head al
 
 Metrics (own registry): sessions, HAT state monitoring (Eqs. 1-2: batched-token moving average mu, compute-delay
 moving average eta, and the predictor g(x) = slope*x + intercept with g evaluated at mu), forward passes,
-batched forward passes, tokens, frames by kind and frames rejected by reason.
+batched forward passes, tokens, frames by kind and frames rejected by reason; the batch planner's passes, groups,
+deferred and forced frames, split prefill frames, sub-chunks run and the current sub-chunk budget.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class WorkerSettings(BaseModel):
     dtype: Literal["float32", "float16"] = "float32"
     max_batch_tokens: Annotated[int, Field(ge=1)] = 4096
     batch_invariant: bool = True  # see EngineLimits.batch_invariant
+    # "planned": shortest-first groups from an exact DP under the fitted pass time, long prefill frames split into
+    # sub-chunks sized from g (policies/worker_batching.py); "greedy": every pending frame in one pass (see README).
+    batching: Literal["planned", "greedy"] = "planned"
+    subchunk_overhead: Annotated[float, Field(gt=0, lt=1)] = 0.2
     num_threads: Annotated[int, Field(ge=1)] | None = None  # torch intra-op threads (None: torch's default)
     # Where the middle layers compute: "auto" = the first CUDA GPU if torch sees one, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -77,6 +82,8 @@ class WorkerSettings(BaseModel):
             max_batch_tokens=self.max_batch_tokens,
             wire_dtype=wire.dtype_by_name(self.dtype),
             batch_invariant=self.batch_invariant,
+            batching=self.batching,
+            subchunk_overhead=self.subchunk_overhead,
         )
 
 
@@ -187,6 +194,11 @@ class _EngineCollector:
             ("tandem_worker_predicted_delay_seconds", "g(mu): predicted delay of an average batch", st.g(st.mu.get())),
             ("tandem_worker_last_batch_rows", "Sessions in the last forward pass", float(st.last_rows)),
             ("tandem_worker_max_batch_rows", "Most sessions seen in one forward pass", float(st.max_rows)),
+            (
+                "tandem_worker_subchunk_budget_tokens",
+                "Planned batching: sub-chunk size from g",
+                float(st.subchunk_budget),
+            ),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)
@@ -198,6 +210,16 @@ class _EngineCollector:
             ("tandem_worker_tokens", "Token positions run through the middle submodel", st.tokens),
             ("tandem_worker_sessions_opened", "Sessions opened", st.sessions_opened),
             ("tandem_worker_sessions_expired", "Sessions dropped for idleness", st.sessions_expired),
+            ("tandem_worker_planned_passes", "Passes chosen by the batch planner", st.planned_passes),
+            ("tandem_worker_planned_groups", "Groups in the batch planner's plans", st.planned_groups),
+            ("tandem_worker_deferred_frames", "Pending frames the planner left for a later pass", st.deferred_frames),
+            (
+                "tandem_worker_forced_frames",
+                "Frames run because the planner had left them out max_defer times",
+                st.forced_frames,
+            ),
+            ("tandem_worker_split_frames", "Prefill frames split into sub-chunks", st.split_frames),
+            ("tandem_worker_subchunk_passes", "Sub-chunks of split prefill frames run", st.subchunk_passes),
         ]
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc)

@@ -74,6 +74,13 @@ class EngineLimits:
     # Pad a lone 1-token row too, so every row's result is independent of the batch it ran in (bit-identical to
     # running alone). Costs ~1.8x on a lone 1-token forward (plain U-shape decode); HAT rounds send >= 2 tokens.
     batch_invariant: bool = True
+    # How pending frames are grouped into passes: "planned" = shortest first, grouped by an exact DP for the least
+    # mean completion time under the fitted g, long prefill frames split into sub-chunks (policies/worker_batching.py);
+    # "greedy" = one frame per session per pass, up to max_batch_tokens.
+    batching: Literal["planned", "greedy"] = "planned"
+    subchunk_overhead: float = 0.2  # planned: a sub-chunk spends at most this share of its pass on g's fixed cost
+    min_subchunk: int = 16  # planned: never split a prefill frame into pieces smaller than this
+    max_defer: int = 1  # planned: a frame left out of this many passes in a row goes into the next one
 
 
 class OpenParams(BaseModel):
@@ -101,6 +108,8 @@ class Item:
     frame: wire.Frame | None  # None: rejected on arrival (future already resolved)
     tensor: torch.Tensor | None
     future: Future[list[bytes]]
+    done: int = 0  # rows already run (a prefill frame split into sub-chunks by the planned batching)
+    deferred: int = 0  # consecutive passes this frame was pending but left out of (planned batching)
 
 
 @dataclass
