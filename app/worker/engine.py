@@ -450,7 +450,9 @@ class Engine:
                     _resolve(item.future, [self._error(session.id, item.seq, err)])
                     continue
                 rows = remaining
-                if frame.kind == wire.Kind.PREFILL_CHUNK and remaining > budget:
+                # Split only when another session could be waiting behind it: alone, a device gains nothing from
+                # sub-chunks and would pay their passes' fixed cost (up to `subchunk_overhead` of its TTFT).
+                if frame.kind == wire.Kind.PREFILL_CHUNK and remaining > budget and len(self._sessions) > 1:
                     rows = split_sizes(remaining, budget)[0]
                 pieces.append((item, rows))
                 break
