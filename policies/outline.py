@@ -8,7 +8,6 @@ endpoints that can run at the same time, and join them in order. Pure decisions:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 MIN_POINTS, MAX_POINTS = 2, 10
@@ -87,10 +86,3 @@ def assign(points: int, tokens_per_point: float, rates: dict[str, float], busy: 
         free[best] += tokens_per_point / rates[best]
         out.append(best)
     return out
-
-
-def joined(points: Sequence[str], index: int, expansion: str) -> str:
-    """Point `index`'s part of the final answer: its number and title, then its expansion."""
-    head = f"{index + 1}. **{points[index]}**"
-    body = expansion.strip()
-    return f"{head}\n{body}\n\n" if index < len(points) - 1 else f"{head}\n{body}"

@@ -69,28 +69,3 @@ def test_tentative_drafts_roll_back_and_the_end_is_eos_only(tiny) -> None:
     assert mask.finished
     with pytest.raises(GrammarError):
         grammars.mask('start: "ab"').accept(c)
-
-
-def test_a_grammar_with_device_token_ids_goes_only_where_they_mean_the_same() -> None:
-    """`<[id]>` tags name device-vocabulary tokens: a grammar backend with another vocabulary (a HAT endpoint over
-    another model) serves JSON grammars but not those."""
-    from types import SimpleNamespace
-
-    from app.serving.orchestrator import Orchestrator
-
-    backends = {
-        "hat-same": SimpleNamespace(structured_output="grammar", accepts_token_ids=True),
-        "hat-other": SimpleNamespace(structured_output="grammar", accepts_token_ids=False),
-        "chat": SimpleNamespace(structured_output="native", accepts_token_ids=False),
-    }
-    orch = SimpleNamespace(backends=backends, _takes_ids=lambda n: backends[n].accepts_token_ids)
-
-    def serves(grammar: str | None, name: str, continuing: bool = False) -> bool:
-        job = SimpleNamespace(gen=SimpleNamespace(grammar=grammar))
-        return Orchestrator._serves(orch, job, name, continuing)  # type: ignore[arg-type]
-
-    tagged, plain = 'start: <[151657]> "x"', 'start: %json {"type": "object"}'
-    assert serves(tagged, "hat-same") and not serves(tagged, "hat-other")
-    assert serves(plain, "hat-same") and serves(plain, "hat-other", continuing=True)
-    assert serves(tagged, "chat") and not serves(tagged, "chat", continuing=True)
-    assert serves(None, "hat-other")
