@@ -119,6 +119,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench.hat import main
     elif args.what == "device":
         from app.bench.device import main
+    elif args.what == "privacy":
+        from app.bench.privacy import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     mod.set_defaults(func=_models)
 
     bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
-    bench.add_argument("what", choices=["gateway", "device", "disco", "disco-live", "hat"])
+    bench.add_argument("what", choices=["gateway", "device", "disco", "disco-live", "hat", "privacy"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 
