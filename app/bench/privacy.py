@@ -8,9 +8,10 @@ dtype and, with noise, noised by clients/hat/noise.py — and scores top-1 token
 
 - nearest: the nearest row of the input embedding matrix (cosine), no training;
 - linear: ridge regression hidden -> input embedding (standardised features), then the nearest row (cosine);
-- inverter: a small learned inverter — an MLP over the states of positions t-1, t, t+1 plus a linear skip
-  initialised from the ridge solution, trained for a few seconds of CPU with a softmax over cosine similarity
-  to the embeddings of the fitting text's tokens; decoded by the nearest row of the whole vocabulary.
+- inverter: a small learned inverter — the ridge probe plus an MLP correction over the states of positions t-1,
+  t, t+1, trained for a few seconds of CPU with a sampled softmax over cosine similarity to embeddings (the
+  target, its nearest embedding rows as hard negatives, random tokens); decoded by the nearest row of the whole
+  vocabulary.
 
 Fitting text (read at run time, nothing shipped): Python standard-library source files (code) plus docstrings of
 other standard-library files and the installed packages' licence texts (prose). Held out: this repository's
@@ -121,27 +122,43 @@ def windows(states: torch.Tensor) -> torch.Tensor:
 class Inverter(nn.Module):
     """Hidden states of positions t-1, t, t+1 -> a vector in embedding space, decoded by the nearest row.
 
-    out = skip(x_t) + mlp([x_t-1, x_t, x_t+1]) on standardised states; skip starts as the ridge probe, the MLP's
-    last layer at zero, so training starts from the linear attack and can only improve on what it fits."""
+    out = probe(x_t) + mlp([z_t-1, z_t, z_t+1]) on standardised states z: the ridge probe stays fixed and the
+    MLP's last layer starts at zero, so training starts from the linear attack and learns a correction."""
 
     def __init__(self, probe: LinearProbe, width: int = 1024) -> None:
         super().__init__()
         dim, out = probe.weight.shape
-        self.register_buffer("mean", probe.mean.clone())
-        self.register_buffer("std", probe.std.clone())
-        self.skip = nn.Linear(dim, out)
-        with torch.no_grad():
-            self.skip.weight.copy_(probe.weight.T)
-            self.skip.bias.copy_(probe.bias)
+        self.probe = probe
         self.mlp = nn.Sequential(nn.Linear(3 * dim, width), nn.GELU(), nn.Linear(width, out))
         nn.init.zeros_(self.mlp[2].weight)
         nn.init.zeros_(self.mlp[2].bias)
         self.log_scale = nn.Parameter(torch.tensor(math.log(20.0)))
 
+    def features(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """states [seqs, len, dim] (raw) -> (the probe's outputs, standardised windows), flattened over positions."""
+        dim = states.shape[-1]
+        z = (states.float() - self.probe.mean) / self.probe.std
+        return self.probe(states).reshape(-1, self.probe.weight.shape[1]), windows(z).reshape(-1, 3 * dim)
+
+    def head(self, linear: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        return linear + self.mlp(window)
+
     def forward(self, states: torch.Tensor) -> torch.Tensor:
-        """states [seqs, len, dim] (raw) -> [seqs, len, out]."""
-        z = (states.float() - self.mean) / self.std
-        return self.skip(z) + self.mlp(windows(z))
+        """states [seqs, len, dim] (raw) -> [seqs * len, out]."""
+        return self.head(*self.features(states))
+
+
+def embedding_neighbours(embeddings: torch.Tensor, ids: torch.Tensor, k: int = 16) -> torch.Tensor:
+    """[len(ids), k]: each token's k most cosine-similar other rows of the embedding matrix (the tokens that
+    nearest-row decoding confuses it with), over the whole vocabulary."""
+    table_u = unit_rows(embeddings.float())
+    table_b = table_u.to(torch.bfloat16)
+    out = []
+    with torch.inference_mode():
+        for i in range(0, ids.numel(), 512):
+            q = table_b[ids[i : i + 512]]
+            out.append((q @ table_b.T).topk(k + 1, dim=-1).indices[:, 1:])
+    return torch.cat(out) if out else torch.empty(0, k, dtype=torch.long)
 
 
 def train_inverter(
@@ -152,28 +169,39 @@ def train_inverter(
     seconds: float,
     *,
     max_steps: int = 100_000,
-    batch_seqs: int = 4,
-    negatives: int = 2048,
-    lr: float = 1e-3,
+    batch: int = 512,
+    negatives: int = 1024,
+    neighbours: int = 8,
+    lr: float = 3e-4,
     seed: int = 0,
+    near: torch.Tensor | None = None,
 ) -> tuple[Inverter, dict[str, float]]:
     """Fit an Inverter on states [seqs, len, dim] with token ids [seqs, len] for `seconds` of wall time.
 
-    Loss: cross-entropy of scale x cosine(out, embedding) over the batch's tokens plus `negatives` random tokens of
-    the fitting text's vocabulary (a sampled softmax: the whole vocabulary per step would be ~50x slower)."""
+    Loss: cross-entropy of scale x cosine(out, embedding) over a sampled softmax — the batch's tokens, each one's
+    `neighbours` nearest embedding rows in the whole vocabulary (the hard negatives of nearest-row decoding) and
+    `negatives` random tokens of the fitting text's vocabulary. `near`: embedding_neighbours(embeddings,
+    unique(ids), neighbours) when already computed (it does not depend on the states)."""
     gen = torch.Generator().manual_seed(seed)
     model = Inverter(probe)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    vocab = torch.unique(ids)
+    flat_ids = ids.reshape(-1)
+    vocab = torch.unique(flat_ids)
+    if near is None:
+        near = embedding_neighbours(embeddings, vocab, neighbours)  # row i: vocab[i]'s neighbours
     table = unit_rows(embeddings.float())
+    with torch.inference_mode():
+        linear, window = model.features(states)
+    linear, window = linear.clone(), window.clone()
     t0, steps, loss_v = time.perf_counter(), 0, float("nan")
     while steps < max_steps and (steps == 0 or time.perf_counter() - t0 < seconds):
-        rows = torch.randint(0, states.shape[0], (batch_seqs,), generator=gen)
-        target_ids = ids[rows].reshape(-1)
+        rows = torch.randint(0, flat_ids.numel(), (batch,), generator=gen)
+        target_ids = flat_ids[rows]
+        hard = near[torch.searchsorted(vocab, target_ids)].reshape(-1)
         extra = vocab[torch.randint(0, vocab.numel(), (negatives,), generator=gen)]
-        cand = torch.unique(torch.cat([target_ids, extra]))
+        cand = torch.unique(torch.cat([target_ids, hard, extra]))
         target = torch.searchsorted(cand, target_ids)
-        out = unit_rows(model(states[rows]).reshape(-1, table.shape[1]))
+        out = unit_rows(model.head(linear[rows], window[rows]))
         logits = model.log_scale.exp() * out @ table[cand].T
         loss = nn.functional.cross_entropy(logits, target)
         opt.zero_grad(set_to_none=True)
@@ -333,11 +361,15 @@ def _rates(pred: torch.Tensor, data: AttackData) -> dict[str, float]:
 
 
 def run_attacks(
-    data: AttackData, embeddings: torch.Tensor, alpha: float, inverter_seconds: float, attacker_states: Any = None
+    data: AttackData,
+    embeddings: torch.Tensor,
+    alpha: float,
+    inverter_seconds: float,
+    attacker_states: Any = None,
+    near: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Nearest / linear / inverter recovery on data's eval set. `attacker_states`: extra fitting states (e.g. noised
     ones) to fit on as well; the better of the two fits on the eval set is reported, with which it was."""
-    dim = embeddings.shape[1]
     flat_eval = data.eval_states.reshape(-1, data.eval_states.shape[-1])
     out: dict[str, Any] = {"nearest": _rates(nearest_rows(flat_eval, embeddings), data)}
     targets = embeddings[data.fit_ids.reshape(-1)].float()
@@ -350,9 +382,9 @@ def run_attacks(
             best = {"rates": rates, "probe": probe, "fit_on": name, "states": states}
     out["linear"] = best["rates"] | {"fit_on": best["fit_on"]}
     if inverter_seconds > 0:
-        inv, info = train_inverter(best["states"], data.fit_ids, embeddings, best["probe"], inverter_seconds)
+        inv, info = train_inverter(best["states"], data.fit_ids, embeddings, best["probe"], inverter_seconds, near=near)
         with torch.inference_mode():
-            pred = inv(data.eval_states).reshape(-1, dim)
+            pred = inv(data.eval_states)
         out["inverter"] = _rates(nearest_rows(pred, embeddings), data) | {"fit_on": best["fit_on"]} | info
     return out
 
@@ -612,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--alpha", type=float, default=1e-3, help="ridge penalty x n on standardised features")
     p.add_argument("--inverter-seconds", type=float, default=20.0, help="training time per inverter (0: skip)")
-    p.add_argument("--noise", type=float, nargs="*", default=[0.0, 0.1, 0.3, 1.0], help="noise levels (at default m)")
+    p.add_argument("--noise", type=float, nargs="*", default=[0.0, 0.3, 1.0, 2.0], help="noise levels (at default m)")
     p.add_argument("--live", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the noise levels' accept length / TBT / agreement through a real worker")  # fmt: skip
     p.add_argument("--live-prompts", type=int, default=3)
@@ -667,10 +699,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     fit_states = shallow_states(model, fit_ids, ms, wire_dtype=wire_dtype)
     eval_states = shallow_states(model, eval_ids, ms, wire_dtype=wire_dtype)
     log("hidden states computed")
+    near = embedding_neighbours(embeddings, torch.unique(fit_ids), 8) if args.inverter_seconds > 0 else None
+    log("hard negatives found")
     results: dict[str, Any] = {"by_m": [], "noise": []}
     for m in sorted(args.ms):
         data = AttackData(fit_states[m], fit_ids, eval_states[m], eval_ids, eval_kind)
-        row = {"m": m, **run_attacks(data, embeddings, args.alpha, args.inverter_seconds)}
+        row = {"m": m, **run_attacks(data, embeddings, args.alpha, args.inverter_seconds, near=near)}
         row["input_ms"] = input_ms_per_token(model, m)
         row |= adapter_note(args.model, m)
         results["by_m"].append(row)
@@ -685,7 +719,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         data = AttackData(fit_states[m], fit_ids, noised(eval_states[m], level, args.seed + 1, wire_dtype), eval_ids,
                           eval_kind)  # fmt: skip
         attacker = {"noised": noised(fit_states[m], level, args.seed + 2, wire_dtype)} if level > 0 else None
-        row = {"noise": level, **run_attacks(data, embeddings, args.alpha, args.inverter_seconds, attacker)}
+        row = {"noise": level, **run_attacks(data, embeddings, args.alpha, args.inverter_seconds, attacker, near)}
         results["noise"].append(row)
         log(f"noise {level:g}: {_summary(row)}")
     del fit_states, eval_states
