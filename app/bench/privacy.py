@@ -323,8 +323,8 @@ def as_received(hidden: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
     """`hidden` after a trip through a hidden-state frame in `wire_dtype`, as float32."""
     from clients.hat import wire
 
-    frame = wire.decode_frame(wire.encode_tensor(wire.Kind.DRAFT, bytes(16), 1, hidden, wire_dtype=wire_dtype))
-    return frame.tensor().float()
+    data = wire.encode_tensor(wire.Kind.DRAFT, bytes(16), 1, hidden, wire_dtype=wire_dtype)
+    return wire.decode_frame(data, max_frame_bytes=len(data)).tensor().float()  # one frame for all: no size limit
 
 
 def noised(states: torch.Tensor, level: float, seed: int, wire_dtype: torch.dtype) -> torch.Tensor:
@@ -605,7 +605,8 @@ def plot(results: dict[str, Any], path: str | Path) -> None:
     ax.set_title("What the worker can recover")
     ax2 = ax.twinx()
     ax2.plot(ms, [r["input_ms"] for r in results["by_m"]], "k--", alpha=0.5, label="input submodel ms/token")
-    ax2.set_ylabel("device ms/token (dashed)")
+    ax2.set_ylabel("device input submodel ms/token (dashed)")
+    ax2.set_ylim(bottom=0)
     ax.legend(loc="center right", fontsize=8)
     if results.get("noise"):
         ax = axes[0][1]
