@@ -150,3 +150,17 @@ def test_hat_cloud_noise_setting() -> None:
     assert HATCloudSettings(kind="hat", noise=0.05).noise == 0.05
     with pytest.raises(ValueError):
         HATCloudSettings(kind="hat", noise=-1)
+
+
+def test_gateway_passes_a_hat_clouds_noise_to_its_backend(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    import app.serving.gateway as gw
+
+    monkeypatch.setattr(gw, "resolve_model", lambda name: f"/models/{name}.gguf")
+    fake = SimpleNamespace(embedded=[])
+    for noise in (0.0, 0.25):
+        cloud = HATCloudSettings(kind="hat", noise=noise)
+        backend = gw.Gateway._hat_backend(fake, "hat", cloud)
+        assert backend.options.noise == noise and backend.link_options.noise == noise
+        assert backend.link_options.noise_seed is None  # a fresh seed per session in the gateway
