@@ -123,6 +123,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench.sd_edge import main
     elif args.what == "worker-batching":
         from app.bench.worker_batching import main
+    elif args.what == "privacy":
+        from app.bench.privacy import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
     bench.add_argument(
-        "what", choices=["gateway", "device", "disco", "disco-live", "hat", "sd-edge", "worker-batching"]
+        "what", choices=["gateway", "device", "disco", "disco-live", "hat", "sd-edge", "worker-batching", "privacy"]
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)

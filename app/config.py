@@ -215,6 +215,10 @@ class HATCloudSettings(_Strict):
     speculative: bool = True
     parallel_drafting: bool = False
     link: str = ""  # emulate a link, e.g. "latency=20ms,jitter=2ms,up=10MB/s,down=15MB/s"
+    # Privacy noise: Gaussian noise of this std relative to each hidden vector's RMS, added to every hidden state
+    # sent to the worker (clients/hat/noise.py). 0 = none (exact output); > 0 trades quality for privacy
+    # (`tandem bench privacy` measures both sides).
+    noise: Annotated[float, Field(ge=0, le=10)] = 0.0
     # "device": the split model shares the device model's vocabulary (the bundled Qwen pair does),
     # so prompts and migrations go by token ids.
     tokenizer: Literal["device", "own"] = "device"

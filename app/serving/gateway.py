@@ -166,6 +166,7 @@ class Gateway:
             parallel_drafting=cloud.parallel_drafting,
             link=LinkProfile.parse(cloud.link) if cloud.link else None,
             num_threads=cloud.num_threads,
+            noise=cloud.noise,
         )
         backend = HATBackend(options)
         backend.accepts_token_ids = cloud.tokenizer == "device"

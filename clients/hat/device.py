@@ -120,6 +120,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             max_frame_bytes=o.max_frame_bytes,
             wire_dtype=self.wire_dtype,
             profile=o.link,
+            noise=o.noise,  # privacy noise on the sent hidden states (clients/hat/noise.py; FrameSession applies it)
+            noise_seed=o.noise_seed,
         )
         self._draft_ids: torch.Tensor | None = None  # reduced draft vocabulary (sorted token ids), if any
         self._draft_weight: torch.Tensor | None = None  # the LM head's rows for them

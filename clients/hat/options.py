@@ -37,6 +37,11 @@ class HATOptions:
         iperf3); the upload estimate is refined from prefill timings. With a LinkProfile the emulated
         bandwidths are the initial estimates.
     link: a LinkProfile to emulate latency / jitter / bandwidth on this device's send and receive paths.
+    noise: Gaussian noise added to every hidden-state frame the device sends (prefill chunks and drafts), std =
+        noise x each vector's RMS (clients/hat/noise.py): makes inverting the states harder (`tandem bench
+        privacy`), at a cost in quality — with noise > 0 the output is no longer the LLM's exactly. 0 = none.
+    noise_seed: seeds every session's noise generator (reproducible tests and benchmarks only: the same noise in
+        every session can be subtracted out); None = a fresh seed from the OS per session.
     """
 
     worker_url: str
@@ -60,6 +65,8 @@ class HATOptions:
     beta_up: float = 10e6
     beta_down: float = 15e6
     link: LinkProfile | None = None
+    noise: float = 0.0
+    noise_seed: int | None = None
     connect_timeout: float = 10.0
     round_timeout: float = 60.0
     max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES

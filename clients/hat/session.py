@@ -15,6 +15,7 @@ import torch
 
 from clients.base import BackendError
 from clients.hat import wire
+from clients.hat.noise import add_noise, noise_generator
 from clients.hat.transport import LinkOptions, Transport
 
 PROTOCOL = 1
@@ -33,6 +34,8 @@ class FrameSession:
         self.seq = 0
         self.early: dict[int, wire.Frame] = {}
         self.info: dict[str, Any] = {}
+        # Noise on every hidden-state frame this session sends (prefill chunks and drafts), from its own generator.
+        self.noise_gen = noise_generator(opts.noise_seed) if opts.noise > 0 else None
 
     async def open(self, num_layers: int, m: int, model: str) -> dict[str, Any]:
         """Open the session (structural facts only: no prompt, no text); the worker's session info."""
@@ -71,6 +74,8 @@ class FrameSession:
 
     def send_tensor(self, kind: wire.Kind, tensor: torch.Tensor, arg: int) -> int:
         seq = self.next_seq()
+        if self.noise_gen is not None:
+            tensor = add_noise(tensor, self.opts.noise, self.noise_gen)
         self.t.send(wire.encode_tensor(kind, self.sid, seq, tensor, arg=arg, wire_dtype=self.opts.wire_dtype))
         return seq
 

@@ -42,6 +42,8 @@ class LinkOptions:
     max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES
     wire_dtype: torch.dtype = torch.float32
     profile: LinkProfile | None = None
+    noise: float = 0.0  # relative std of the Gaussian noise on sent hidden states (clients/hat/noise.py)
+    noise_seed: int | None = None  # None: each session's noise generator is seeded from the OS
 
 
 @dataclass(frozen=True)

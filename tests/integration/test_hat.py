@@ -242,6 +242,52 @@ async def test_only_hidden_states_and_control_frames_leave_the_device(worker: Wo
     assert {Kind.OPEN, Kind.PREFILL_CHUNK, Kind.DRAFT, Kind.CLOSE} <= kinds
 
 
+def sent_states(frames: list[tuple[bytes | None, bytes]], kind: Kind) -> list[torch.Tensor]:
+    """The hidden states of the frames of `kind` the worker received, in order."""
+    decoded = (wire.decode_frame(data) for _sid, data in frames)
+    return [f.tensor().reshape(-1, f.shape[-1]) for f in decoded if f.kind == kind]
+
+
+def relative_rms(got: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
+    return (got - clean).pow(2).mean(-1).sqrt() / clean.pow(2).mean(-1).sqrt()
+
+
+async def test_noise_moves_the_sent_states_and_noise_zero_changes_nothing(worker: WorkerServer, smol, reference):
+    model, tok = smol
+    ids = prompt_ids(tok)
+    runs = {}
+    for name, kw in (("default", {}), ("zero", {"noise": 0.0, "noise_seed": 3}), ("noised", {"noise": 0.2})):
+        backend = worker.backend(model, tok, SMOL, **kw)
+        await backend.start()
+        worker.frames.clear()
+        events = await collect(backend, ids)
+        await backend.close()
+        await wait_for(lambda: worker.engine.session_count == 0)
+        frames = list(worker.frames)
+        runs[name] = (events, sent_states(frames, Kind.PREFILL_CHUNK), sent_states(frames, Kind.DRAFT))
+    split = split_model(model, 2)
+    with torch.inference_mode():
+        clean = split.input(torch.tensor([ids]))[0]
+    # noise = 0: the very same frames as without the option, and the same greedy answer as U-shape decoding
+    events, prefill, drafts = runs["zero"]
+    assert all(torch.equal(a, b) for a, b in zip(prefill, runs["default"][1], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(drafts, runs["default"][2], strict=True))
+    assert torch.allclose(torch.cat(prefill), clean, atol=1e-4)
+    assert token_ids(events) == token_ids(runs["default"][0])
+    check_against_reference(token_ids(events), *reference)
+    # noise = 0.2: every sent state moved by ~0.2 of its RMS (prefill chunks and drafts), and the answer completes
+    events, prefill, drafts = runs["noised"]
+    print("noised answer:", repr("".join(e.text for e in events)), token_ids(events))
+    assert len(prefill) == len(runs["zero"][1]) and drafts
+    rel = relative_rms(torch.cat(prefill), clean)
+    assert 0.15 < float(rel.min()) and float(rel.max()) < 0.25, rel
+    first = token_ids(events)[0]
+    with torch.inference_mode():
+        first_clean = split.input(torch.tensor([[*ids, first]]))[0, -1:]
+    assert 0.1 < float(relative_rms(drafts[0][:1], first_clean)[0]) < 0.3  # a draft frame's first row: noised too
+    assert events[-1].finish_reason in ("stop", "length") and len(token_ids(events)) >= 1
+
+
 # --- limits, rejections, rollback -------------------------------------------------------------------
 
 
