@@ -33,8 +33,10 @@ Our copy of the paper lost Eqs. 1-4 (see /work/shared/notes/formulas.md); what i
       coarser grid (a multiple of the requested granularity); the plan reports the grid it is exact over.
   `paper_partition` keeps the paper's min-max + Eq. 4 rule as a baseline.
 * The default cost form is τ(x | y) = a + b·x + c·x·y (+ d·x², 0 unless fitted with quadratic=True), fitted by
-  least squares from profiled (x, y, seconds) points (`fit_chunk_cost`). Without d the model under-counts the
-  causal attention inside a sub-sequence (x²/2 pairs), which slightly favours splitting.
+  least squares from profiled (x, y, seconds) points (`fit_chunk_cost`). Without d the model does not count the
+  causal attention inside a sub-sequence (x²/2 pairs): a one-shot prefill then seems to pay no attention at all
+  and splitting is penalised by Σ x_k·y_k = (N² − Σ x_k²)/2. Fit with quadratic=True (d ≈ c/2 when attention is
+  the only quadratic cost) when long prompts matter.
 * The device → link → worker path of a HAT prefill is a 3-stage pipeline of very unequal stages: the device's
   input submodel, the upload (per-frame cost + x·A/β_up; one-way propagation latency shifts every plan's finish
   by the same constant, so it is added to the makespan, not planned), and the worker. `plan_device_prefill` gives
