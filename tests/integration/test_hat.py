@@ -258,6 +258,14 @@ def open_params(worker: WorkerServer) -> dict:
     return {"hidden_size": e.hidden_size, "num_layers": e.num_layers, "m": e.m, "dtype": "float32"}
 
 
+async def recv_reply(ws) -> wire.Frame:
+    """The next reply frame, skipping STATUS frames (the worker's mu and g, which may ride with a verification)."""
+    while True:
+        frame = wire.decode_frame(await ws.recv())
+        if frame.kind != Kind.STATUS:
+            return frame
+
+
 @torch.inference_mode()
 def shallow_of(model: Any, ids: list[int]) -> torch.Tensor:
     return split_model(model, 2).input(torch.tensor([ids]))[0]
@@ -324,19 +332,19 @@ async def test_kv_rollback_over_the_wire(worker: WorkerServer, smol) -> None:
         ws, sid, _ = await open_raw(worker)
         seq = 1
         await ws.send(wire.encode_tensor(Kind.PREFILL_CHUNK, sid, seq, prompt))
-        assert wire.decode_frame(await ws.recv()).kind == Kind.DEEP_STATE
+        assert (await recv_reply(ws)).kind == Kind.DEEP_STATE
         if drafts_first:  # three drafts the device then rejects
             seq += 1
             await ws.send(wire.encode_tensor(Kind.DRAFT, sid, seq, torch.randn(3, x.shape[1]), arg=len(ids)))
-            assert wire.decode_frame(await ws.recv()).shape == (3, x.shape[1])
+            assert (await recv_reply(ws)).shape == (3, x.shape[1])
             seq += 1
             await ws.send(wire.encode_control(Kind.ROLLBACK, sid, seq, arg=len(ids)))
             seq += 1
             await ws.send(wire.encode_tensor(Kind.DRAFT, sid, seq, nxt, arg=len(ids) + 3))  # stale position
-            assert wire.decode_frame(await ws.recv()).arg == 409
+            assert (await recv_reply(ws)).arg == 409
         seq += 1
         await ws.send(wire.encode_tensor(Kind.DRAFT, sid, seq, nxt, arg=len(ids)))
-        reply = wire.decode_frame(await ws.recv())
+        reply = await recv_reply(ws)
         assert reply.kind == Kind.VERIFY_RESULT and reply.seq == seq and reply.arg == len(ids)
         results.append(reply.tensor())
         await ws.close()
