@@ -715,6 +715,59 @@ async def test_accepted_drafts_and_parallel_drafting_keep_greedy_exact(worker: W
     check_against_reference(outputs[True], ref, gaps)
 
 
+class PlanRecorder(OracleHAT):
+    """OracleHAT that records, each round, the worker's mu and g it plans with, and the draft cap it chose."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.plans: list[tuple[float, tuple[float, ...], int]] = []
+        self.drafts: list[tuple[int, int]] = []  # per round: (the cap it got, drafts it sent)
+
+    def _draft_cap(self, link: Any) -> int:
+        cap = super()._draft_cap(link)
+        self.plans.append((float(link.info["mu"]), tuple(link.info["g"]), cap))
+        return cap
+
+    async def _round(self, link: Any, st: Any, token: int, position: int, cap: int, *args: Any, **kw: Any):
+        before = self.stats.drafted
+        out = await super()._round(link, st, token, position, cap, *args, **kw)
+        self.drafts.append((cap, self.stats.drafted - before))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["eq7+eta", "eq7"])
+async def test_eq7_draft_length_keeps_greedy_exact_and_gets_status_mid_session(smol, reference, mode) -> None:
+    """Draft length from Eq. 7 changes how much is drafted per round, never the output; the worker's mu and g
+    reach the device in STATUS frames while the session runs (tolerance 0: whenever they moved)."""
+    model, tok = smol
+    ref, gaps = reference
+    ids = prompt_ids(tok)
+    answer = {len(ids) + i: t for i, t in enumerate(ref)}
+    server = WorkerServer(model, SMOL, status_tolerance=0.0).start()
+    try:
+        options = HATOptions(server.ws, model_id=SMOL, auth_token=TOKEN, chunk_size=16, draft_length=mode)
+        backend = PlanRecorder(options, model=model, tokenizer=tok, answer=answer)
+        await backend.start()
+        sent_before = server.engine.stats.status_frames
+        got = token_ids(await collect(backend, ids))
+        stats = backend.stats.summary()
+        print(f"{mode}: {stats}, alpha_hat {backend.controller.alpha:.3f}, plans {backend.plans}")
+        check_against_reference(got, ref, gaps)
+        assert backend.stats.accepted > 0 and stats["accept_length"] > 1.5
+        assert all(1 <= cap <= options.max_draft for _, _, cap in backend.plans)
+        if mode == "eq7":  # exactly the cap: l*, or fewer where the answer's remaining length is shorter
+            assert all(sent == cap for cap, sent in backend.drafts), backend.drafts
+        else:  # the eta stop within the cap
+            assert all(sent <= cap for cap, sent in backend.drafts) and any(s < c for c, s in backend.drafts)
+        # STATUS frames arrived mid-session, and later rounds planned with the values they carried.
+        sent = server.engine.stats.status_frames - sent_before
+        assert sent >= 1 and backend.stats.status_updates == sent
+        assert len({(mu, g) for mu, g, _ in backend.plans}) >= 2
+        await backend.close()
+    finally:
+        server.stop()
+
+
 def u_shape_penalised(model: Any, ids: list[int], n: int, request: GenerationRequest) -> list[int]:
     """Plain U-shape greedy with the request's penalties / logit_bias applied before every pick."""
     adjust = LogitAdjuster(request)
