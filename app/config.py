@@ -212,6 +212,10 @@ class HATCloudSettings(_Strict):
     auth_token: SecretStr | None = None
     wire_dtype: Literal["float32", "float16"] = "float32"
     eta: Annotated[float, Field(gt=0, lt=1)] = 0.6
+    # Draft length per round: "eta" = until confidence < eta, at most max_draft; "eq7" = exactly l*, the argmax of
+    # Eq. 7's tokens per verification over the measured round time; "eq7+eta" = the eta stop capped at l*.
+    draft_length: Literal["eta", "eq7", "eq7+eta"] = "eta"
+    max_draft: Annotated[int, Field(ge=1, le=64)] = 8
     speculative: bool = True
     parallel_drafting: bool = False
     link: str = ""  # emulate a link, e.g. "latency=20ms,jitter=2ms,up=10MB/s,down=15MB/s"

@@ -191,3 +191,168 @@ class AcceptanceEstimator:
         a = self.accepted + self.prior_accepted
         r = self.rejections + self.prior_rejections
         return a / (a + r) if a + r > 0 else 0.0
+
+
+# --- draft length at run time (Eq. 7 over a measured round time; Eq. 33's enumeration) -----------------
+
+DRAFT_LENGTH_MODES = ("eta", "eq7", "eq7+eta")
+
+
+def argmax_draft_length(alpha: float, round_time: Callable[[int], float], max_len: int, min_len: int = 1) -> int:
+    """l* = argmax over l in [min_len, max_len] of L(l, alpha) / round_time(l) (Eq. 7 over Eq. 33's enumeration).
+
+    Ties (within 1e-12 relative) go to the smaller l: the same rate for less drafting work, and less wasted when
+    acceptance drifts down. Eq. 33a keeps l >= 1: a planner that could choose 0 would stop measuring acceptance.
+    """
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    best_l, best_rate = min_len, -1.0
+    for length in range(min_len, max_len + 1):
+        cost = round_time(length)
+        rate = expected_tokens_per_verification(alpha, length) / cost if cost > 0 else math.inf
+        if rate > best_rate * (1 + 1e-12):
+            best_l, best_rate = length, rate
+    return best_l
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """What the round-time model needs from outside the device: link bandwidths (bytes/s), the bytes of one hidden
+    state on the wire, and the worker's mu (tokens per pass) and g(x) = slope*x + intercept (s), as last reported."""
+
+    token_bytes: float
+    beta_up: float
+    beta_down: float
+    mu: float = 0.0
+    g: tuple[float, float] = (0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class RoundTime:
+    """T_round(l) by its parts (s): l draft steps, upload of the l+1 rows, the worker's g(mu + l + 1), download of
+    their deep states, the device head over the rows it is expected to need, and the link's round-trip latency."""
+
+    draft: float
+    upload: float
+    worker: float
+    download: float
+    head: float
+    rtt: float
+
+    @property
+    def total(self) -> float:
+        return self.draft + self.upload + self.worker + self.download + self.head + self.rtt
+
+
+@dataclass
+class DraftLengthController:
+    """Chooses each round's draft length l* = argmax L(l, alpha_hat) / T_round(l) from measured parts (HAT item 2).
+
+    Modes: "eta" = HAT's confidence stop (Eq. 5) capped at max_len, no planning; "eq7" = exactly l* drafts (the
+    confidence stop off); "eq7+eta" = the confidence stop with l* as its cap. Fed every round's outcome (observe).
+
+    Measured parts (all exponential moving averages, HAT's alpha as the weight of history):
+    - step: seconds per draft-model step. A round of l drafts feeds l + 1 tokens through the input submodel and
+      adapter (the last accepted token, then each draft) and runs the draft head l times, so draft(l) = (l+1)*step
+      with step = draft seconds / (drafts + 1).
+    - head_row: seconds of the device head per verified row. Verification runs the head on the first row, and on
+      the rest only when the first draft was accepted, so head(l) = head_row * (1 + alpha_hat * l) expected rows.
+    - rtt: the round's wait (send to reply) minus the modelled upload, worker compute and download: the link's
+      latency plus whatever the model misses (queueing at the worker), clamped at 0.
+    - upload / worker / download come from LinkState: (l+1)*A/beta_up, g(mu + l + 1), (l+1)*A/beta_down.
+
+    Where alpha_hat is biased, and the correction. AcceptanceEstimator assumes i.i.d. acceptance; the confidence
+    stop breaks that by *selecting* the positions it measures. It stops exactly where the draft model is unsure,
+    i.e. where acceptance would be low, so the positions a longer chain would add beyond an eta stop (more
+    low-confidence drafts, drafts after an accepted low-confidence one in a hard stretch) are never observed:
+    acceptance measured under eta overestimates alpha for a fixed longer chain (with include_low_confidence=False it
+    measures confident drafts only). The controller never feeds one regime's measurements into another's plan:
+    - "eq7": every round drafts exactly l* with no confidence stop, so the pooled estimate over all drafts is
+      measured on the very chains being planned (unselected): it is the alpha Eq. 7 needs.
+    - "eq7+eta": l* only matters on rounds that reach it, i.e. whose drafts were all confident (p >= eta; otherwise
+      eta stopped earlier). The plan therefore uses the acceptance of confident drafts only (`confident`); the
+      pooled rate would mix in the low-confidence last drafts that a binding cap never adds, and plan too short.
+    - "eta": nothing is planned; both estimates are kept for the statistics.
+    The remaining bias is Eq. 7's own: acceptance is not i.i.d. along a chain (a confident stretch tends to go on).
+    """
+
+    mode: str = "eq7+eta"
+    max_len: int = 8
+    eta: float = DEFAULT_ETA
+    pooled: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
+    confident: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
+    step: float | None = None  # s per draft-model step (None: no measurement yet)
+    head_row: float | None = None  # s per head row
+    rtt: float | None = None  # s
+    weight: float = DEFAULT_HISTORY_WEIGHT  # of history, in the moving averages
+    prior_step: float = 5e-3
+    prior_head_row: float = 2e-3
+
+    def __post_init__(self) -> None:
+        if self.mode not in DRAFT_LENGTH_MODES:
+            raise ValueError(f"draft_length must be one of {', '.join(DRAFT_LENGTH_MODES)}, got {self.mode!r}")
+        if self.max_len < 1:
+            raise ValueError(f"max_draft must be >= 1, got {self.max_len}")
+
+    @property
+    def alpha(self) -> float:
+        """The acceptance rate the plan uses (see the class docstring for which, and why)."""
+        return self.confident.alpha if self.mode == "eq7+eta" else self.pooled.alpha
+
+    def _avg(self, old: float | None, sample: float) -> float:
+        return sample if old is None else self.weight * old + (1.0 - self.weight) * sample
+
+    def round_time(self, length: int, link: LinkState) -> RoundTime:
+        """T_round(length) from the measured parts and `link` (the worker's latest mu and g)."""
+        rows = length + 1
+        slope, intercept = link.g
+        return RoundTime(
+            draft=rows * (self.step if self.step is not None else self.prior_step),
+            upload=rows * link.token_bytes / link.beta_up,
+            worker=max(0.0, slope * (link.mu + rows) + intercept),
+            download=rows * link.token_bytes / link.beta_down,
+            head=(self.head_row if self.head_row is not None else self.prior_head_row) * (1 + self.alpha * length),
+            rtt=self.rtt or 0.0,
+        )
+
+    def plan(self, link: LinkState) -> int:
+        """This round's draft cap: max_len under "eta", else l* in [1, max_len]."""
+        if self.mode == "eta":
+            return self.max_len
+        alpha = self.alpha
+        return argmax_draft_length(alpha, lambda n: self.round_time(n, link).total, self.max_len)
+
+    def observe(
+        self,
+        *,
+        drafted: int,
+        accepted: int,
+        confident: list[bool] | None = None,
+        draft_s: float | None = None,
+        wait_s: float | None = None,
+        head_s: float | None = None,
+        link: LinkState | None = None,
+    ) -> None:
+        """One round's outcome: `drafted` drafts of which the first `accepted` were accepted; `confident[i]`: draft
+        i's probability was >= eta. Timings are optional (None: not measured this round, e.g. a draft prepared by
+        parallel drafting took no drafting time)."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"need 0 <= accepted <= drafted, got {accepted}, {drafted}")
+        flags = confident if confident is not None else [True] * drafted
+        if len(flags) != drafted:
+            raise ValueError(f"{len(flags)} confidence flags for {drafted} drafts")
+        if drafted:
+            self.pooled.update(accepted, drafted)
+            # The confident drafts among the trials: the accepted prefix, and the rejected draft if there was one.
+            conf_accepted = sum(flags[:accepted])
+            rejected_confident = accepted < drafted and flags[accepted]
+            if conf_accepted or rejected_confident:
+                self.confident.update(conf_accepted, conf_accepted + int(rejected_confident))
+        if draft_s is not None and drafted:
+            self.step = self._avg(self.step, draft_s / (drafted + 1))
+        if head_s is not None:
+            rows = 1 if accepted == 0 else drafted + 1  # the head ran on row 0, then on the rest if it was accepted
+            self.head_row = self._avg(self.head_row, head_s / rows)
+        if wait_s is not None and link is not None:
+            modelled = self.round_time(drafted, link)
+            self.rtt = self._avg(self.rtt, max(0.0, wait_s - modelled.upload - modelled.worker - modelled.download))

@@ -22,6 +22,8 @@ Sections (`--sections`, all by default):
   round trip); the link model's upload / download time for the same payloads.
 - sweep: TBT of U-shape / SD / SD+PD over RTT, and TTFT without / with chunking over upload bandwidth: where
   each strategy starts to win.
+- draft_length: TBT of SD+PC with each draft-length rule (eta / eq7 / eq7+eta) at each of --draft-length-rtt-ms,
+  one warm-up and one measured request per cell.
 - throughput: 1, 4 and 8 devices (raw protocol clients replaying real shallow states, so the devices' own
   compute does not bound the measurement) decoding concurrently (continuous batching) vs one at a time.
 
@@ -43,7 +45,7 @@ from typing import Any
 
 import torch
 
-from app.bench.hat_sections import components, sweep, table4, table5, throughput
+from app.bench.hat_sections import DRAFT_LENGTH_MODES, components, draft_length, sweep, table4, table5, throughput
 from app.bench.hat_setup import TABLE5, U_SHAPE, Bench, RawDevice
 
 DEFAULT_LINK = "latency=10ms,up=7.5MB/s,down=12.5MB/s"
@@ -93,6 +95,16 @@ def report(results: dict[str, Any]) -> str:
                   "|---|---|---|---|"]  # fmt: skip
         lines += [f"| {r['up_MBps']:g} | {r['U-shape']:.0f} | {r['PC']:.0f} | {r['PC'] / r['U-shape']:.2f}x |"
                   for r in s["up_bandwidth"]]  # fmt: skip
+    if "draft_length" in results:
+        d = results["draft_length"]
+        lines += ["", f"Draft length rule (SD+PC, {d['prompt_tokens']}-token prompt, {d['decode_tokens']} tokens): "
+                  "TBT ms / accept length / drafts per round", "",
+                  "| RTT ms | " + " | ".join(DRAFT_LENGTH_MODES) + " |",
+                  "|---" * (len(DRAFT_LENGTH_MODES) + 1) + "|"]  # fmt: skip
+        for r in d["rows"]:
+            cells = [f"{r[m]['tbt_ms']:.1f} / {r[m]['accept_length']:.2f} / {r[m]['drafted_per_round']:.2f}"
+                     for m in DRAFT_LENGTH_MODES]  # fmt: skip
+            lines.append(f"| {r['rtt_ms']:g} | " + " | ".join(cells) + " |")
     if "throughput" in results:
         lines += ["", "Worker throughput (decode tokens/s)", "", "| devices | batched | one at a time | ratio |",
                   "|---|---|---|---|"]  # fmt: skip
@@ -101,7 +113,14 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = {"components": components, "table5": table5, "table4": table4, "sweep": sweep, "throughput": throughput}
+SECTIONS = {
+    "components": components,
+    "table5": table5,
+    "table4": table4,
+    "sweep": sweep,
+    "draft_length": draft_length,
+    "throughput": throughput,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-up-mbps", type=float, nargs="+", default=[1, 2.5, 5, 10, 40])
     p.add_argument("--sweep-prompt", type=int, default=1024)
     p.add_argument("--sweep-tokens", type=int, default=32)
+    p.add_argument("--draft-length-rtt-ms", type=float, nargs="+", default=[0, 20])
+    p.add_argument("--draft-length-tokens", type=int, default=32)
     p.add_argument("--throughput-devices", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--throughput-tokens", type=int, default=24)
     p.add_argument("--device-core", type=int, default=0, help="pin this process to the core (-1: no pinning)")

@@ -208,3 +208,43 @@ async def throughput(bench: Bench) -> dict[str, Any]:
         print(f"  throughput {n} devices: batched {concurrent:.1f} tok/s, one at a time {sequential:.1f} tok/s",
               file=sys.stderr)  # fmt: skip
     return {"prompt_tokens": prompt, "decode_tokens_per_device": a.throughput_tokens, "rows": out}
+
+
+DRAFT_LENGTH_MODES = ("eta", "eq7", "eq7+eta")
+
+
+async def draft_length(bench: Bench) -> dict[str, Any]:
+    """TBT of SD (chunked prefill, no parallel drafting) under each draft-length rule, per RTT: one warm-up request
+    per backend (so the Eq. 7 controller has measured acceptance and timings), then one measured request."""
+    from clients.hat.link import LinkProfile
+
+    a, base = bench.args, bench.link
+    warm, ids = bench.code_prompt(96), bench.code_prompt(128)
+    rows = []
+    for rtt in a.draft_length_rtt_ms:
+        link = LinkProfile(latency=rtt / 2e3, up_bandwidth=base.up_bandwidth, down_bandwidth=base.down_bandwidth)
+        row: dict[str, Any] = {"rtt_ms": rtt}
+        for mode in DRAFT_LENGTH_MODES:
+            b = await started(bench, Variant(True, True, False), link=link, draft_length=mode)
+            await run_request(b, warm, a.draft_length_tokens)
+            before = (b.stats.rounds, b.stats.drafted, b.stats.draft_cap_sum)
+            r = await run_request(b, ids, a.draft_length_tokens)
+            rounds = max(b.stats.rounds - before[0], 1)
+            row[mode] = {
+                "tbt_ms": r["tbt_ms"],
+                "accept_length": r["accept_length"],
+                "drafted_per_round": (b.stats.drafted - before[1]) / rounds,
+                "mean_cap": (b.stats.draft_cap_sum - before[2]) / rounds,
+                "alpha_hat": b.controller.alpha,
+                "status_updates": b.stats.status_updates,
+                "ids": r["ids"],
+            }
+            await b.close()
+            print(f"  draft_length rtt {rtt:4.0f} ms {mode:8s} TBT {r['tbt_ms']:6.1f} ms  accept "
+                  f"{r['accept_length']:.2f}  drafted/round {row[mode]['drafted_per_round']:.2f}  "
+                  f"alpha_hat {b.controller.alpha:.2f}", file=sys.stderr)  # fmt: skip
+        ids_by_mode = {mode: row[mode].pop("ids") for mode in DRAFT_LENGTH_MODES}
+        for mode in DRAFT_LENGTH_MODES:  # greedy: the same tokens under every rule (up to fp near-ties)
+            row[mode]["same_as_eta"] = ids_by_mode[mode] == ids_by_mode["eta"]
+        rows.append(row)
+    return {"prompt_tokens": len(ids), "decode_tokens": a.draft_length_tokens, "rows": rows}

@@ -71,7 +71,7 @@ class Bench:
         if self.worker is not None:
             self.worker.stop()
 
-    def backend(self, v: Variant, link: Any = None, full_vocab: bool = False) -> Any:
+    def backend(self, v: Variant, link: Any = None, full_vocab: bool = False, draft_length: str = "eta") -> Any:
         from clients.hat.device import HATBackend
         from clients.hat.options import HATOptions
 
@@ -83,6 +83,7 @@ class Bench:
             draft_vocab_path=None if full_vocab else self.draft_vocab,
             speculative=v.sd,
             parallel_drafting=v.pd,
+            draft_length=draft_length,
             chunk_size=None if v.pc else 1 << 20,  # no chunking = the whole prompt in one frame
             link=self.link if link is None else link,
             round_timeout=600.0,
@@ -188,6 +189,8 @@ class RawDevice:
         self.seq += 1
         await self.ws.send(wire.encode_tensor(kind, self.sid, self.seq, states, arg=position))
         reply = wire.decode_frame(await self.ws.recv())
+        while reply.kind == wire.Kind.STATUS:  # the worker's mu and g, riding with a verification: not the reply
+            reply = wire.decode_frame(await self.ws.recv())
         if reply.kind == wire.Kind.ERROR:
             raise RuntimeError(f"worker error: {reply.text()}")
 

@@ -162,6 +162,8 @@ class Gateway:
             auth_token=token,
             wire_dtype=cloud.wire_dtype,
             eta=cloud.eta,
+            max_draft=cloud.max_draft,
+            draft_length=cloud.draft_length,
             speculative=cloud.speculative,
             parallel_drafting=cloud.parallel_drafting,
             link=LinkProfile.parse(cloud.link) if cloud.link else None,

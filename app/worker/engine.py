@@ -6,7 +6,9 @@ speaks the frame protocol of clients/hat/wire.py:
     device -> worker                                  worker -> device
     OPEN           JSON parameters (no user data)     OPEN           JSON session info (id, limits, g, mu)
     PREFILL_CHUNK  shallow states, arg = 1st pos      DEEP_STATE     deep state of the chunk's last position
-    DRAFT          shallow states, arg = 1st pos      VERIFY_RESULT  deep states of every drafted position
+    DRAFT          shallow states, arg = 1st pos      VERIFY_RESULT  deep states of every drafted position,
+                                                                     after a STATUS (mu, g) when those moved by
+                                                                     more than limits.status_tolerance
     ROLLBACK       arg = positions to keep            (nothing; ERROR if it cannot be applied)
     CLOSE                                             (nothing)
                                                       ERROR          UTF-8 message, arg = HTTP-like status
@@ -100,6 +102,7 @@ class EngineStats:
     split_frames: int = 0  # prefill frames split into sub-chunks
     subchunk_passes: int = 0  # sub-chunks run (pieces of split frames)
     subchunk_budget: int = 0  # the current sub-chunk size from g (tokens)
+    status_frames: int = 0  # STATUS frames sent mid-session (mu and g moved since the device was told)
 
 
 FrameHook = Callable[[bytes | None, bytes], None]
@@ -231,6 +234,7 @@ class Engine:
             self._sessions[sid] = session
             self.stats.sessions_opened += 1
         reply = dict(self.info(), session=session.hex, protocol=PROTOCOL, pipeline=1)
+        session.told = (float(reply["mu"]), *(float(x) for x in reply["g"]))
         reply.update(max_frame_bytes=self.limits.max_frame_bytes, idle_timeout=self.limits.idle_timeout)
         return session, wire.encode_text(wire.Kind.OPEN, sid, 0, json.dumps(reply))
 
@@ -595,7 +599,30 @@ class Engine:
                 reply = wire.encode_tensor(
                     wire.Kind.VERIFY_RESULT, item.session.id, item.seq, deep, arg=frame.arg, wire_dtype=self.wire_dtype
                 )
+                status = self._status(item.session, item.seq, int(deep.shape[0]))
+                if status is not None:
+                    _resolve(item.future, [status, reply])
+                    continue
             _resolve(item.future, [reply])
+
+    def _status(self, session: Session, seq: int, rows: int) -> bytes | None:
+        """A STATUS frame for `session` when mu, or g's prediction for a round of `rows`, moved by more than the
+        tolerance since it was last told (engine thread)."""
+        mu = self.stats.mu.get()
+        slope, intercept = self.stats.g.coefficients()
+        told = session.told
+        if told is not None:
+            tol = self.limits.status_tolerance
+            old_mu, old_slope, old_intercept = told
+            old_g = max(0.0, old_slope * (old_mu + rows) + old_intercept)
+            new_g = max(0.0, slope * (mu + rows) + intercept)
+            moved_mu = abs(mu - old_mu) > tol * max(abs(old_mu), 1.0)
+            moved_g = abs(new_g - old_g) > tol * max(old_g, 1e-4)
+            if not (moved_mu or moved_g):
+                return None
+        session.told = (mu, slope, intercept)
+        self.stats.status_frames += 1
+        return wire.encode_status(session.id, seq, mu, (slope, intercept), sessions=len(self._sessions))
 
     # --- start-up check ---------------------------------------------------------------------------
 

@@ -66,6 +66,8 @@ class WorkerSettings(BaseModel):
     # sub-chunks sized from g (policies/worker_batching.py); "greedy": every pending frame in one pass (see README).
     batching: Literal["planned", "greedy"] = "planned"
     subchunk_overhead: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    # A STATUS frame (mu, g) rides with a verification reply when they moved by more than this share (EngineLimits)
+    status_tolerance: Annotated[float, Field(ge=0)] = 0.1
     num_threads: Annotated[int, Field(ge=1)] | None = None  # torch intra-op threads (None: torch's default)
     # Where the middle layers compute: "auto" = the first CUDA GPU if torch sees one, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -84,6 +86,7 @@ class WorkerSettings(BaseModel):
             batch_invariant=self.batch_invariant,
             batching=self.batching,
             subchunk_overhead=self.subchunk_overhead,
+            status_tolerance=self.status_tolerance,
         )
 
 
@@ -220,6 +223,7 @@ class _EngineCollector:
             ),
             ("tandem_worker_split_frames", "Prefill frames split into sub-chunks", st.split_frames),
             ("tandem_worker_subchunk_passes", "Sub-chunks of split prefill frames run", st.subchunk_passes),
+            ("tandem_worker_status_frames", "STATUS frames (mu, g) sent to devices mid-session", st.status_frames),
         ]
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc)

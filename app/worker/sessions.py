@@ -81,6 +81,9 @@ class EngineLimits:
     subchunk_overhead: float = 0.2  # planned: a sub-chunk spends at most this share of its pass on g's fixed cost
     min_subchunk: int = 16  # planned: never split a prefill frame into pieces smaller than this
     max_defer: int = 1  # planned: a frame left out of this many passes in a row goes into the next one
+    # A STATUS frame (mu, g) goes with a VERIFY_RESULT when mu, or g's prediction for that round, moved by more
+    # than this share since the session was last told (OPEN or an earlier STATUS). 0: with every change.
+    status_tolerance: float = 0.1
 
 
 class OpenParams(BaseModel):
@@ -131,6 +134,7 @@ class Session:
     tokens: int = 0
     waiting_bytes: int = 0  # frames accepted and not yet answered (Engine._pending_lock)
     waiting_frames: int = 0
+    told: tuple[float, float, float] | None = None  # engine thread: (mu, g slope, g intercept) last sent to the device
 
     @property
     def hex(self) -> str:

@@ -14,7 +14,10 @@ One generation = one worker session:
    overlaps the worker's compute of chunk k. The deep state of the last prompt position gives the first token.
 2. Decode rounds (HAT §3.4). Starting from the last accepted token, the draft model drafts greedily (or samples,
    at temperature > 0) until the draft token's probability falls below eta (Eq. 5, default 0.6; the
-   low-confidence token is kept as the last draft) or max_draft (8) is reached. The device sends the shallow
+   low-confidence token is kept as the last draft) or max_draft (8) is reached — or, with draft_length "eq7" /
+   "eq7+eta", exactly / at most l* tokens, l* chosen per round from Eq. 7 and the measured round time
+   (policies.drafting.DraftLengthController; the worker's mu and g arrive at OPEN and in STATUS frames while the
+   session runs, and every round's outcome feeds the acceptance estimate). The device sends the shallow
    states of [last accepted token + drafts] (DRAFT), gets their deep states back (VERIFY_RESULT), and its output
    submodel verifies: greedy accepts the longest matching prefix plus the LLM's own next token; sampling uses
    speculative rejection sampling (accept d with prob min(1, p(d)/q(d)), else resample from max(0, p - q)), so
@@ -81,7 +84,7 @@ from clients.sampling import (
 from clients.stops import StopMatcher
 from clients.torch_local import IncrementalDetokenizer
 from policies.chunking import chunk_bounds, chunk_size, split_prompt
-from policies.drafting import DraftStopRule, parallel_draft_steps
+from policies.drafting import DraftLengthController, DraftStopRule, LinkState, parallel_draft_steps
 from policies.estimate import MovingAverage
 
 log = logging.getLogger(__name__)
@@ -125,7 +128,10 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         )
         self._draft_ids: torch.Tensor | None = None  # reduced draft vocabulary (sorted token ids), if any
         self._draft_weight: torch.Tensor | None = None  # the LM head's rows for them
-        self.rule = DraftStopRule(eta=o.eta, max_draft=o.max_draft, include_low_confidence=o.include_low_confidence)
+        self.controller = DraftLengthController(mode=o.draft_length, max_len=o.max_draft, eta=o.eta)
+        # "eq7" drafts exactly l*: the confidence stop is off (eta 0), only the per-round cap stops a draft.
+        rule_eta = 0.0 if o.draft_length == "eq7" else o.eta
+        self.rule = DraftStopRule(eta=rule_eta, max_draft=o.max_draft, include_low_confidence=o.include_low_confidence)
         self.pd_gamma = MovingAverage()  # seconds per batched parallel-drafting step
         link = o.link
         self.beta_up = MovingAverage(value=(link.up_bandwidth if link and link.up_bandwidth else o.beta_up))
@@ -263,6 +269,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         finally:
             self.active -= 1
             await link.close()
+            self.stats.status_updates += link.status_updates
             self.stats.bytes_up += transport.bytes_up
             self.stats.bytes_down += transport.bytes_down
 
@@ -340,7 +347,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 yield TokenEvent(text=text, token_id=token, logprobs=lps)
             last = pending[-1]
             cap = (
-                min(self.rule.max_draft, max_tokens - emitted - 1, limit - position - 1)
+                min(self._draft_cap(link), max_tokens - emitted - 1, limit - position - 1)
                 if self.options.speculative
                 else 0
             )
@@ -413,6 +420,23 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
 
     # --- decode rounds --------------------------------------------------------------------------
 
+    def _link_state(self, info: dict[str, Any]) -> LinkState:
+        """The round-time model's outside inputs: bandwidth estimates and the worker's latest mu and g."""
+        slope, intercept = (float(x) for x in info.get("g", (0.0, 0.0)))
+        return LinkState(
+            token_bytes=self._token_bytes(),
+            beta_up=self.beta_up.get(10e6),
+            beta_down=self.beta_down.get(15e6),
+            mu=float(info.get("mu", 0.0)),
+            g=(slope, intercept),
+        )
+
+    def _draft_cap(self, link: FrameSession) -> int:
+        """This round's draft cap: max_draft ("eta"), or l* from Eq. 7 over the modelled round time."""
+        cap = self.controller.plan(self._link_state(link.info))
+        self.stats.draft_cap_sum += cap
+        return cap
+
     async def _round(
         self,
         link: FrameSession,
@@ -429,7 +453,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         when the request asked for them, their logprobs (from the head's logits at each token's position)."""
         t0 = time.perf_counter()
         temperature, top_p = req.temperature, req.top_p
-        if st.prepared is not None and st.prepared_at == (token, position):
+        prepared = st.prepared is not None and st.prepared_at == (token, position)
+        if prepared:
             draft = await self._run(self.drafter.take_prepared, st, position, cap)
             self.stats.parallel_hits += 1
         else:
@@ -459,8 +484,20 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 502,
                 self.name,
             )
+        t_verify = time.perf_counter()
         new, accepted, lps = await self._run(
             self._verify, st, deep, draft, position, temperature, top_p, gen, adjust, req.logprobs, mask
+        )
+        t_head = time.perf_counter() - t_verify
+        eta = self.options.eta
+        self.controller.observe(
+            drafted=k,
+            accepted=accepted,
+            confident=[float(d[t]) >= eta for t, d in zip(draft.tokens, draft.dists, strict=True)],
+            draft_s=None if prepared else t1 - t0,
+            wait_s=t2 - t1,
+            head_s=t_head,
+            link=self._link_state(link.info),
         )
         if accepted < k:
             link.send_control(wire.Kind.ROLLBACK, position + accepted + 1)

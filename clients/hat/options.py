@@ -29,6 +29,12 @@ class HATOptions:
     wire_dtype: "float32" | "float16" — must match the worker's dtype.
     eta, max_draft, include_low_confidence: the drafting stop rule (Eq. 5). speculative=False: plain U-shape
         (one token per round, no drafting) — the baseline HAT is compared against.
+    draft_length: how long each round's draft is (policies.drafting.DraftLengthController). "eta": until the
+        confidence falls below eta, at most max_draft (HAT's rule); "eq7": exactly l* drafts, l* = argmax over
+        1..max_draft of Eq. 7's expected tokens per verification over the modelled round time (measured draft
+        step, link bandwidths and latency, the worker's g(mu + l + 1) kept current by its STATUS frames, device
+        head); "eq7+eta": the confidence stop with l* as its cap. Output is the same under all three (greedy:
+        token for token; sampling: in distribution) — only the speed changes.
     parallel_drafting: while the worker verifies, draft ahead from the top `parallel_candidates` alternatives to
         the last draft token, for as many steps as Eq. 6 says fit in the round trip (and never past the reply);
         when the verified correction is one of them, the next round starts with that branch's drafts ready.
@@ -56,6 +62,7 @@ class HATOptions:
     eta: float = DEFAULT_ETA
     max_draft: int = 8
     include_low_confidence: bool = True
+    draft_length: str = "eta"  # "eta" | "eq7" | "eq7+eta"
     speculative: bool = True
     parallel_drafting: bool = False
     parallel_candidates: int = 3
@@ -94,6 +101,8 @@ class HATStats:
     bytes_down: int = 0
     parallel_steps: int = 0  # batched parallel-drafting steps run while waiting for the worker
     parallel_hits: int = 0  # rounds whose draft came ready-made from parallel drafting
+    draft_cap_sum: int = 0  # sum over rounds of the draft cap used (max_draft under "eta", else l*)
+    status_updates: int = 0  # STATUS frames (the worker's mu and g) received mid-session
     last_chunk_size: int = 0
 
     def summary(self) -> dict[str, float]:
@@ -111,4 +120,6 @@ class HATStats:
             "prefill_seconds": self.prefill_seconds,
             "parallel_hits": self.parallel_hits,
             "parallel_steps": self.parallel_steps,
+            "mean_draft_cap": self.draft_cap_sum / r,
+            "status_updates": self.status_updates,
         }

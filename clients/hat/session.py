@@ -2,7 +2,9 @@
 
 The device sends without waiting (prefill chunks are pipelined), so replies may be asked for in any order: a reply
 to a frame nobody asked for yet is kept until it is. Every reply is validated (size, kind, hidden size, dtype,
-session) before it is used; an ERROR frame from the worker becomes a BackendError with a gateway status.
+session) before it is used; an ERROR frame from the worker becomes a BackendError with a gateway status. A STATUS
+frame (the worker's current mu and g, sent mid-session when they moved) answers nothing: it updates `info` (the
+OPEN reply's "mu" and "g", which the device plans with) and the wait goes on.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from clients.hat.transport import LinkOptions, Transport
 
 PROTOCOL = 1
 _NO_SESSION = b"\0" * 16
-_REPLY_KINDS = frozenset({wire.Kind.OPEN, wire.Kind.DEEP_STATE, wire.Kind.VERIFY_RESULT, wire.Kind.ERROR})
+_REPLY_KINDS = frozenset(
+    {wire.Kind.OPEN, wire.Kind.DEEP_STATE, wire.Kind.VERIFY_RESULT, wire.Kind.ERROR, wire.Kind.STATUS}
+)
 
 
 class FrameSession:
@@ -36,6 +40,7 @@ class FrameSession:
         self.info: dict[str, Any] = {}
         # Noise on every hidden-state frame this session sends (prefill chunks and drafts), from its own generator.
         self.noise_gen = noise_generator(opts.noise_seed) if opts.noise > 0 else None
+        self.status_updates = 0  # STATUS frames applied to `info`
 
     async def open(self, num_layers: int, m: int, model: str) -> dict[str, Any]:
         """Open the session (structural facts only: no prompt, no text); the worker's session info."""
@@ -99,6 +104,13 @@ class FrameSession:
             raise _worker_error(self.opts.name, frame)
         return frame
 
+    def apply_status(self, status: wire.WorkerStatus) -> None:
+        """The worker's current mu and g replace the ones it sent at OPEN (or in an earlier STATUS)."""
+        self.info["mu"] = status.mu
+        self.info["g"] = [status.g_slope, status.g_intercept]
+        self.info["sessions"] = status.sessions
+        self.status_updates += 1
+
     async def reply(self, seq: int, kind: wire.Kind) -> wire.Frame:
         """The reply to frame `seq` (replies to other frames are kept until asked for)."""
         name, timeout = self.opts.name, self.opts.round_timeout
@@ -110,6 +122,9 @@ class FrameSession:
             frame = self._decode(data)
             if frame.session != self.sid:
                 raise BackendError(f"{name}: reply for another session", 502, name)
+            if frame.kind == wire.Kind.STATUS:
+                self.apply_status(frame.status())
+                continue
             self.early[frame.seq] = frame
         frame = self.early.pop(seq)
         if frame.kind != kind:

@@ -32,6 +32,12 @@ Frame kinds and what they carry:
 - ROLLBACK        no payload; arg = number of positions to keep in the worker's KV cache.
 - ERROR           BYTES: UTF-8 message; arg = status code (HTTP-like).
 - CLOSE           no payload; ends the session.
+- STATUS          worker -> device only. BYTES: exactly 24 bytes, three little-endian float64s: mu (the worker's
+                  moving average of tokens per forward pass), then its delay predictor g(x) = slope*x + intercept
+                  (slope in s/token, intercept in s); all finite, mu >= 0. arg = the worker's open sessions (>= 0).
+                  Sent mid-session just before a VERIFY_RESULT (same seq) when mu or g moved since the device was
+                  last told (at OPEN or by an earlier STATUS), so a long session does not plan with stale values.
+                  It answers nothing: a receiver applies it and keeps waiting for the reply it asked for.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class Kind(enum.IntEnum):
     ROLLBACK = 6
     ERROR = 7
     CLOSE = 8
+    STATUS = 9
 
 
 class DType(enum.IntEnum):
@@ -79,6 +86,9 @@ class DType(enum.IntEnum):
 TENSOR_KINDS = frozenset({Kind.PREFILL_CHUNK, Kind.DRAFT, Kind.VERIFY_RESULT, Kind.DEEP_STATE})
 TEXT_KINDS = frozenset({Kind.OPEN, Kind.ERROR})
 CONTROL_KINDS = frozenset({Kind.ROLLBACK, Kind.CLOSE})
+STATUS_KINDS = frozenset({Kind.STATUS})
+_STATUS = struct.Struct("<ddd")
+STATUS_BYTES = _STATUS.size  # 24
 
 # Hidden-state dtypes by the names settings, OPEN parameters and CLIs use.
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -170,6 +180,14 @@ class Frame:
             t = t.view(torch.bfloat16)
         return t
 
+    def status(self) -> WorkerStatus:
+        """The values of a STATUS frame (FrameError for any other kind or a malformed payload)."""
+        if self.kind != Kind.STATUS or self.dtype != DType.BYTES or len(self.payload) != STATUS_BYTES:
+            raise FrameError(f"{self.kind.name} frame is not a {STATUS_BYTES}-byte STATUS frame")
+        mu, slope, intercept = _STATUS.unpack(self.payload)
+        _check_status(mu, slope, intercept, self.arg)
+        return WorkerStatus(mu, slope, intercept, self.arg)
+
     def text(self) -> str:
         """The payload of an OPEN / ERROR frame as text."""
         if self.dtype != DType.BYTES:
@@ -178,6 +196,29 @@ class Frame:
             return self.payload.decode("utf-8")
         except UnicodeDecodeError as e:
             raise FrameError(f"{self.kind.name} payload is not valid UTF-8: {e}") from None
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A STATUS frame's values: the worker's mu and its delay predictor g(x) = g_slope*x + g_intercept."""
+
+    mu: float
+    g_slope: float
+    g_intercept: float
+    sessions: int = 0
+
+    @property
+    def g(self) -> tuple[float, float]:
+        return self.g_slope, self.g_intercept
+
+
+def _check_status(mu: float, slope: float, intercept: float, sessions: int) -> None:
+    if not all(np.isfinite(v) for v in (mu, slope, intercept)):
+        raise FrameError(f"STATUS values must be finite, got mu={mu}, g=({slope}, {intercept})")
+    if mu < 0:
+        raise FrameError(f"STATUS mu must be >= 0, got {mu}")
+    if sessions < 0:
+        raise FrameError(f"STATUS session count must be >= 0, got {sessions}")
 
 
 def tensor_to_bytes(t: torch.Tensor) -> tuple[DType, tuple[int, ...], bytes]:
@@ -251,6 +292,16 @@ def encode_control(kind: Kind, session: bytes | uuid.UUID | str, seq: int, *, ar
     return _pack(kind, session_bytes(session), seq, arg, DType.NONE, (), b"")
 
 
+def encode_status(
+    session: bytes | uuid.UUID | str, seq: int, mu: float, g: tuple[float, float], *, sessions: int = 0
+) -> bytes:
+    """A STATUS frame (worker -> device): mu and g = (slope, intercept); `seq` = the frame it travels with."""
+    slope, intercept = (float(x) for x in g)
+    _check_status(float(mu), slope, intercept, sessions)
+    payload = _STATUS.pack(float(mu), slope, intercept)
+    return _pack(Kind.STATUS, session_bytes(session), seq, sessions, DType.BYTES, (STATUS_BYTES,), payload)
+
+
 def encode_error(session: bytes | uuid.UUID | str, seq: int, message: str, status: int = 500) -> bytes:
     return encode_text(Kind.ERROR, session, seq, message, arg=status)
 
@@ -299,6 +350,11 @@ def parse_header(data: bytes | bytearray | memoryview, *, max_frame_bytes: int =
     elif kind in TEXT_KINDS:
         if code != DType.BYTES or ndim != 1:
             raise FrameError(f"{kind.name} must carry 1-dim BYTES, got {code.name} with ndim {ndim}")
+    elif kind in STATUS_KINDS:
+        if code != DType.BYTES or ndim != 1 or payload_len != STATUS_BYTES:
+            raise FrameError(f"STATUS must carry exactly {STATUS_BYTES} BYTES, got {code.name} shape {shape}")
+        if arg < 0:
+            raise FrameError(f"STATUS session count must be >= 0, got {arg}")
     elif code != DType.NONE or ndim != 0 or payload_len != 0:
         raise FrameError(f"{kind.name} must carry no payload, got {code.name} shape {shape}")
     if kind == Kind.ROLLBACK and arg < 0:
@@ -335,7 +391,10 @@ def decode_frame(
             )
     start = header.frame_size - header.payload_len
     payload = bytes(memoryview(data)[start:])
-    return Frame(header.kind, header.session, header.seq, header.arg, header.dtype, header.shape, payload)
+    frame = Frame(header.kind, header.session, header.seq, header.arg, header.dtype, header.shape, payload)
+    if frame.kind == Kind.STATUS:
+        frame.status()  # non-finite or negative values: refused here, like any other malformed field
+    return frame
 
 
 def decode_tensor(data: bytes | bytearray | memoryview, **checks: object) -> tuple[Frame, torch.Tensor]:

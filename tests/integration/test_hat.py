@@ -304,6 +304,14 @@ def open_params(worker: WorkerServer) -> dict:
     return {"hidden_size": e.hidden_size, "num_layers": e.num_layers, "m": e.m, "dtype": "float32"}
 
 
+async def recv_reply(ws) -> wire.Frame:
+    """The next reply frame, skipping STATUS frames (the worker's mu and g, which may ride with a verification)."""
+    while True:
+        frame = wire.decode_frame(await ws.recv())
+        if frame.kind != Kind.STATUS:
+            return frame
+
+
 @torch.inference_mode()
 def shallow_of(model: Any, ids: list[int]) -> torch.Tensor:
     return split_model(model, 2).input(torch.tensor([ids]))[0]
@@ -370,19 +378,19 @@ async def test_kv_rollback_over_the_wire(worker: WorkerServer, smol) -> None:
         ws, sid, _ = await open_raw(worker)
         seq = 1
         await ws.send(wire.encode_tensor(Kind.PREFILL_CHUNK, sid, seq, prompt))
-        assert wire.decode_frame(await ws.recv()).kind == Kind.DEEP_STATE
+        assert (await recv_reply(ws)).kind == Kind.DEEP_STATE
         if drafts_first:  # three drafts the device then rejects
             seq += 1
             await ws.send(wire.encode_tensor(Kind.DRAFT, sid, seq, torch.randn(3, x.shape[1]), arg=len(ids)))
-            assert wire.decode_frame(await ws.recv()).shape == (3, x.shape[1])
+            assert (await recv_reply(ws)).shape == (3, x.shape[1])
             seq += 1
             await ws.send(wire.encode_control(Kind.ROLLBACK, sid, seq, arg=len(ids)))
             seq += 1
             await ws.send(wire.encode_tensor(Kind.DRAFT, sid, seq, nxt, arg=len(ids) + 3))  # stale position
-            assert wire.decode_frame(await ws.recv()).arg == 409
+            assert (await recv_reply(ws)).arg == 409
         seq += 1
         await ws.send(wire.encode_tensor(Kind.DRAFT, sid, seq, nxt, arg=len(ids)))
-        reply = wire.decode_frame(await ws.recv())
+        reply = await recv_reply(ws)
         assert reply.kind == Kind.VERIFY_RESULT and reply.seq == seq and reply.arg == len(ids)
         results.append(reply.tensor())
         await ws.close()
@@ -751,6 +759,59 @@ async def test_accepted_drafts_and_parallel_drafting_keep_greedy_exact(worker: W
         await backend.close()
     assert outputs[True] == outputs[False]
     check_against_reference(outputs[True], ref, gaps)
+
+
+class PlanRecorder(OracleHAT):
+    """OracleHAT that records, each round, the worker's mu and g it plans with, and the draft cap it chose."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.plans: list[tuple[float, tuple[float, ...], int]] = []
+        self.drafts: list[tuple[int, int]] = []  # per round: (the cap it got, drafts it sent)
+
+    def _draft_cap(self, link: Any) -> int:
+        cap = super()._draft_cap(link)
+        self.plans.append((float(link.info["mu"]), tuple(link.info["g"]), cap))
+        return cap
+
+    async def _round(self, link: Any, st: Any, token: int, position: int, cap: int, *args: Any, **kw: Any):
+        before = self.stats.drafted
+        out = await super()._round(link, st, token, position, cap, *args, **kw)
+        self.drafts.append((cap, self.stats.drafted - before))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["eq7+eta", "eq7"])
+async def test_eq7_draft_length_keeps_greedy_exact_and_gets_status_mid_session(smol, reference, mode) -> None:
+    """Draft length from Eq. 7 changes how much is drafted per round, never the output; the worker's mu and g
+    reach the device in STATUS frames while the session runs (tolerance 0: whenever they moved)."""
+    model, tok = smol
+    ref, gaps = reference
+    ids = prompt_ids(tok)
+    answer = {len(ids) + i: t for i, t in enumerate(ref)}
+    server = WorkerServer(model, SMOL, status_tolerance=0.0).start()
+    try:
+        options = HATOptions(server.ws, model_id=SMOL, auth_token=TOKEN, chunk_size=16, draft_length=mode)
+        backend = PlanRecorder(options, model=model, tokenizer=tok, answer=answer)
+        await backend.start()
+        sent_before = server.engine.stats.status_frames
+        got = token_ids(await collect(backend, ids))
+        stats = backend.stats.summary()
+        print(f"{mode}: {stats}, alpha_hat {backend.controller.alpha:.3f}, plans {backend.plans}")
+        check_against_reference(got, ref, gaps)
+        assert backend.stats.accepted > 0 and stats["accept_length"] > 1.5
+        assert all(1 <= cap <= options.max_draft for _, _, cap in backend.plans)
+        if mode == "eq7":  # exactly the cap: l*, or fewer where the answer's remaining length is shorter
+            assert all(sent == cap for cap, sent in backend.drafts), backend.drafts
+        else:  # the eta stop within the cap
+            assert all(sent <= cap for cap, sent in backend.drafts) and any(s < c for c, s in backend.drafts)
+        # STATUS frames arrived mid-session, and later rounds planned with the values they carried.
+        sent = server.engine.stats.status_frames - sent_before
+        assert sent >= 1 and backend.stats.status_updates == sent
+        assert len({(mu, g) for mu, g, _ in backend.plans}) >= 2
+        await backend.close()
+    finally:
+        server.stop()
 
 
 def u_shape_penalised(model: Any, ids: list[int], n: int, request: GenerationRequest) -> list[int]:

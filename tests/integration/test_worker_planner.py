@@ -71,7 +71,8 @@ def frame(session: Any, seq: int, x: torch.Tensor, arg: int, kind: Kind) -> byte
 
 
 def result(fut: Any) -> wire.Frame:
-    (f,) = [wire.decode_frame(b) for b in fut.result(timeout=120)]
+    # A STATUS (the worker's mu and g) may ride with a verification reply: informational, skipped here.
+    (f,) = [f for f in (wire.decode_frame(b) for b in fut.result(timeout=120)) if f.kind != Kind.STATUS]
     assert f.kind != Kind.ERROR, f.text()
     return f
 

@@ -37,6 +37,8 @@ def test_embedded_default_is_valid():
         ),
         ("[clouds.c]\nstructured_output = 'grammar'", "clouds.c.structured_output"),
         ("[gateway]\ncloud = 'nope'\n[clouds.c]\nmodel = 'm'", "gateway.cloud"),
+        ("[clouds.h]\nkind = 'hat'\ndraft_length = 'eq8'", "clouds.h.draft_length"),
+        ("[clouds.h]\nkind = 'hat'\nmax_draft = 0", "clouds.h.max_draft"),
         ("[disco]\nbudget = 1.5", "disco.budget"),  # the budget knobs' rules: BudgetSettings', checked at load
         ("[disco]\nside = 'moon'", "disco.side"),
         ("[gateway]\npolicy = 'disco-s'\n[disco]\nside = 'device'", "disco.side"),
@@ -70,3 +72,12 @@ def test_missing_and_invalid_files(tmp_path):
         load_settings(tmp_path / "absent.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_settings(write(tmp_path, "[gateway\n"))
+
+
+def test_hat_draft_length_settings(tmp_path):
+    s = load_settings(
+        write(tmp_path, "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'\ndraft_length = 'eq7+eta'\nmax_draft = 12")
+    )
+    assert (s.clouds["h"].draft_length, s.clouds["h"].max_draft) == ("eq7+eta", 12)
+    s = load_settings(write(tmp_path, "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'"))
+    assert (s.clouds["h"].draft_length, s.clouds["h"].max_draft) == ("eta", 8)

@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,7 +64,8 @@ def replies(fut) -> list[wire.Frame]:
 
 
 def one(fut) -> wire.Frame:
-    (frame,) = replies(fut)
+    """The one reply frame (a STATUS riding with a verification is informational, and skipped here)."""
+    (frame,) = [f for f in replies(fut) if f.kind != Kind.STATUS]
     return frame
 
 
@@ -305,3 +307,35 @@ def test_worker_compute_device_setting() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device"):
             compute_device("cuda")
+
+
+# --- STATUS: the worker's mu and g reach the device mid-session -------------------------------------------------
+
+
+def test_status_rides_with_a_verification_when_mu_or_g_moved(tiny: LlamaForCausalLM) -> None:
+    engine = make_engine(tiny, max_sessions=4, max_context=64, max_frame_bytes=64 * 1024, status_tolerance=0.1)
+    try:
+        s, info = open_session(engine)
+        assert s.told == (info["mu"], *info["g"])  # what OPEN told the device
+        # A long prefill pass moves mu far from what OPEN said: the next verification brings a STATUS first.
+        engine.submit(s, tensor_frame(s, 1, torch.randn(40, H), 0, Kind.PREFILL_CHUNK)).result(10)
+        frames = replies(engine.submit(s, tensor_frame(s, 2, torch.randn(3, H), 40)))
+        assert [f.kind for f in frames] == [Kind.STATUS, Kind.VERIFY_RESULT]
+        status = frames[0].status()
+        assert frames[0].seq == 2 and frames[0].session == s.id and status.sessions == 1
+        assert (status.mu, status.g) == (engine.stats.mu.get(), engine.stats.g.coefficients())
+        assert s.told == (status.mu, *status.g) and engine.stats.status_frames == 1
+        # Prefill replies never carry one (the device plans rounds, not chunks, with them).
+        other, _ = open_session(engine)
+        assert [f.kind for f in replies(engine.submit(other, tensor_frame(other, 1, torch.randn(4, H), 0)))] in (
+            [Kind.VERIFY_RESULT],
+            [Kind.STATUS, Kind.VERIFY_RESULT],
+        )
+        # Nothing moved beyond the tolerance: no STATUS.
+        s.told = (engine.stats.mu.get(), *engine.stats.g.coefficients())
+        engine.limits = replace(engine.limits, status_tolerance=1e9)
+        assert [f.kind for f in replies(engine.submit(s, tensor_frame(s, 3, torch.randn(3, H), 43)))] == [
+            Kind.VERIFY_RESULT
+        ]
+    finally:
+        engine.stop()

@@ -10,7 +10,10 @@ from policies.chunking import as_delay_fn, chunk_bounds, chunk_size, split_promp
 from policies.drafting import (
     AcceptanceEstimator,
     DelayPredictor,
+    DraftLengthController,
     DraftStopRule,
+    LinkState,
+    argmax_draft_length,
     best_draft_length,
     expected_tokens_per_verification,
     parallel_draft_steps,
@@ -162,3 +165,95 @@ def test_acceptance_estimator() -> None:
     with pytest.raises(ValueError):
         est.update(5, 4)
     assert 0 < AcceptanceEstimator().alpha < 1
+
+
+# --- draft length at run time (Eq. 7 over the measured round time) ---------------------------------------------
+
+
+def test_argmax_draft_length_brute_force_and_ties() -> None:
+    cost = lambda n: 0.04 + 0.01 * n  # noqa: E731
+    for alpha in (0.1, 0.5, 0.8, 0.95):
+        best = max(range(1, 9), key=lambda n: (expected_tokens_per_verification(alpha, n) / cost(n), -n))
+        assert argmax_draft_length(alpha, cost, 8) == best
+    # alpha = 0: every length yields 1 token; with a flat cost every l ties -> the smallest.
+    assert argmax_draft_length(0.0, lambda n: 1.0, 8) == 1
+    # An exact tie between two lengths goes to the smaller: L(1)=1.5, L(2)=1.75 at alpha 0.5; cost 1.5 vs 1.75.
+    assert argmax_draft_length(0.5, {1: 1.5, 2: 1.75, 3: 100.0}.__getitem__, 3) == 1
+    assert argmax_draft_length(0.5, lambda n: 1.0, 6, min_len=3) == 6
+    with pytest.raises(ValueError):
+        argmax_draft_length(0.5, cost, 0)
+
+
+LINK = LinkState(token_bytes=A, beta_up=10e6, beta_down=20e6, mu=2.0, g=(0.001, 0.01))
+
+
+def test_round_time_is_assembled_from_its_parts() -> None:
+    c = DraftLengthController(mode="eq7", max_len=8)
+    c.step, c.head_row, c.rtt = 0.004, 0.002, 0.04
+    c.pooled = AcceptanceEstimator(prior_accepted=3, prior_rejections=1)  # alpha 0.75
+    t = c.round_time(3, LINK)
+    assert t.draft == pytest.approx(4 * 0.004)  # l drafts = l + 1 feeds (the last accepted token first)
+    assert t.upload == pytest.approx(4 * A / 10e6)
+    assert t.worker == pytest.approx(0.001 * (2.0 + 4) + 0.01)  # g(mu + l + 1)
+    assert t.download == pytest.approx(4 * A / 20e6)
+    assert t.head == pytest.approx(0.002 * (1 + 0.75 * 3))  # row 0, then the rest when draft 0 was accepted
+    assert t.rtt == 0.04
+    assert t.total == pytest.approx(t.draft + t.upload + t.worker + t.download + t.head + t.rtt)
+    # The plan is the brute-force argmax of L / T_round over 1..max_len.
+    rate = lambda n: expected_tokens_per_verification(0.75, n) / c.round_time(n, LINK).total  # noqa: E731
+    assert c.plan(LINK) == max(range(1, 9), key=lambda n: (rate(n), -n))
+
+
+def test_plan_follows_latency_and_acceptance() -> None:
+    c = DraftLengthController(mode="eq7", max_len=8)
+    c.step, c.head_row, c.rtt = 0.01, 0.001, 0.0
+    c.pooled = AcceptanceEstimator(prior_accepted=8, prior_rejections=2)  # 0.8
+    short = c.plan(LINK)
+    c.rtt = 0.2  # a slow link makes each verification dear: draft longer
+    assert c.plan(LINK) > short
+    c.pooled = AcceptanceEstimator(prior_accepted=1, prior_rejections=9)  # 0.1: hardly anything is accepted
+    c.rtt = 0.0
+    assert c.plan(LINK) == 1
+    assert DraftLengthController(mode="eta", max_len=5).plan(LINK) == 5  # no planning under "eta"
+    with pytest.raises(ValueError, match="draft_length"):
+        DraftLengthController(mode="eq8")
+
+
+def test_observe_updates_alpha_hat_and_the_measured_parts() -> None:
+    c = DraftLengthController(mode="eq7", max_len=8)
+    a0 = c.alpha
+    c.observe(drafted=4, accepted=4, draft_s=0.05, head_s=0.01, wait_s=0.1, link=LINK)
+    assert c.alpha > a0  # a fully accepted draft: no rejection
+    assert c.step == pytest.approx(0.05 / 5) and c.head_row == pytest.approx(0.01 / 5)
+    modelled = c.round_time(4, LINK)
+    assert c.rtt == pytest.approx(0.1 - modelled.upload - modelled.worker - modelled.download)
+    a1 = c.alpha
+    c.observe(drafted=3, accepted=0, draft_s=0.04, head_s=0.002, wait_s=0.0, link=LINK)
+    assert c.alpha < a1
+    assert c.head_row == pytest.approx(0.8 * 0.01 / 5 + 0.2 * 0.002)  # one head row when draft 0 was rejected
+    assert c.rtt < 0.1 and c.rtt >= 0.0  # the residual is clamped at 0, then averaged
+    assert c.pooled.accepted == 4 and c.pooled.rejections == 1
+    c.observe(drafted=2, accepted=1)  # timings optional (a prepared draft): only acceptance moves
+    assert c.step == pytest.approx(0.8 * 0.01 + 0.2 * 0.04 / 4)
+    with pytest.raises(ValueError):
+        c.observe(drafted=2, accepted=3)
+    with pytest.raises(ValueError):
+        c.observe(drafted=2, accepted=1, confident=[True])
+
+
+def test_eq7_eta_plans_with_the_acceptance_of_confident_drafts() -> None:
+    """Under the eta stop the last draft is the unsure one and usually rejected; the cap only binds on all-confident
+    rounds, so "eq7+eta" plans with the confident drafts' acceptance, "eq7" with everything it drafted."""
+    for mode in ("eq7+eta", "eq7"):
+        c = DraftLengthController(mode=mode, max_len=8)
+        for _ in range(20):  # 3 confident drafts accepted, then an unsure one rejected
+            c.observe(drafted=4, accepted=3, confident=[True, True, True, False])
+        pooled = c.pooled.alpha
+        assert pooled == pytest.approx((60 + 4) / (60 + 4 + 20 + 1))
+        assert c.confident.alpha == pytest.approx((60 + 4) / (60 + 4 + 1))  # no confident draft was rejected
+        assert c.alpha == (c.confident.alpha if mode == "eq7+eta" else pooled)
+    c = DraftLengthController(mode="eq7+eta")
+    c.observe(drafted=3, accepted=1, confident=[True, True, False])  # rejected at a confident draft
+    assert (c.confident.accepted, c.confident.rejections) == (1, 1)
+    c.observe(drafted=2, accepted=0, confident=[False, True])  # rejected at an unsure one: not a confident trial
+    assert (c.confident.accepted, c.confident.rejections) == (1, 1)

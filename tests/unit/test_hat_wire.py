@@ -187,3 +187,54 @@ def test_dtype_names() -> None:
     assert wire.dtype_by_name("float16") is torch.float16 and wire.dtype_name(torch.bfloat16) == "bfloat16"
     with pytest.raises(ValueError, match="unknown dtype"):
         wire.dtype_by_name("int8")
+
+
+# --- STATUS (the worker's mu and g, mid-session) ---------------------------------------------------------------
+
+
+def test_status_round_trip_is_exact() -> None:
+    data = wire.encode_status(SESSION, 9, 3.25, (1.5e-4, -2e-3), sessions=3)
+    assert len(data) == wire.HEADER_SIZE + 4 + wire.STATUS_BYTES
+    frame = wire.decode_frame(data, expected_kinds={Kind.STATUS, Kind.VERIFY_RESULT})
+    assert frame.kind == Kind.STATUS and frame.seq == 9 and frame.arg == 3 and frame.shape == (wire.STATUS_BYTES,)
+    status = frame.status()
+    assert status == wire.WorkerStatus(3.25, 1.5e-4, -2e-3, 3)  # float64 on the wire: bit-exact
+    assert status.g == (1.5e-4, -2e-3)
+    assert struct.unpack("<ddd", frame.payload) == (3.25, 1.5e-4, -2e-3)  # explicit little-endian layout
+    with pytest.raises(FrameError):
+        frame.tensor()
+    with pytest.raises(FrameError, match="STATUS"):
+        wire.decode_frame(wire.encode_control(Kind.CLOSE, SESSION, 0)).status()
+
+
+@pytest.mark.parametrize(
+    ("code", "shape", "payload", "arg", "message"),
+    [
+        (DType.BYTES, (23,), b"\0" * 23, 0, "exactly 24"),  # short
+        (DType.BYTES, (25,), b"\0" * 25, 0, "exactly 24"),  # long
+        (DType.FLOAT32, (6,), b"\0" * 24, 0, "exactly 24"),  # a tensor dtype
+        (DType.NONE, (), b"", 0, "exactly 24"),  # no payload
+        (DType.BYTES, (2, 12), b"\0" * 24, 0, "exactly 24"),  # two dims
+        (DType.BYTES, (24,), b"\0" * 24, -1, "session count"),
+        (DType.BYTES, (24,), struct.pack("<ddd", float("nan"), 0, 0), 0, "finite"),
+        (DType.BYTES, (24,), struct.pack("<ddd", 1.0, float("inf"), 0), 0, "finite"),
+        (DType.BYTES, (24,), struct.pack("<ddd", -1.0, 0, 0), 0, "mu must be"),
+    ],
+)
+def test_malformed_status_frames_are_refused(code, shape, payload, arg, message) -> None:
+    bad = wire._pack(Kind.STATUS, SESSION.bytes, 1, arg, code, shape, payload)
+    with pytest.raises(FrameError, match=message):
+        wire.decode_frame(bad)
+
+
+def test_status_encoder_refuses_what_the_decoder_would() -> None:
+    with pytest.raises(FrameError, match="finite"):
+        wire.encode_status(SESSION, 1, float("nan"), (0.0, 0.0))
+    with pytest.raises(FrameError, match="mu must be"):
+        wire.encode_status(SESSION, 1, -0.5, (0.0, 0.0))
+    with pytest.raises(FrameError, match="session count"):
+        wire.encode_status(SESSION, 1, 1.0, (0.0, 0.0), sessions=-2)
+    with pytest.raises(FrameError, match="do not carry text"):
+        wire.encode_text(Kind.STATUS, SESSION, 1, "mu=3")
+    with pytest.raises(FrameError, match="not a control frame"):
+        wire.encode_control(Kind.STATUS, SESSION, 1)
