@@ -131,3 +131,44 @@ def test_a_pinned_endpoint_the_level_does_not_allow_is_a_400(gw, upstream):
     r = ask(gw, privacy="nowhere")
     assert r.status_code == 400 and r.json()["error"]["param"] == "tandem.privacy"
     assert upstream.requests == []
+
+
+# --- a device fault: a device that stalls mid-answer (every gap between its tokens exceeds the stall timeout) ------
+
+
+@pytest.fixture(scope="module")
+def stalling_gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
+    process = start_gateway(f"""
+[gateway]
+policy = "device"
+stall_timeout = 0.001   # no device writes tokens this fast: after its first token, it has "stalled"
+[device]
+model = "smollm2-135m-instruct"
+n_ctx = 2048
+[disco]
+profile_device = false
+migration = false
+[clouds.cloud]
+base_url = "{upstream.base_url}"
+model = "scripted"
+tokenizer = "device"
+continuation = "completions"
+""")
+    yield process
+    stop_gateway(process)
+
+
+def test_a_device_fault_at_device_level_is_an_error_not_a_move(stalling_gw, upstream):
+    body = {"model": "tandem", "messages": MESSAGES, "max_tokens": 24, "temperature": 0, "stream": True}
+    # At `any`, the stalled answer moves to the cloud (the premise: the fault does send it away)...
+    r = httpx.post(stalling_gw.v1 + "/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200 and upstream.requests, r.text
+    rid = r.headers["x-request-id"]
+    assert [m["reason"] for m in trace(stalling_gw, rid)["migrations"]] == ["stall"]
+    # ...at `device` it does not: the client gets the error event, the cloud gets nothing.
+    upstream.reset()
+    r = httpx.post(stalling_gw.v1 + "/chat/completions", json={**body, "tandem": {"privacy": "device"}}, timeout=120)
+    assert r.status_code == 200 and '"error"' in r.text and r.text.rstrip().endswith("data: [DONE]")
+    t = trace(stalling_gw, r.headers["x-request-id"])
+    assert t["privacy"] == "device" and t["migrations"] == [] and "stalled" in t["error"]
+    assert upstream.requests == []
