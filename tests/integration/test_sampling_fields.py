@@ -405,9 +405,11 @@ def test_n_choices_errors(gw, upstream):
         assert r.status_code == 502, r.text
         assert r.json()["error"]["message"] and r.headers["x-request-id"].startswith("chatcmpl-")
         upstream.push(Answer(status=500), Answer(status=500))
+    time.sleep(0.5)  # a cancelled choice's request may still be on its way: it must not take the next answers
     upstream.reset()
     # One choice fails mid-stream (a pinned cloud cannot move): the SSE error event, then [DONE].
-    upstream.push(Answer(pieces=PIECES[:3], then="reset"), Answer(pieces=PIECES, gap=0.05))
+    # (Both answers fail: which request the scripted upstream gives which answer to is a race between the choices.)
+    upstream.push(Answer(pieces=PIECES[:3], then="reset"), Answer(pieces=PIECES[:3], gap=0.05, then="reset"))
     with httpx.stream("POST", gw.v1 + "/chat/completions", json={**body, "stream": True}, timeout=30) as r:
         assert r.status_code == 200
         datas = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
