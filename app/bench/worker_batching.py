@@ -33,7 +33,9 @@ def run_mode(middle, batching: str, args: argparse.Namespace) -> dict[str, float
     from clients.hat import wire
 
     engine = Engine(
-        middle, EngineLimits(max_sessions=8, batching=batching, subchunk_overhead=args.overhead), model_name=args.model
+        middle,
+        EngineLimits(max_sessions=8, batching=batching, subchunk_overhead=args.overhead, max_defer=args.max_defer),
+        model_name=args.model,
     )
     engine.start()
     hidden = engine.hidden_size
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--overhead", type=float, default=0.2, help="planned: the worker's subchunk_overhead ε")
+    p.add_argument("--max-defer", type=int, default=0, help="planned: passes a frame may be left out in a row")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     import torch
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{pl['ttft_p50'] / g['ttft_p50']:.2f}× | ≤ 1.3× |",
         f"| rounds measured | {g['rounds']} | {pl['rounds']} | | |",
         "",
-        f"Planned (subchunk_overhead {args.overhead}): sub-chunk budget from g {pl['budget']} tokens, "
+        f"Planned (subchunk_overhead {args.overhead}, max_defer {args.max_defer}): "
+        f"sub-chunk budget from g {pl['budget']} tokens, "
         f"{pl['split']} frames split into "
         f"{pl['subchunks']} sub-chunks, {pl['deferred']} deferrals.",
     ]

@@ -80,7 +80,10 @@ class EngineLimits:
     batching: Literal["planned", "greedy"] = "planned"
     subchunk_overhead: float = 0.2  # planned: a sub-chunk spends at most this share of its pass on g's fixed cost
     min_subchunk: int = 16  # planned: never split a prefill frame into pieces smaller than this
-    max_defer: int = 1  # planned: a frame left out of this many passes in a row goes into the next one
+    # planned: a frame left out of this many passes in a row goes into the next one. 0: every session's next piece
+    # runs in every pass (a prefill a sub-chunk at a time beside the decode rounds): met both of the targets
+    # where 1 left the prefiller's TTFT at 1.58× greedy's (BENCHMARKS.md, worker batching).
+    max_defer: int = 0
     # A STATUS frame (mu, g) goes with a VERIFY_RESULT when mu, or g's prediction for that round, moved by more
     # than this share since the session was last told (OPEN or an earlier STATUS). 0: with every change.
     status_tolerance: float = 0.1
