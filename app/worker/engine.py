@@ -438,28 +438,14 @@ class Engine:
             session = self._ready.get(sid)
             if session is None:
                 continue
-            while session.queue:
-                item = session.queue[0]
-                frame = item.frame
-                assert frame is not None
-                if frame.kind == wire.Kind.ROLLBACK:
-                    session.queue.popleft()
-                    self._rollback(item)
-                    continue
-                remaining = int(item.tensor.shape[0]) - item.done  # type: ignore[union-attr]
-                err = check_positions(len(session.cache), frame.arg + item.done, remaining, self.max_context)
-                if err is not None:
-                    session.queue.popleft()
-                    self.count_rejection(err.reason)
-                    _resolve(item.future, [self._error(session.id, item.seq, err)])
-                    continue
-                rows = remaining
+            item = self._next_tensor_frame(session)
+            if item is not None:
+                rows = remaining = int(item.tensor.shape[0]) - item.done  # type: ignore[union-attr]
                 # Split only when another session could be waiting behind it: alone, a device gains nothing from
                 # sub-chunks and would pay their passes' fixed cost (up to `subchunk_overhead` of its TTFT).
-                if frame.kind == wire.Kind.PREFILL_CHUNK and remaining > budget and len(self._sessions) > 1:
+                if item.frame.kind == wire.Kind.PREFILL_CHUNK and remaining > budget and len(self._sessions) > 1:
                     rows = split_sizes(remaining, budget)[0]
                 pieces.append((item, rows))
-                break
             if not session.queue:
                 self._ready.pop(sid, None)
         if not pieces:
@@ -490,6 +476,27 @@ class Engine:
                 self._ready.move_to_end(item.session.id)
         return batch
 
+    def _next_tensor_frame(self, session) -> Item | None:
+        """The session's next tensor frame that may run, left at the head of its queue; the ROLLBACKs before it are
+        applied and frames whose positions do not fit are rejected on the way."""
+        while session.queue:
+            item = session.queue[0]
+            frame = item.frame
+            assert frame is not None
+            if frame.kind == wire.Kind.ROLLBACK:
+                session.queue.popleft()
+                self._rollback(item)
+                continue
+            remaining = int(item.tensor.shape[0]) - item.done  # type: ignore[union-attr]
+            err = check_positions(len(session.cache), frame.arg + item.done, remaining, self.max_context)
+            if err is not None:
+                session.queue.popleft()
+                self.count_rejection(err.reason)
+                _resolve(item.future, [self._error(session.id, item.seq, err)])
+                continue
+            return item
+        return None
+
     def _collect_greedy(self) -> list[Item]:
         """Pick at most one tensor frame per session, up to max_batch_tokens."""
         batch: list[Item] = []
@@ -498,27 +505,13 @@ class Engine:
             session = self._ready.get(sid)
             if session is None:
                 continue
-            while session.queue:
-                item = session.queue[0]
-                frame = item.frame
-                assert frame is not None
-                if frame.kind == wire.Kind.ROLLBACK:
-                    session.queue.popleft()
-                    self._rollback(item)
-                    continue
+            item = self._next_tensor_frame(session)
+            if item is not None:
                 n = item.tensor.shape[0]  # type: ignore[union-attr]
-                err = check_positions(len(session.cache), frame.arg, n, self.max_context)
-                if err is not None:
+                if not (batch and tokens + n > self.limits.max_batch_tokens):
                     session.queue.popleft()
-                    self.count_rejection(err.reason)
-                    _resolve(item.future, [self._error(session.id, item.seq, err)])
-                    continue
-                if batch and tokens + n > self.limits.max_batch_tokens:
-                    break
-                session.queue.popleft()
-                batch.append(item)
-                tokens += n
-                break
+                    batch.append(item)
+                    tokens += n
             if not session.queue:
                 self._ready.pop(sid, None)
             elif batch and tokens >= self.limits.max_batch_tokens:
