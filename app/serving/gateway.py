@@ -164,6 +164,7 @@ class Gateway:
             eta=cloud.eta,
             max_draft=cloud.max_draft,
             draft_length=cloud.draft_length,
+            tree_width=cloud.tree_width,
             speculative=cloud.speculative,
             parallel_drafting=cloud.parallel_drafting,
             link=LinkProfile.parse(cloud.link) if cloud.link else None,

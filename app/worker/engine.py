@@ -10,6 +10,10 @@ speaks the frame protocol of clients/hat/wire.py:
                                                                      after a STATUS (mu, g) when those moved by
                                                                      more than limits.status_tolerance
     ROLLBACK       arg = positions to keep            (nothing; ERROR if it cannot be applied)
+    TREE           parent indices of the next DRAFT   (nothing; the DRAFT's rows are a token tree: node i at position
+                   (a token tree), arg = 1st pos       arg + depth(i), seeing the cache and its own ancestors)
+    KEEP           the tree's accepted path (node     (nothing; ERROR if it is not a path from the root)
+                   indices), arg = the tree's 1st pos
     CLOSE                                             (nothing)
                                                       ERROR          UTF-8 message, arg = HTTP-like status
 
@@ -71,6 +75,7 @@ from clients.hat.ragged import RaggedMiddle
 from clients.hat.split import MiddleSubmodel
 from policies.drafting import DelayPredictor
 from policies.estimate import MovingAverage
+from policies.trees import is_root_path
 from policies.worker_batching import plan_groups, split_sizes, subchunk_tokens
 
 log = logging.getLogger(__name__)
@@ -483,12 +488,14 @@ class Engine:
             item = session.queue[0]
             frame = item.frame
             assert frame is not None
-            if frame.kind == wire.Kind.ROLLBACK:
+            if frame.kind in _CONTROL:
                 session.queue.popleft()
-                self._rollback(item)
+                _CONTROL[frame.kind](self, item)
                 continue
             remaining = int(item.tensor.shape[0]) - item.done  # type: ignore[union-attr]
-            err = check_positions(len(session.cache), frame.arg + item.done, remaining, self.max_context)
+            err = self._tree_error(session, item) or check_positions(
+                len(session.cache), frame.arg + item.done, remaining, self.max_context
+            )
             if err is not None:
                 session.queue.popleft()
                 self.count_rejection(err.reason)
@@ -530,24 +537,81 @@ class Engine:
             if not queue_:
                 self._ready.pop(item.session.id, None)
 
+    def _refuse(self, item: Item, err: EngineError) -> None:
+        self.count_rejection(err.reason)
+        _resolve(item.future, [self._error(item.session.id, item.seq, err)])
+
     def _rollback(self, item: Item) -> None:
         session, keep = item.session, item.frame.arg  # type: ignore[union-attr]
         have = len(session.cache)
         if keep > have:
-            err = EngineError(400, Reason.POSITION, f"ROLLBACK keeps {keep} positions but the cache holds only {have}")
-            self.count_rejection(err.reason)
-            _resolve(item.future, [self._error(session.id, item.seq, err)])
+            self._refuse(
+                item,
+                EngineError(400, Reason.POSITION, f"ROLLBACK keeps {keep} positions but the cache holds only {have}"),
+            )
             return
+        if session.open_tree is not None and keep > session.open_tree[0] + 1:
+            msg = "ROLLBACK cannot keep part of a token tree's nodes; send KEEP with the accepted path"
+            self._refuse(item, EngineError(409, Reason.POSITION, msg))
+            return
+        session.open_tree = None
         session.cache.crop(keep)
         _resolve(item.future, [])
+
+    def _tree(self, item: Item) -> None:
+        """A TREE frame: the structure of the session's next DRAFT (applied to it in `_tree_error`)."""
+        frame = item.frame
+        assert frame is not None
+        item.session.pending_tree = (frame.arg, tuple(frame.indices()))
+        _resolve(item.future, [])
+
+    def _keep(self, item: Item) -> None:
+        """A KEEP frame: the verified tree's accepted path stays in the cache, its other nodes go."""
+        session, frame = item.session, item.frame
+        assert frame is not None
+        nodes = frame.indices()
+        tree = session.open_tree
+        if tree is None or tree[0] != frame.arg:
+            where = "no token tree is open" if tree is None else f"the open tree starts at position {tree[0]}"
+            self._refuse(item, EngineError(409, Reason.POSITION, f"KEEP for a tree at position {frame.arg}: {where}"))
+            return
+        first, parents = tree
+        if not is_root_path(parents, nodes):
+            msg = f"KEEP {nodes} is not a path from the root of the {len(parents)}-node tree"
+            self._refuse(item, EngineError(400, Reason.MALFORMED, msg))
+            return
+        session.cache.keep([*range(first), *(first + n for n in nodes)])
+        session.open_tree = None
+        _resolve(item.future, [])
+
+    def _tree_error(self, session: Session, item: Item) -> EngineError | None:
+        """Pair a DRAFT with the TREE frame before it (or refuse a frame while a tree is pending or open)."""
+        frame = item.frame
+        assert frame is not None
+        pending, session.pending_tree = session.pending_tree, None
+        if session.open_tree is not None:
+            return EngineError(409, Reason.POSITION, "the last token tree is still open: send KEEP (or ROLLBACK) first")
+        if pending is None:
+            return None
+        first, parents = pending
+        if frame.kind != wire.Kind.DRAFT or frame.arg != first or int(item.tensor.shape[0]) != len(parents):  # type: ignore[union-attr]
+            return EngineError(
+                400,
+                Reason.SHAPE,
+                f"a TREE of {len(parents)} nodes at position {first} must be followed by a DRAFT of exactly those "
+                f"rows; got {frame.kind.name} of {int(item.tensor.shape[0])} rows at {frame.arg}",  # type: ignore[union-attr]
+            )
+        item.tree = parents
+        return None
 
     def _forward(self, batch: list[tuple[Item, int]]) -> None:
         """Run each item's next `n` rows (from item.done); reply for items whose last row ran."""
         t0 = time.perf_counter()
         rows = [(item.tensor[item.done : item.done + n], item.session.cache) for item, n in batch]  # type: ignore[index]
+        trees = [item.tree for item, _ in batch] if any(item.tree is not None for item, _ in batch) else None
         try:
             with torch.inference_mode():
-                outs = self.ragged.forward(rows)  # type: ignore[arg-type]
+                outs = self.ragged.forward(rows, trees)  # type: ignore[arg-type]
                 if self.ragged.device.type == "cuda":
                     torch.cuda.synchronize()  # kernels run asynchronously: eta and g must time the compute itself
         except Exception as e:
@@ -583,6 +647,8 @@ class Engine:
                 continue  # a sub-chunk: the frame's reply comes with its last piece
             self._unqueue(item)
             item.session.frames += 1
+            if item.tree is not None:
+                item.session.open_tree = (frame.arg, item.tree)
             if frame.kind == wire.Kind.PREFILL_CHUNK:
                 last = frame.arg + item.done - 1
                 reply = wire.encode_tensor(
@@ -640,6 +706,13 @@ class Engine:
                 f"model type {getattr(self.middle.stack.config, 'model_type', '?')} is not supported by the engine"
             )
         return diff
+
+
+_CONTROL: dict[wire.Kind, Callable[[Engine, Item], None]] = {
+    wire.Kind.ROLLBACK: Engine._rollback,
+    wire.Kind.TREE: Engine._tree,
+    wire.Kind.KEEP: Engine._keep,
+}
 
 
 def _resolve(fut: Future[list[bytes]], frames: list[bytes]) -> None:

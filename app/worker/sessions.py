@@ -20,9 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clients.hat import wire
 from clients.hat.split import SplitKVCache
+from policies.trees import check_tree
 
 PROTOCOL = 1
-DEVICE_KINDS = frozenset({wire.Kind.PREFILL_CHUNK, wire.Kind.DRAFT, wire.Kind.ROLLBACK, wire.Kind.CLOSE})
+DEVICE_KINDS = frozenset(
+    {wire.Kind.PREFILL_CHUNK, wire.Kind.DRAFT, wire.Kind.ROLLBACK, wire.Kind.CLOSE, wire.Kind.TREE, wire.Kind.KEEP}
+)
 OPEN_MAX_BYTES = 16 * 1024
 
 
@@ -115,6 +118,7 @@ class Item:
     tensor: torch.Tensor | None
     future: Future[list[bytes]]
     done: int = 0  # rows already run (a prefill frame split into sub-chunks by the planned batching)
+    tree: tuple[int, ...] | None = None  # a DRAFT's token tree (parent indices), from the TREE frame before it
     deferred: int = 0  # consecutive passes this frame was pending but left out of (planned batching)
 
 
@@ -138,6 +142,10 @@ class Session:
     waiting_bytes: int = 0  # frames accepted and not yet answered (Engine._pending_lock)
     waiting_frames: int = 0
     told: tuple[float, float, float] | None = None  # engine thread: (mu, g slope, g intercept) last sent to the device
+    # Engine thread: a TREE frame's (first position, parents) waiting for its DRAFT; then the verified tree whose
+    # nodes are all in the cache until the device's KEEP says which path stays.
+    pending_tree: tuple[int, tuple[int, ...]] | None = None
+    open_tree: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def hex(self) -> str:
@@ -195,6 +203,11 @@ def check_frame(
                 f"a device may not send {frame.kind.name} frames here; "
                 f"expected one of {sorted(k.name for k in DEVICE_KINDS)}",
             )
+        if frame.kind == wire.Kind.TREE:
+            try:
+                check_tree(frame.indices())
+            except ValueError as e:
+                raise EngineError(400, Reason.MALFORMED, f"bad TREE frame: {e}") from None
         if frame.kind not in wire.TENSOR_KINDS:
             return frame, None, None
         if frame.dtype != wire.dtype_code(wire_dtype):

@@ -42,6 +42,11 @@ One generation = one worker session:
    token and sampling keeps the masked distribution. Parallel drafting is off under a grammar (each branch would
    need its own grammar state). Logprobs come from the head's raw logits. Requests without a grammar do no mask
    work at all.
+6. Token trees (`tree_width` >= 3; clients/hat/tree.py, policies/trees.py): a greedy round drafts a tree of w
+   nodes over the draft head's top-k, one batched step per depth, sends its structure (TREE: parent indices, no
+   tokens) before its DRAFT, and walks the verified tree from the root with the head on one row at a time; both
+   caches then keep exactly the accepted path (KEEP to the worker). Output is still greedy U-shape's. Rounds
+   that sample, adjust logits, follow a grammar or return logprobs stay chains.
 
 Here: the backend and its schedule (prefill, rounds, verification, when to draft in parallel). Beside it:
 clients/hat/drafting.py (the draft model), clients/hat/session.py (a generation's frames),
@@ -72,6 +77,7 @@ from clients.hat.drafting import Branches, Draft, Drafter, DraftState
 from clients.hat.options import HATOptions, HATStats
 from clients.hat.session import FrameSession
 from clients.hat.transport import LinkOptions, WorkerAddress
+from clients.hat.tree import TreeDraft, draft_tree, keep_path, walk_greedy
 from clients.hf_model import HFTokenizerMixin, open_token_source
 from clients.sampling import (
     LogitAdjuster,
@@ -86,6 +92,7 @@ from clients.torch_local import IncrementalDetokenizer
 from policies.chunking import chunk_bounds, chunk_size, split_prompt
 from policies.drafting import DraftLengthController, DraftStopRule, LinkState, parallel_draft_steps
 from policies.estimate import MovingAverage
+from policies.trees import DraftTree, from_paths, greedy_tree, prior_probabilities
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +136,13 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self._draft_ids: torch.Tensor | None = None  # reduced draft vocabulary (sorted token ids), if any
         self._draft_weight: torch.Tensor | None = None  # the LM head's rows for them
         self.controller = DraftLengthController(mode=o.draft_length, max_len=o.max_draft, eta=o.eta)
+        # The token tree greedy rounds verify (None: chains). Shaped from the prior until a profile gives measured
+        # rank sequences (policies/trees.py).
+        self.tree: DraftTree | None = None
+        if o.tree_paths:
+            self.tree = from_paths(o.tree_paths)
+        elif o.tree_width >= 3:
+            self.tree = greedy_tree(o.tree_width, prior_probabilities(min(o.tree_width - 1, o.max_draft)))
         # "eq7" drafts exactly l*: the confidence stop is off (eta 0), only the per-round cap stops a draft.
         rule_eta = 0.0 if o.draft_length == "eq7" else o.eta
         self.rule = DraftStopRule(eta=rule_eta, max_draft=o.max_draft, include_low_confidence=o.include_low_confidence)
@@ -352,7 +366,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 else 0
             )
             pending, pending_lps = await self._round(
-                link, st, last, position, max(cap, 0), req, generator, adjust, mask
+                link, st, last, position, max(cap, 0), req, generator, adjust, mask, room=limit - position
             )
             position += len(pending)
 
@@ -448,9 +462,14 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         gen: torch.Generator | None,
         adjust: LogitAdjuster | None = None,
         mask: TokenMask | None = None,
+        room: int | None = None,
     ) -> tuple[list[int], list | None]:
         """One speculative round from `token` at `position`; returns the new tokens (accepted drafts + 1) and,
-        when the request asked for them, their logprobs (from the head's logits at each token's position)."""
+        when the request asked for them, their logprobs (from the head's logits at each token's position).
+        `room`: positions the context has left from `position` (a tree needs one per node)."""
+        tree = self._round_tree(cap, room, req, adjust, mask)
+        if tree is not None and not (st.prepared is not None and st.prepared_at == (token, position)):
+            return await self._tree_round(link, st, token, position, tree), None
         t0 = time.perf_counter()
         temperature, top_p = req.temperature, req.top_p
         prepared = st.prepared is not None and st.prepared_at == (token, position)
@@ -516,6 +535,67 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if k and t1 - t0 > 1e-3:
             self.gamma.update((t1 - t0) / k)
         return new, lps
+
+    # --- token trees ------------------------------------------------------------------------------
+
+    def _round_tree(
+        self,
+        cap: int,
+        room: int | None,
+        req: GenerationRequest,
+        adjust: LogitAdjuster | None,
+        mask: TokenMask | None,
+    ) -> DraftTree | None:
+        """The tree this round verifies, or None for a chain: trees are for plain greedy rounds whose cap allows the
+        tree's depth and whose context has room for all its nodes at once."""
+        tree = self.tree
+        if tree is None or req.temperature > 0 or adjust is not None or mask is not None or req.logprobs is not None:
+            return None
+        if cap < tree.depth or (room is not None and tree.width > room):
+            return None
+        return tree
+
+    async def _tree_round(
+        self, link: FrameSession, st: DraftState, token: int, position: int, tree: DraftTree
+    ) -> list[int]:
+        """One greedy round over a token tree (clients/hat/tree.py); returns the accepted drafts + the next token."""
+        t0 = time.perf_counter()
+        draft = await self._run(draft_tree, self.drafter, st, token, position, tree)
+        t1 = time.perf_counter()
+        link.send_indices(wire.Kind.TREE, list(tree.parents), position)
+        seq = link.send_tensor(wire.Kind.DRAFT, draft.shallow, position)
+        frame = await link.reply(seq, wire.Kind.VERIFY_RESULT)
+        t2 = time.perf_counter()
+        deep = frame.tensor().reshape(-1, self.hidden_size)
+        if frame.arg != position or deep.shape[0] != tree.width:
+            raise BackendError(
+                f"{self.name}: worker verified {deep.shape[0]} positions from {frame.arg}, "
+                f"sent a tree of {tree.width} from {position}",
+                502,
+                self.name,
+            )
+        new, path = await self._run(self._walk_tree, st, deep, draft, position)
+        link.send_indices(wire.Kind.KEEP, path, position)
+        t3 = time.perf_counter()
+        s = self.stats
+        s.rounds += 1
+        s.tree_rounds += 1
+        s.drafted += tree.width - 1
+        s.accepted += len(path) - 1
+        s.round_tokens += len(new)
+        s.draft_seconds += t1 - t0
+        s.wait_seconds += t2 - t1
+        s.verify_seconds += t3 - t2
+        s.round_seconds += t3 - t0
+        return new
+
+    def _walk_tree(
+        self, st: DraftState, deep: torch.Tensor, draft: TreeDraft, position: int
+    ) -> tuple[list[int], list[int]]:
+        with torch.inference_mode():
+            new, path = walk_greedy(lambda i: self._output(deep[i : i + 1])[0], draft)
+        keep_path(st, position, path)
+        return new, path
 
     def _draft_logits(self, feats: torch.Tensor, position: int) -> torch.Tensor:
         """Draft head: features [rows, hidden] of tokens fed at `position` -> logits [rows, vocab] for position+1.

@@ -38,6 +38,11 @@ class HATOptions:
     parallel_drafting: while the worker verifies, draft ahead from the top `parallel_candidates` alternatives to
         the last draft token, for as many steps as Eq. 6 says fit in the round trip (and never past the reply);
         when the verified correction is one of them, the next round starts with that branch's drafts ready.
+    tree_width: verify a token tree of this many positions (the last accepted token + tree_width - 1 drafts over
+        the draft head's top-k) in greedy rounds (clients/hat/tree.py); 0 = chains (the draft_length rule). Rounds
+        that sample, penalise, follow a grammar or return logprobs stay chains. Greedy output is unchanged.
+    tree_paths: the tree's shape as rank paths (e.g. ((0,), (1,), (0, 0)): top-1, top-2, top-1 after top-1), as
+        ARCA chose it from a profile; None = shaped greedily from policies.trees' prior for tree_width nodes.
     chunk_size: fixed prefill chunk; None = Eq. 3 with min_chunk..max_chunk.
     beta_up / beta_down: initial link bandwidth estimates in bytes/s (HAT's devices measure them, e.g. with
         iperf3); the upload estimate is refined from prefill timings. With a LinkProfile the emulated
@@ -66,6 +71,8 @@ class HATOptions:
     speculative: bool = True
     parallel_drafting: bool = False
     parallel_candidates: int = 3
+    tree_width: int = 0
+    tree_paths: tuple[tuple[int, ...], ...] | None = None
     chunk_size: int | None = None
     min_chunk: int = 16
     max_chunk: int = 256
@@ -103,6 +110,7 @@ class HATStats:
     parallel_hits: int = 0  # rounds whose draft came ready-made from parallel drafting
     draft_cap_sum: int = 0  # sum over rounds of the draft cap used (max_draft under "eta", else l*)
     status_updates: int = 0  # STATUS frames (the worker's mu and g) received mid-session
+    tree_rounds: int = 0  # rounds that verified a token tree
     last_chunk_size: int = 0
 
     def summary(self) -> dict[str, float]:
@@ -122,4 +130,5 @@ class HATStats:
             "parallel_steps": self.parallel_steps,
             "mean_draft_cap": self.draft_cap_sum / r,
             "status_updates": self.status_updates,
+            "tree_rounds": self.tree_rounds,
         }

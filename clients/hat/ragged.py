@@ -21,12 +21,18 @@ worker checks it against the model's layers at start-up and an unsupported layer
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from clients.hat.split import LayerStack, SplitKVCache
+from policies.trees import ancestor_mask, tree_depths
+
+
+def ancestor_tensor(parents: Sequence[int]) -> torch.Tensor:
+    """bool [w, w]: node i may attend to node j (j is i or an ancestor of i)."""
+    return torch.tensor(ancestor_mask(parents), dtype=torch.bool)
 
 
 class RaggedMiddle:
@@ -62,22 +68,34 @@ class RaggedMiddle:
             return self._eager
         return ALL_ATTENTION_FUNCTIONS.get_interface(impl, self._eager)
 
-    def forward(self, rows: list[tuple[torch.Tensor, SplitKVCache]]) -> list[torch.Tensor]:
+    def forward(
+        self, rows: list[tuple[torch.Tensor, SplitKVCache]], trees: list[Sequence[int] | None] | None = None
+    ) -> list[torch.Tensor]:
         """rows: (shallow states [n_i, hidden], the session's cache). Appends to every cache; deep states per row.
 
-        New tokens go at positions len(cache) .. len(cache)+n_i-1. On any exception every cache is left as it was.
+        New tokens go at positions len(cache) .. len(cache)+n_i-1 — or, for a row whose `trees` entry is a token
+        tree's parent indices, node j at len(cache) + depth(j), attending to the cache and its own ancestors.
+        On any exception every cache is left as it was.
         """
         spans, key_pos, masks, pos_parts = [], [], [], []
         start = 0
-        for hidden, cache in rows:
+        for r, (hidden, cache) in enumerate(rows):
             n = hidden.shape[0]
             first = len(cache)
-            q_pos = torch.arange(first, first + n, dtype=torch.long)
+            parents = trees[r] if trees is not None else None
+            among = None
+            if parents is None:
+                q_pos = torch.arange(first, first + n, dtype=torch.long)
+            else:
+                if len(parents) != n:
+                    raise ValueError(f"a tree of {len(parents)} nodes for {n} rows")
+                q_pos = first + torch.tensor(tree_depths(parents), dtype=torch.long)
+                among = ancestor_tensor(parents)
             kp = torch.cat([cache.positions, q_pos])
             spans.append((start, start + n))
             key_pos.append(kp)
             pos_parts.append(q_pos)
-            masks.append(self.stack.masks(kp, q_pos, self.dtype, self.device))
+            masks.append(self.stack.masks(kp, q_pos, self.dtype, self.device, among))
             start += n
         total = start
         pad = max(0, self.min_rows - total) if (self.batch_invariant or total > 1) else 0

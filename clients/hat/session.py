@@ -84,6 +84,12 @@ class FrameSession:
         self.t.send(wire.encode_tensor(kind, self.sid, seq, tensor, arg=arg, wire_dtype=self.opts.wire_dtype))
         return seq
 
+    def send_indices(self, kind: wire.Kind, indices: list[int], arg: int) -> int:
+        """A TREE (parent indices) or KEEP (kept node indices) frame: structure, never tokens."""
+        seq = self.next_seq()
+        self.t.send(wire.encode_indices(kind, self.sid, seq, indices, arg=arg))
+        return seq
+
     def send_control(self, kind: wire.Kind, arg: int = 0) -> int:
         seq = self.next_seq()
         self.t.send(wire.encode_control(kind, self.sid, seq, arg=arg))

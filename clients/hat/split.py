@@ -22,6 +22,7 @@ exact.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,18 @@ class SplitKVCache:
         if n < len(self):
             self.positions = self.positions[:n].clone()
         self._truncate_layers(len(self))
+
+    def keep(self, slots: Sequence[int]) -> None:
+        """Keep only the cached entries at `slots` (strictly ascending indices into the cache), in that order: after a
+        token-tree round, the committed prefix plus the accepted path's nodes."""
+        idx = torch.as_tensor(list(slots), dtype=torch.long)
+        n = len(self)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n or bool((idx[1:] <= idx[:-1]).any())):
+            raise ValueError(f"slots to keep must be strictly ascending indices below {n}")
+        self.positions = self.positions[idx].clone()
+        for i in list(self._keys):
+            self._keys[i] = self._keys[i].index_select(-2, idx)
+            self._values[i] = self._values[i].index_select(-2, idx)
 
     def restore(self, positions: torch.Tensor) -> None:
         """Return to an earlier state given its positions: undoes a partly applied append after a failed forward."""
@@ -188,11 +201,19 @@ class LayerStack(nn.Module):
         return positions
 
     def _mask(
-        self, key_pos: torch.Tensor, query_pos: torch.Tensor, dtype: torch.dtype, window: int | None
+        self,
+        key_pos: torch.Tensor,
+        query_pos: torch.Tensor,
+        dtype: torch.dtype,
+        window: int | None,
+        among_new: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         allowed = key_pos[None, :] <= query_pos[:, None]
         if window is not None:
             allowed &= key_pos[None, :] > query_pos[:, None] - window
+        if among_new is not None:  # a token tree: a node sees the cache and its ancestors, not its siblings
+            n = query_pos.numel()
+            allowed[:, -n:] &= among_new
         if query_pos.numel() == 1 and bool(allowed.all()):
             return None  # one query seeing everything: no mask, the same kernel path HF's own decode step takes
         mask = torch.zeros(allowed.shape, dtype=dtype)
@@ -200,12 +221,18 @@ class LayerStack(nn.Module):
         return mask[None, None]  # [1, 1, q, kv], additive: works for sdpa and eager attention
 
     def masks(
-        self, key_pos: torch.Tensor, query_pos: torch.Tensor, dtype: torch.dtype, device: torch.device
+        self,
+        key_pos: torch.Tensor,
+        query_pos: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device,
+        among_new: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor | None]:
         """The position rule's mask per layer type (None: no mask needed), queries at `query_pos` against keys at
-        `key_pos`; sliding-attention layers see only the last `sliding_window` positions."""
+        `key_pos` (the new tokens last); sliding-attention layers see only the last `sliding_window` positions.
+        `among_new` (bool [n, n]) further limits which new tokens each new token sees (a tree's ancestor mask)."""
         windows = {t: self.sliding_window if t == "sliding_attention" else None for t in set(self.layer_types)}
-        return {t: mask_on(self._mask(key_pos, query_pos, dtype, w), device) for t, w in windows.items()}
+        return {t: mask_on(self._mask(key_pos, query_pos, dtype, w, among_new), device) for t, w in windows.items()}
 
     def run(
         self,

@@ -38,6 +38,15 @@ Frame kinds and what they carry:
                   Sent mid-session just before a VERIFY_RESULT (same seq) when mu or g moved since the device was
                   last told (at OPEN or by an earlier STATUS), so a long session does not plan with stale values.
                   It answers nothing: a receiver applies it and keeps waiting for the reply it asked for.
+- TREE            INT32 [w]: the parent index of each of the next DRAFT frame's w rows (a token tree, HAT with
+                  Ghidorah-style verification; policies/trees.py). parents[0] = -1 (the root: the last accepted
+                  token), 0 <= parents[i] < i. arg = the DRAFT's first position. Must come right before that DRAFT
+                  (the next seq); no reply. Row i sits at position arg + depth(i) and attends to the cache and its
+                  own ancestors only.
+- KEEP            INT32 [a]: after a tree round, the node indices to keep (the accepted path: 0, then each next
+                  node a child of the one before); every other node of the tree is dropped from the KV cache.
+                  arg = the tree's first position. No reply (ERROR if it cannot be applied).
+Parent and node indices are the tree's structure, never tokens: the worker still sees no token ids.
 """
 
 from __future__ import annotations
@@ -73,6 +82,8 @@ class Kind(enum.IntEnum):
     ERROR = 7
     CLOSE = 8
     STATUS = 9
+    TREE = 10
+    KEEP = 11
 
 
 class DType(enum.IntEnum):
@@ -81,12 +92,15 @@ class DType(enum.IntEnum):
     FLOAT16 = 2
     BFLOAT16 = 3
     BYTES = 4  # opaque uint8, e.g. UTF-8 text
+    INT32 = 5  # tree structure (TREE, KEEP)
 
 
 TENSOR_KINDS = frozenset({Kind.PREFILL_CHUNK, Kind.DRAFT, Kind.VERIFY_RESULT, Kind.DEEP_STATE})
 TEXT_KINDS = frozenset({Kind.OPEN, Kind.ERROR})
 CONTROL_KINDS = frozenset({Kind.ROLLBACK, Kind.CLOSE})
 STATUS_KINDS = frozenset({Kind.STATUS})
+INDEX_KINDS = frozenset({Kind.TREE, Kind.KEEP})
+MAX_TREE_NODES = 1024
 _STATUS = struct.Struct("<ddd")
 STATUS_BYTES = _STATUS.size  # 24
 
@@ -100,8 +114,9 @@ _CODE_TO_NUMPY = {
     DType.FLOAT16: np.dtype("<f2"),
     DType.BFLOAT16: np.dtype("<i2"),
     DType.BYTES: np.dtype("u1"),
+    DType.INT32: np.dtype("<i4"),
 }
-_ITEMSIZE = {DType.NONE: 0, DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.BYTES: 1}
+_ITEMSIZE = {DType.NONE: 0, DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.BYTES: 1, DType.INT32: 4}
 
 
 def dtype_code(dtype: torch.dtype) -> DType:
@@ -187,6 +202,12 @@ class Frame:
         mu, slope, intercept = _STATUS.unpack(self.payload)
         _check_status(mu, slope, intercept, self.arg)
         return WorkerStatus(mu, slope, intercept, self.arg)
+
+    def indices(self) -> list[int]:
+        """The int32 payload of a TREE / KEEP frame."""
+        if self.kind not in INDEX_KINDS or self.dtype != DType.INT32:
+            raise FrameError(f"{self.kind.name} frame carries {self.dtype.name}, not tree indices")
+        return [int(v) for v in np.frombuffer(self.payload, dtype=_CODE_TO_NUMPY[DType.INT32])]
 
     def text(self) -> str:
         """The payload of an OPEN / ERROR frame as text."""
@@ -292,6 +313,19 @@ def encode_control(kind: Kind, session: bytes | uuid.UUID | str, seq: int, *, ar
     return _pack(kind, session_bytes(session), seq, arg, DType.NONE, (), b"")
 
 
+def encode_indices(kind: Kind, session: bytes | uuid.UUID | str, seq: int, indices: list[int], *, arg: int) -> bytes:
+    """A TREE (parent indices) or KEEP (kept node indices) frame; arg = the tree's first position."""
+    kind = Kind(kind)
+    if kind not in INDEX_KINDS:
+        raise FrameError(f"{kind.name} frames do not carry tree indices")
+    if not 1 <= len(indices) <= MAX_TREE_NODES:
+        raise FrameError(f"{kind.name} carries 1..{MAX_TREE_NODES} indices, got {len(indices)}")
+    if arg < 0:
+        raise FrameError(f"{kind.name} position must be >= 0, got {arg}")
+    payload = np.asarray(indices, dtype=_CODE_TO_NUMPY[DType.INT32]).tobytes()
+    return _pack(kind, session_bytes(session), seq, arg, DType.INT32, (len(indices),), payload)
+
+
 def encode_status(
     session: bytes | uuid.UUID | str, seq: int, mu: float, g: tuple[float, float], *, sessions: int = 0
 ) -> bytes:
@@ -355,6 +389,11 @@ def parse_header(data: bytes | bytearray | memoryview, *, max_frame_bytes: int =
             raise FrameError(f"STATUS must carry exactly {STATUS_BYTES} BYTES, got {code.name} shape {shape}")
         if arg < 0:
             raise FrameError(f"STATUS session count must be >= 0, got {arg}")
+    elif kind in INDEX_KINDS:
+        if code != DType.INT32 or ndim != 1 or not 1 <= shape[0] <= MAX_TREE_NODES:
+            raise FrameError(f"{kind.name} must carry 1..{MAX_TREE_NODES} INT32 indices, got {code.name} shape {shape}")
+        if arg < 0:
+            raise FrameError(f"{kind.name} position must be >= 0, got {arg}")
     elif code != DType.NONE or ndim != 0 or payload_len != 0:
         raise FrameError(f"{kind.name} must carry no payload, got {code.name} shape {shape}")
     if kind == Kind.ROLLBACK and arg < 0:

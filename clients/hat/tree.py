@@ -1,0 +1,94 @@
+"""Token-tree rounds on the device half: draft a tree depth by depth, verify its accepted path lazily, keep that path.
+
+A tree (policies/trees.py DraftTree, level-ordered: every node's index is larger than those of all shallower nodes)
+is drafted from the last accepted token (the root) one depth at a time: each depth is ONE batched step of the input
+submodel + adapter over all of that depth's nodes (node i at position root + depth(i), seeing the cache and its own
+ancestors only), and the draft head's top-k at each node with children gives them their tokens by rank. The worker
+gets the shallow states of all w nodes (and the TREE structure) and returns w deep states. The head then walks the
+tree from the root: the target's token at a node picks the child drafting it, until no child does; only the rows
+on that path go through the head (one row each — the head over a full vocabulary is the device's biggest cost).
+Both caches, the device's and the worker's (KEEP), then keep exactly the committed prefix and that path.
+
+Greedy only: the walk is exact greedy verification, so the output equals U-shape token for token. Sampling keeps
+the chain with rejection sampling (multi-candidate rejection sampling over a tree is not implemented).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from clients.hat.drafting import Drafter, DraftState
+from policies.trees import DraftTree, ancestor_mask
+
+
+@dataclass
+class TreeDraft:
+    tree: DraftTree
+    tokens: list[int]  # per node; tokens[0] is the root (the last accepted token)
+    shallow: torch.Tensor  # [w, hidden], node order
+
+
+def check_level_ordered(tree: DraftTree) -> None:
+    order = [i for level in tree.levels() for i in level]
+    if order != list(range(tree.width)):
+        raise ValueError("a drafted tree must be level-ordered (node indices grow with depth)")
+
+
+def draft_tree(drafter: Drafter, st: DraftState, token: int, position: int, tree: DraftTree) -> TreeDraft:
+    """Draft `tree` after `token` at `position`; appends all w nodes to the draft caches (slots position + i)."""
+    check_level_ordered(tree)
+    w = tree.width
+    ancestors = torch.tensor(ancestor_mask(tree.parents), dtype=torch.bool)
+    tokens = [token] + [-1] * (w - 1)
+    has_children = [False] * w
+    for p in tree.parents[1:]:
+        has_children[p] = True
+    shallows: list[torch.Tensor] = []
+    with torch.inference_mode():
+        for depth, level in enumerate(tree.levels()):
+            ids = torch.tensor([[tokens[i] for i in level]], dtype=torch.long)
+            first, last = level[0], level[-1] + 1  # level-ordered: the level is nodes first..last-1
+            cached = len(st.input_cache)
+            mask = torch.ones(len(level), cached + len(level), dtype=torch.bool)
+            mask[:, position:] = ancestors[first:last, :last]  # the tree's nodes: own ancestors only
+            positions = torch.full((len(level),), position + depth, dtype=torch.long)
+            shallow = drafter.input(ids, st.input_cache, positions=positions, attention_mask=mask)
+            feats = drafter.adapter(shallow, st.adapter_cache, positions=positions, attention_mask=mask)
+            shallows.append(shallow[0])
+            parents = [i for i in level if has_children[i]]
+            if not parents:
+                continue
+            rows = torch.tensor([i - first for i in parents])
+            logits = drafter.head(feats[0, rows], position + depth)
+            children = tree.children
+            k = 1 + max(r for i in parents for r in children(i))
+            top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1).indices.tolist()
+            for row, parent in enumerate(parents):
+                for rank, child in children(parent).items():
+                    tokens[child] = top[row][rank]
+    return TreeDraft(tree, tokens, torch.cat(shallows))
+
+
+def walk_greedy(head_row, draft: TreeDraft) -> tuple[list[int], list[int]]:
+    """Greedy verification along the tree: (new tokens = the accepted drafts + the target's next token, the kept
+    path's node indices from the root). `head_row(i)` = the target's logits at node i (called lazily)."""
+    tree = draft.tree
+    children = [{draft.tokens[c]: c for c in tree.children(i).values()} for i in range(tree.width)]
+    node, path, new = 0, [0], []
+    while True:
+        t = int(head_row(node).argmax())
+        new.append(t)
+        child = children[node].get(t)
+        if child is None:
+            return new, path
+        node = child
+        path.append(node)
+
+
+def keep_path(st: DraftState, position: int, path: list[int]) -> None:
+    """The draft caches keep the committed prefix (before the root at `position`) and the path's nodes."""
+    slots = [*range(position), *(position + n for n in path)]
+    st.input_cache.keep(slots)
+    st.adapter_cache.keep(slots)

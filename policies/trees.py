@@ -1,0 +1,385 @@
+"""Token trees for HAT verification and ARCA's width choice (Ghidorah §III-C), from measured draft ranks.
+
+A round verifies w positions: the root (the last accepted token, which the worker has not seen yet) and w - 1 draft
+nodes. Node i drafts the rank-`ranks[i]` candidate (0 = the draft model's top-1) of the draft distribution at its
+parent; a chain of l drafts is the tree whose ranks are all 0 (w = l + 1; w = 1 is U-shape).
+
+Why the model is built on rank sequences and not on Ghidorah's per-head accuracies. Ghidorah (Medusa heads)
+estimates a path's acceptance as the product of per-depth rank accuracies, i.e. it assumes depths are independent.
+HAT's draft model is autoregressive: when a tree node's path matches the target's tokens, the draft distribution at
+that node is exactly the draft's distribution on the true prefix. So for greedy decoding a round starting at answer
+position t accepts tree node p = (r1, ..., rd) iff the true tokens at t+1..t+d have exactly the draft ranks
+r1..rd — the whole acceptance process is a function of one sequence per answer: the rank of each true token in the
+draft distribution given the true prefix (`RankSequence`, recorded by the profile's offline replay). From it:
+- `path_probabilities`: P(path) = the fraction of start positions whose rank sequence begins with the path —
+  conditional on the path by construction (a confident stretch going on is in the data), no independence assumed;
+- `greedy_tree`: Ghidorah's step 4 (add the most probable node next), which is optimal for an
+  ancestor-closed node set because a node is never more probable than its parent;
+- `replay`: the exact greedy rounds over a rank sequence (each round starts after the previous round's accepted
+  drafts and its correction), i.e. the accept length a live run gets on the same prompts;
+- `refine_tree`: Ghidorah's step 5 (swap leaves for frontier nodes while the replayed accept length improves);
+- `choose_width`: ARCA's selection, the tree maximising tokens per round / round time, ties to the smaller width.
+
+Pure: no I/O, no clocks; times are arguments.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+ARCA_WIDTHS = (1, 2, 4, 8, 16, 32)  # Ghidorah's powers of two, capped where a CPU worker's pass time climbs
+
+# Per answer token after the first (the first comes from the prefill's deep state): its rank in the draft
+# distribution given the true prefix. Ranks >= the profile's cap may be recorded as the cap.
+RankSequence = Sequence[int]
+RankPath = tuple[int, ...]  # the ranks of a node's ancestors below the root and its own
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A verification tree in topological order: `parents[0] == -1` (the root), `parents[i] < i` for i > 0.
+
+    `ranks[i]`: which candidate of its parent's draft distribution node i drafts (0-based; the root's is 0 and
+    unused). Children of one parent have distinct ranks. Parent indices and ranks are structure, not tokens.
+    """
+
+    parents: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check_tree(self.parents, self.ranks)
+
+    @property
+    def width(self) -> int:
+        """Positions verified per round (the root included)."""
+        return len(self.parents)
+
+    def depths(self) -> list[int]:
+        return tree_depths(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths())
+
+    def path(self, node: int) -> RankPath:
+        """The rank path from the root to `node` (empty for the root)."""
+        ranks: list[int] = []
+        while node > 0:
+            ranks.append(self.ranks[node])
+            node = self.parents[node]
+        return tuple(reversed(ranks))
+
+    def children(self, node: int) -> dict[int, int]:
+        """rank -> child index, for `node`."""
+        return {self.ranks[i]: i for i in range(1, self.width) if self.parents[i] == node}
+
+    def levels(self) -> list[list[int]]:
+        """Node indices by depth (level 0 is [0])."""
+        depths = self.depths()
+        out: list[list[int]] = [[] for _ in range(max(depths) + 1)]
+        for i, d in enumerate(depths):
+            out[d].append(i)
+        return out
+
+    def expanded_per_level(self) -> list[int]:
+        """How many nodes of each depth have children: the rows of that depth's batched draft step."""
+        parents = set(self.parents[1:])
+        return [sum(1 for i in level if i in parents) for level in self.levels()[:-1]]
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents[1:], start=1)) and not any(self.ranks[1:])
+
+
+def check_tree(parents: Sequence[int], ranks: Sequence[int] | None = None) -> None:
+    """Raise ValueError unless `parents` is a topologically ordered tree (and `ranks` distinct among siblings)."""
+    if not parents or parents[0] != -1:
+        raise ValueError("a draft tree starts with its root: parents[0] must be -1")
+    for i, p in enumerate(parents[1:], start=1):
+        if not 0 <= p < i:
+            raise ValueError(f"parents[{i}] = {p}: a parent must be an earlier node (0 <= parent < {i})")
+    if ranks is None:
+        return
+    if len(ranks) != len(parents):
+        raise ValueError(f"{len(ranks)} ranks for {len(parents)} nodes")
+    seen: set[tuple[int, int]] = set()
+    for i in range(1, len(parents)):
+        if ranks[i] < 0:
+            raise ValueError(f"ranks[{i}] = {ranks[i]} is negative")
+        key = (parents[i], ranks[i])
+        if key in seen:
+            raise ValueError(f"node {parents[i]} has two children of rank {ranks[i]}")
+        seen.add(key)
+
+
+def chain(drafts: int) -> DraftTree:
+    """The chain of `drafts` top-1 drafts (width drafts + 1)."""
+    if drafts < 0:
+        raise ValueError(f"drafts must be >= 0, got {drafts}")
+    return DraftTree(parents=(-1, *range(drafts)), ranks=(0,) * (drafts + 1))
+
+
+def from_paths(paths: Iterable[RankPath]) -> DraftTree:
+    """The tree whose non-root nodes are `paths` (ancestor-closed), ordered by depth then rank path."""
+    ordered = sorted(set(paths), key=lambda p: (len(p), p))
+    index: dict[RankPath, int] = {(): 0}
+    parents, ranks = [-1], [0]
+    for p in ordered:
+        if not p:
+            continue
+        if p[:-1] not in index:
+            raise ValueError(f"path {p} has no parent {p[:-1]} in the tree")
+        index[p] = len(parents)
+        parents.append(index[p[:-1]])
+        ranks.append(p[-1])
+    return DraftTree(tuple(parents), tuple(ranks))
+
+
+def ancestor_mask(parents: Sequence[int]) -> list[list[bool]]:
+    """mask[i][j]: node i attends to node j (j is i or one of its ancestors) — the tree attention among the nodes."""
+    check_tree(parents)
+    n = len(parents)
+    mask = [[False] * n for _ in range(n)]
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i][j] = True
+            j = parents[j]
+    return mask
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (the root's is 0); a node sits at the tree's first position + its depth."""
+    check_tree(parents)
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def path_to(parents: Sequence[int], node: int) -> list[int]:
+    """Node indices from the root to `node`, both included."""
+    out = [node]
+    while parents[out[-1]] >= 0:
+        out.append(parents[out[-1]])
+    return out[::-1]
+
+
+def is_root_path(parents: Sequence[int], nodes: Sequence[int]) -> bool:
+    """`nodes` starts at the root and each next node is a child of the one before (what KEEP may keep)."""
+    if not nodes or nodes[0] != 0:
+        return False
+    return all(0 <= b < len(parents) and parents[b] == a for a, b in itertools.pairwise(nodes))
+
+
+# --- acceptance from rank sequences ------------------------------------------------------------------------
+
+
+def path_probabilities(sequences: Iterable[RankSequence], max_depth: int, max_rank: int) -> dict[RankPath, float]:
+    """P(a round starting at a random answer position accepts path p), for every path of depth <= max_depth with
+    ranks < max_rank: the fraction of start positions t whose next ranks begin with p.
+
+    Every position t with at least one answer token after it is a start (the root is the token at t; its children
+    draft position t + 1). A sequence's end cuts paths short, as the answer's end does in a live round.
+    """
+    counts: Counter[RankPath] = Counter()
+    starts = 0
+    for seq in sequences:
+        for t in range(len(seq)):
+            starts += 1
+            prefix: list[int] = []
+            for r in seq[t : t + max_depth]:
+                if r >= max_rank:
+                    break
+                prefix.append(r)
+                counts[tuple(prefix)] += 1
+    return {p: c / starts for p, c in counts.items()} if starts else {}
+
+
+# Without a profile: P(the true token is the draft's rank-r candidate), independent across depths — a rough prior
+# for a distilled adapter (HAT's shipped one: ~43% top-1 offline), used only to shape a tree until a profile's
+# measured rank sequences replace it.
+PRIOR_RANK_ACCURACY = (0.45, 0.12, 0.06, 0.04, 0.03, 0.02, 0.02, 0.015)
+
+
+def prior_probabilities(max_depth: int, rank_accuracy: Sequence[float] = PRIOR_RANK_ACCURACY) -> dict[RankPath, float]:
+    """P(path) = the product of its ranks' accuracies (Ghidorah's independence assumption, as a fallback only)."""
+    out: dict[RankPath, float] = {}
+    frontier: list[tuple[RankPath, float]] = [((), 1.0)]
+    for _ in range(max_depth):
+        nxt = []
+        for path, p in frontier:
+            for r, a in enumerate(rank_accuracy):
+                q = p * a
+                if q < 1e-6:
+                    continue
+                out[(*path, r)] = q
+                nxt.append(((*path, r), q))
+        frontier = nxt
+    return out
+
+
+def expected_tokens(tree: DraftTree, probabilities: dict[RankPath, float]) -> float:
+    """Tokens a round yields on average: the accepted drafts plus the target's own token (1 + sum of P(node))."""
+    return 1.0 + sum(probabilities.get(tree.path(i), 0.0) for i in range(1, tree.width))
+
+
+def greedy_tree(width: int, probabilities: dict[RankPath, float]) -> DraftTree:
+    """Ghidorah's step 4: from the root, add the most probable frontier node until the tree has `width` nodes.
+
+    The frontier is every child (next rank path) of a node in the tree; a path absent from `probabilities` has
+    probability 0 and is added (lowest rank first, shallowest first) only when nothing more probable is left, so the
+    tree always has exactly `width` nodes. Ties go to the shallower, then lower-ranked path: deterministic.
+    """
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    chosen: list[RankPath] = []
+    members: set[RankPath] = {()}
+    frontier: set[RankPath] = {(0,)}
+    while len(chosen) < width - 1:
+        best = min(frontier, key=lambda p: (-probabilities.get(p, 0.0), len(p), p))
+        frontier.remove(best)
+        chosen.append(best)
+        members.add(best)
+        frontier.add((*best, 0))  # its first child
+        sibling = (*best[:-1], best[-1] + 1)
+        if sibling not in members:
+            frontier.add(sibling)  # the next rank under the same parent
+    return from_paths(chosen)
+
+
+def replay(tree: DraftTree, sequence: RankSequence) -> list[int]:
+    """Drafts accepted in each greedy round over one answer (exact: see the module docstring).
+
+    A round starting after answer position t accepts the deepest node whose rank path equals the true ranks at
+    t+1.. (the answer's end stops it), then the target contributes one token; the next round starts after that.
+    """
+    children = [tree.children(i) for i in range(tree.width)]
+    accepted: list[int] = []
+    t = 0  # index in `sequence` of the first token this round can draft
+    while t < len(sequence):
+        node, a = 0, 0
+        while t + a < len(sequence) and sequence[t + a] in children[node]:
+            node = children[node][sequence[t + a]]
+            a += 1
+        accepted.append(min(a, len(sequence) - t - 1) if t + a >= len(sequence) else a)
+        t += a + 1
+    return accepted
+
+
+def replay_accept_length(tree: DraftTree, sequences: Iterable[RankSequence]) -> float:
+    """Mean tokens per round (accepted drafts + 1) over greedy rounds of every sequence: the live accept length."""
+    rounds = [a for seq in sequences for a in replay(tree, seq)]
+    return 1.0 + sum(rounds) / len(rounds) if rounds else 1.0
+
+
+def refine_tree(tree: DraftTree, sequences: Sequence[RankSequence], max_passes: int = 3) -> DraftTree:
+    """Ghidorah's step 5: replace a leaf by a frontier node (a missing child of a kept node) whenever the exact
+    replay's accept length rises; repeat until a pass changes nothing (at most `max_passes`). Width is kept."""
+    best = tree
+    best_len = replay_accept_length(best, sequences)
+    for _ in range(max_passes):
+        improved = False
+        paths = {best.path(i) for i in range(1, best.width)}
+        leaves = [p for p in paths if not any(q[:-1] == p for q in paths)]
+        for leaf in sorted(leaves):
+            kept = paths - {leaf}
+            frontier = {(*p, r) for p in kept | {()} for r in range(_next_rank(kept, p) + 1)} - paths
+            for cand in sorted(frontier, key=lambda p: (len(p), p)):
+                trial = from_paths(kept | {cand})
+                length = replay_accept_length(trial, sequences)
+                if length > best_len + 1e-12:
+                    best, best_len, improved = trial, length, True
+                    break
+            if improved:
+                break
+        if not improved:
+            return best
+    return best
+
+
+def _next_rank(paths: set[RankPath], parent: RankPath) -> int:
+    """The lowest rank not yet used under `parent`."""
+    used = {p[-1] for p in paths if len(p) == len(parent) + 1 and p[:-1] == parent}
+    r = 0
+    while r in used:
+        r += 1
+    return r
+
+
+# --- ARCA: the width -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeRoundCost:
+    """Seconds a round with a given tree takes, by its measured parts (the profile's numbers).
+
+    - draft_step(rows): one batched draft-model step over `rows` nodes (a tree drafts depth by depth; the root's
+      step is one row); upload/download per position; worker(w): the middle layers on w positions (g(mu + w) with
+      the live mu); head_row: the device head on one row (it checks the accepted path lazily, one row per visited
+      node: expected visits = the round's expected tokens); rtt.
+    """
+
+    draft_step: Callable[[int], float]
+    worker: Callable[[int], float]
+    head_row: float
+    upload_per_position: float = 0.0
+    download_per_position: float = 0.0
+    rtt: float = 0.0
+
+    def __call__(self, tree: DraftTree, tokens: float) -> float:
+        drafting = sum(self.draft_step(rows) for rows in tree.expanded_per_level())
+        w = tree.width
+        link = w * (self.upload_per_position + self.download_per_position) + self.rtt
+        return drafting + link + self.worker(w) + self.head_row * tokens
+
+
+@dataclass(frozen=True)
+class WidthChoice:
+    tree: DraftTree
+    tokens_per_round: float
+    round_time: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens_per_round / self.round_time if self.round_time > 0 else math.inf
+
+
+def choose_width(candidates: Iterable[tuple[DraftTree, float]], cost: TreeRoundCost) -> WidthChoice:
+    """ARCA's selection: the (tree, expected tokens per round) with the most tokens per second; ties (1e-12
+    relative) go to the smaller width, then to the earlier candidate."""
+    best: WidthChoice | None = None
+    for tree, tokens in sorted(candidates, key=lambda c: c[0].width):
+        choice = WidthChoice(tree, tokens, cost(tree, tokens))
+        if best is None or choice.rate > best.rate * (1 + 1e-12):
+            best = choice
+    if best is None:
+        raise ValueError("no candidate trees")
+    return best
+
+
+def arca_candidates(
+    sequences: Sequence[RankSequence],
+    widths: Sequence[int] = ARCA_WIDTHS,
+    max_rank: int = 8,
+    trees: bool = True,
+    refine: bool = False,
+) -> list[tuple[DraftTree, float]]:
+    """For every width: the chain (w - 1 drafts) and, with `trees`, the greedy (optionally refined) tree, each with
+    its replayed tokens per round on `sequences` (the calibration answers)."""
+    if not sequences:
+        raise ValueError("ARCA needs calibration rank sequences")
+    probs = path_probabilities(sequences, max_depth=max(widths), max_rank=max_rank)
+    out: list[tuple[DraftTree, float]] = []
+    for w in widths:
+        shapes = [chain(w - 1)]
+        if trees and w > 2:
+            tree = greedy_tree(w, probs)
+            shapes.append(refine_tree(tree, sequences) if refine else tree)
+        for shape in shapes:
+            if all(shape != t for t, _ in out):
+                out.append((shape, replay_accept_length(shape, sequences)))
+    return out

@@ -1,0 +1,217 @@
+"""policies/trees.py: draft trees, acceptance from rank sequences, the greedy tree and ARCA's width choice."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from policies.drafting import expected_tokens_per_verification
+from policies.trees import (
+    ARCA_WIDTHS,
+    DraftTree,
+    TreeRoundCost,
+    ancestor_mask,
+    arca_candidates,
+    chain,
+    check_tree,
+    choose_width,
+    expected_tokens,
+    from_paths,
+    greedy_tree,
+    path_probabilities,
+    refine_tree,
+    replay,
+    replay_accept_length,
+)
+
+
+def _sequences(seed: int, n: int = 6, length: int = 60, sticky: float = 0.7) -> list[list[int]]:
+    """Rank sequences with runs (a confident stretch tends to go on), like a real draft's."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        seq, easy = [], True
+        for _ in range(length):
+            easy = easy if rng.random() < sticky else not easy
+            weights = [0.8, 0.1, 0.05, 0.05] if easy else [0.3, 0.2, 0.1, 0.4]
+            seq.append(rng.choices([0, 1, 2, 9], weights)[0])
+        out.append(seq)
+    return out
+
+
+def _random_tree(rng: random.Random, width: int) -> DraftTree:
+    parents, ranks, used = [-1], [0], {}
+    for i in range(1, width):
+        p = rng.randrange(i)
+        r = used.get(p, 0)
+        used[p] = r + 1
+        parents.append(p)
+        ranks.append(r)
+    return DraftTree(tuple(parents), tuple(ranks))
+
+
+def test_malformed_trees_are_rejected_naming_the_problem():
+    with pytest.raises(ValueError, match="root"):
+        check_tree([0, 0])
+    with pytest.raises(ValueError, match=r"parents\[2\] = 2"):
+        check_tree([-1, 0, 2])
+    with pytest.raises(ValueError, match="two children of rank 0"):
+        DraftTree((-1, 0, 0), (0, 0, 0))
+    with pytest.raises(ValueError, match="3 ranks for 2 nodes"):
+        DraftTree((-1, 0), (0, 0, 0))
+    with pytest.raises(ValueError, match="no parent"):
+        from_paths([(0, 1)])
+
+
+def test_chain_shape_and_levels():
+    c = chain(3)
+    assert c.width == 4 and c.depth == 3 and c.is_chain()
+    assert c.expanded_per_level() == [1, 1, 1]
+    assert [c.path(i) for i in range(4)] == [(), (0,), (0, 0), (0, 0, 0)]
+    t = from_paths([(0,), (1,), (0, 0)])
+    assert not t.is_chain() and t.levels() == [[0], [1, 2], [3]] and t.expanded_per_level() == [1, 1]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_tree_mask_is_the_ancestor_relation(seed):
+    rng = random.Random(seed)
+    tree = _random_tree(rng, rng.randint(1, 12))
+    mask = ancestor_mask(tree.parents)
+    for i, j in itertools.product(range(tree.width), repeat=2):
+        ancestors, k = set(), i
+        while k >= 0:
+            ancestors.add(k)
+            k = tree.parents[k]
+        assert mask[i][j] == (j in ancestors)
+        if mask[i][j]:  # an ancestor's path is a prefix of the node's
+            assert tree.path(i)[: len(tree.path(j))] == tree.path(j)
+
+
+def test_chain_probabilities_match_eq7_under_iid_acceptance():
+    """With i.i.d. rank-0 acceptance alpha, a chain's expected tokens are Eq. 7's L(l, alpha)."""
+    rng = random.Random(1)
+    alpha = 0.7
+    seqs = [[0 if rng.random() < alpha else 3 for _ in range(4000)]]
+    probs = path_probabilities(seqs, max_depth=6, max_rank=2)
+    for drafts in range(0, 6):
+        assert expected_tokens(chain(drafts), probs) == pytest.approx(
+            expected_tokens_per_verification(alpha, drafts), rel=0.03
+        )
+
+
+def _simulate(tree: DraftTree, seq: list[int]) -> list[int]:
+    """Independent reference: walk the tree by paths (no child maps)."""
+    paths = {tree.path(i) for i in range(tree.width)}
+    out, t = [], 0
+    while t < len(seq):
+        a = 0
+        while t + a < len(seq) and tuple(seq[t : t + a + 1]) in paths:
+            a += 1
+        tokens = min(a + 1, len(seq) - t)  # the accepted drafts and the target's token, within the answer
+        out.append(tokens - 1)
+        t += tokens
+    return out
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_replay_equals_a_reference_simulation(seed):
+    rng = random.Random(seed)
+    for seq in _sequences(seed, n=3):
+        tree = _random_tree(rng, rng.randint(1, 10))
+        assert replay(tree, seq) == _simulate(tree, seq)
+        assert sum(replay(tree, seq)) + len(replay(tree, seq)) == len(seq)  # every answer token is produced once
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_tree_is_optimal_among_ancestor_closed_trees(seed):
+    """Brute force over every tree of width w on paths of depth <= 3 and ranks < 3: the greedy tree's expected
+    tokens are the maximum (a node is never more probable than its parent, so greedy picks an optimal set)."""
+    seqs = _sequences(seed)
+    probs = path_probabilities(seqs, max_depth=3, max_rank=3)
+    universe = [p for d in range(1, 4) for p in itertools.product(range(3), repeat=d)]
+    for width in (2, 3, 4, 5):
+        best = 0.0
+        for subset in itertools.combinations(universe, width - 1):
+            s = set(subset)
+            if all(p[:-1] in s or len(p) == 1 for p in s):
+                best = max(best, expected_tokens(from_paths(s), probs))
+        tree = greedy_tree(width, probs)
+        assert tree.width == width
+        assert expected_tokens(tree, probs) == pytest.approx(best)
+
+
+def test_estimated_acceptance_does_not_fall_with_width_and_trees_beat_chains():
+    seqs = _sequences(3, n=8, length=120)
+    probs = path_probabilities(seqs, max_depth=32, max_rank=8)
+    previous = 0.0
+    for w in ARCA_WIDTHS:
+        tree = greedy_tree(w, probs)
+        est = expected_tokens(tree, probs)
+        assert est >= previous - 1e-12
+        assert est >= expected_tokens(chain(w - 1), probs) - 1e-12
+        previous = est
+    assert expected_tokens(greedy_tree(8, probs), probs) > expected_tokens(chain(7), probs)
+
+
+def test_greedy_tree_fills_its_width_even_where_nothing_was_observed():
+    tree = greedy_tree(5, {(0,): 0.5})
+    assert tree.width == 5 and tree.path(1) == (0,)
+
+
+def test_refining_never_lowers_the_replayed_accept_length():
+    seqs = _sequences(5, n=6, length=80)
+    probs = path_probabilities(seqs, max_depth=8, max_rank=4)
+    for w in (4, 8):
+        tree = greedy_tree(w, probs)
+        refined = refine_tree(tree, seqs)
+        assert refined.width == w
+        assert replay_accept_length(refined, seqs) >= replay_accept_length(tree, seqs)
+
+
+def test_round_cost_counts_depth_steps_link_worker_and_lazy_head():
+    cost = TreeRoundCost(
+        draft_step=lambda rows: 0.010 + 0.001 * rows,
+        worker=lambda w: 0.100 + 0.002 * w,
+        head_row=0.005,
+        upload_per_position=0.001,
+        download_per_position=0.0005,
+        rtt=0.02,
+    )
+    tree = from_paths([(0,), (1,), (0, 0), (1, 0)])  # levels: root, two nodes, two nodes -> steps of 1 and 2 rows
+    got = cost(tree, tokens=2.0)
+    want = (0.011 + 0.012) + 5 * 0.0015 + 0.02 + (0.100 + 0.010) + 0.005 * 2.0
+    assert got == pytest.approx(want)
+
+
+def test_choose_width_is_the_argmax_with_ties_to_the_smaller():
+    flat = TreeRoundCost(draft_step=lambda rows: 0.0, worker=lambda w: 1.0, head_row=0.0)
+    # tokens per round proportional to... equal rates everywhere: the smallest width wins
+    candidates = [(chain(w - 1), float(w)) for w in (4, 1, 2)]
+    stepwise = TreeRoundCost(draft_step=lambda rows: 0.0, worker=lambda w: float(w), head_row=0.0)
+    assert choose_width(candidates, stepwise).tree.width == 1
+    # the worker costs the same for any width: the most tokens per round wins
+    assert choose_width(candidates, flat).tree.width == 4
+    # an explicit argmax over random instances
+    rng = random.Random(0)
+    for _ in range(50):
+        cands = [(chain(w - 1), rng.uniform(1, w)) for w in ARCA_WIDTHS]
+        cost = TreeRoundCost(draft_step=lambda rows: 0.01, worker=lambda w, k=rng.random(): 0.1 + k * w, head_row=0.0)
+        rates = [(tok / cost(t, tok), -t.width) for t, tok in cands]
+        assert choose_width(cands, cost).tree.width == -max(rates)[1]
+    with pytest.raises(ValueError):
+        choose_width([], flat)
+
+
+def test_arca_candidates_replay_each_shape():
+    seqs = _sequences(7, n=5)
+    cands = arca_candidates(seqs, widths=(1, 2, 4, 8))
+    assert sorted(t.width for t, _ in cands if t.is_chain()) == [1, 2, 4, 8]
+    assert len(cands) == len({t for t, _ in cands})  # a greedy tree that is the chain is listed once
+    assert any(not t.is_chain() for t, _ in cands)
+    for tree, tokens in cands:
+        assert tokens == pytest.approx(replay_accept_length(tree, seqs))
+    assert dict((t.width, tok) for t, tok in cands if t.is_chain())[1] == 1.0
+    with pytest.raises(ValueError):
+        arca_candidates([])
