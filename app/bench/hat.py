@@ -24,6 +24,8 @@ Sections (`--sections`, all by default):
   each strategy starts to win.
 - draft_length: TBT of SD+PC with each draft-length rule (eta / eq7 / eq7+eta) at each of --draft-length-rtt-ms,
   one warm-up and one measured request per cell.
+- trees: chains vs token trees of --tree-widths positions (SD alone), accept length and median TBT on the held-out
+  chat prompts and on code-reading prompts of --tree-code-lengths tokens, with U-shape in the same run.
 - throughput: 1, 4 and 8 devices (raw protocol clients replaying real shallow states, so the devices' own
   compute does not bound the measurement) decoding concurrently (continuous batching) vs one at a time.
 
@@ -45,7 +47,16 @@ from typing import Any
 
 import torch
 
-from app.bench.hat_sections import DRAFT_LENGTH_MODES, components, draft_length, sweep, table4, table5, throughput
+from app.bench.hat_sections import (
+    DRAFT_LENGTH_MODES,
+    components,
+    draft_length,
+    sweep,
+    table4,
+    table5,
+    throughput,
+    trees,
+)
 from app.bench.hat_setup import TABLE5, U_SHAPE, Bench, RawDevice
 
 DEFAULT_LINK = "latency=10ms,up=7.5MB/s,down=12.5MB/s"
@@ -105,6 +116,16 @@ def report(results: dict[str, Any]) -> str:
             cells = [f"{r[m]['tbt_ms']:.1f} / {r[m]['accept_length']:.2f} / {r[m]['drafted_per_round']:.2f}"
                      for m in DRAFT_LENGTH_MODES]  # fmt: skip
             lines.append(f"| {r['rtt_ms']:g} | " + " | ".join(cells) + " |")
+    if "trees" in results:
+        t = results["trees"]
+        lines += ["", f"Chains vs token trees (SD alone; {t['chat_prompts']} held-out chat prompts, code prompts of "
+                  f"{t['code_lengths']} tokens): accept length / TBT median ms / speedup over U-shape", "",
+                  "| shape | chat | code | same tokens as U-shape |", "|---|---|---|---|"]  # fmt: skip
+        for r in t["rows"]:
+            cells = [f"{r[k]['accept_length']:.2f} / {r[k]['tbt_ms_median']:.1f} / {r[k]['speedup']:.2f}x"
+                     for k in ("chat", "code")]  # fmt: skip
+            same = all(r[k]["same_as_u_shape"] for k in ("chat", "code"))
+            lines.append(f"| {r['shape']} | {cells[0]} | {cells[1]} | {'yes' if same else 'near-tie flips'} |")
     if "throughput" in results:
         lines += ["", "Worker throughput (decode tokens/s)", "", "| devices | batched | one at a time | ratio |",
                   "|---|---|---|---|"]  # fmt: skip
@@ -119,6 +140,7 @@ SECTIONS = {
     "table4": table4,
     "sweep": sweep,
     "draft_length": draft_length,
+    "trees": trees,
     "throughput": throughput,
 }
 
@@ -139,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-tokens", type=int, default=32)
     p.add_argument("--draft-length-rtt-ms", type=float, nargs="+", default=[0, 20])
     p.add_argument("--draft-length-tokens", type=int, default=32)
+    p.add_argument("--tree-widths", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--tree-code-lengths", type=int, nargs="+", default=[512])
     p.add_argument("--throughput-devices", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--throughput-tokens", type=int, default=24)
     p.add_argument("--device-core", type=int, default=0, help="pin this process to the core (-1: no pinning)")

@@ -248,3 +248,42 @@ async def draft_length(bench: Bench) -> dict[str, Any]:
             row[mode]["same_as_eta"] = ids_by_mode[mode] == ids_by_mode["eta"]
         rows.append(row)
     return {"prompt_tokens": len(ids), "decode_tokens": a.draft_length_tokens, "rows": rows}
+
+
+async def trees(bench: Bench) -> dict[str, Any]:
+    """Chains vs token trees (SD alone): accept length and median TBT on the held-out chat prompts (Table 4's) and
+    on code-reading prompts, against U-shape in the same run. Trees are shaped from policies/trees.py's prior."""
+    from clients.hat.options import HATStats
+
+    a = bench.args
+    sets = {
+        "chat": bench.held_out_prompts(a.table4_prompts),
+        "code": [bench.code_prompt(n) for n in a.tree_code_lengths],
+    }
+    shapes = [("U-shape", U_SHAPE, 0), ("chain", SD_ONLY, 0), *((f"tree w={w}", SD_ONLY, w) for w in a.tree_widths)]
+    rows: list[dict[str, Any]] = []
+    for name, v, width in shapes:
+        b = await started(bench, v, tree_width=width)
+        await run_request(b, sets["chat"][0], 4)
+        row: dict[str, Any] = {"shape": name, "width": width}
+        for kind, prompts in sets.items():
+            b.stats = HATStats()
+            runs = [await run_request(b, ids, a.table4_tokens) for ids in prompts]
+            row[kind] = {
+                "tbt_ms_median": statistics.median(r["tbt_ms"] for r in runs if r["tokens"] > 1),
+                "accept_length": b.stats.round_tokens / max(b.stats.rounds, 1) if v.sd else 1.0,
+                "stats": b.stats.summary(),
+                "ids": [r["ids"] for r in runs],
+            }
+        await b.close()
+        rows.append(row)
+        print(f"  trees {name:10s} chat TBT {row['chat']['tbt_ms_median']:6.1f} accept "
+              f"{row['chat']['accept_length']:.2f} | code TBT {row['code']['tbt_ms_median']:6.1f} accept "
+              f"{row['code']['accept_length']:.2f}", file=sys.stderr)  # fmt: skip
+    base = rows[0]
+    base_ids = {kind: base[kind]["ids"] for kind in sets}
+    for row in rows:
+        for kind in sets:
+            row[kind]["speedup"] = base[kind]["tbt_ms_median"] / row[kind]["tbt_ms_median"]
+            row[kind]["same_as_u_shape"] = row[kind].pop("ids") == base_ids[kind]
+    return {"chat_prompts": len(sets["chat"]), "code_lengths": a.tree_code_lengths, "rows": rows}

@@ -71,7 +71,9 @@ class Bench:
         if self.worker is not None:
             self.worker.stop()
 
-    def backend(self, v: Variant, link: Any = None, full_vocab: bool = False, draft_length: str = "eta") -> Any:
+    def backend(
+        self, v: Variant, link: Any = None, full_vocab: bool = False, draft_length: str = "eta", tree_width: int = 0
+    ) -> Any:
         from clients.hat.device import HATBackend
         from clients.hat.options import HATOptions
 
@@ -84,6 +86,7 @@ class Bench:
             speculative=v.sd,
             parallel_drafting=v.pd,
             draft_length=draft_length,
+            tree_width=tree_width,
             chunk_size=None if v.pc else 1 << 20,  # no chunking = the whole prompt in one frame
             link=self.link if link is None else link,
             round_timeout=600.0,

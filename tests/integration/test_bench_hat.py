@@ -19,6 +19,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
         "bench", "hat", "--model", "smollm2-135m-instruct", "--lengths", "96", "160", "--decode-tokens", "6",
         "--table4-prompts", "2", "--table4-tokens", "8", "--sweep-rtt-ms", "0", "40", "--sweep-up-mbps", "5",
         "--sweep-prompt", "160", "--sweep-tokens", "6", "--throughput-devices", "1", "2", "--throughput-tokens", "4",
+        "--tree-widths", "4", "--tree-code-lengths", "96",
         "--device-core", "-1", "--worker-core", "-1", "--worker-device", "cpu", "--out", str(out),
     ])  # fmt: skip
     assert code == 0
@@ -36,8 +37,12 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     assert [r["rtt_ms"] for r in results["sweep"]["rtt"]] == [0, 40]
     assert [r["devices"] for r in results["throughput"]["rows"]] == [1, 2]
     assert all(r["batched_tok_s"] > 0 and r["one_at_a_time_tok_s"] > 0 for r in results["throughput"]["rows"])
+    trees = results["trees"]
+    assert [r["shape"] for r in trees["rows"]] == ["U-shape", "chain", "tree w=4"]
+    assert all(r[k]["accept_length"] >= 1.0 and r[k]["speedup"] > 0 for r in trees["rows"] for k in ("chat", "code"))
+    assert trees["rows"][2]["chat"]["stats"]["tree_rounds"] >= 1
     printed = capsys.readouterr().out
-    assert "Table 5" in printed and "Worker throughput" in printed
+    assert "Table 5" in printed and "Worker throughput" in printed and "token trees" in printed
 
 
 def test_train_adapter_subcommand_takes_its_own_options(capsys) -> None:
