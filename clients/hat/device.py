@@ -593,7 +593,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self, st: DraftState, deep: torch.Tensor, draft: TreeDraft, position: int
     ) -> tuple[list[int], list[int]]:
         with torch.inference_mode():
-            new, path = walk_greedy(lambda i: self._output(deep[i : i + 1])[0], draft)
+            new, path = walk_greedy(lambda rows: self._output(deep[rows]).float(), draft)
         keep_path(st, position, path)
         return new, path
 

@@ -15,6 +15,7 @@ the chain with rejection sampling (multi-candidate rejection sampling over a tre
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,14 +72,25 @@ def draft_tree(drafter: Drafter, st: DraftState, token: int, position: int, tree
     return TreeDraft(tree, tokens, torch.cat(shallows))
 
 
-def walk_greedy(head_row, draft: TreeDraft) -> tuple[list[int], list[int]]:
+def walk_greedy(head_rows: Callable[[list[int]], torch.Tensor], draft: TreeDraft) -> tuple[list[int], list[int]]:
     """Greedy verification along the tree: (new tokens = the accepted drafts + the target's next token, the kept
-    path's node indices from the root). `head_row(i)` = the target's logits at node i (called lazily)."""
+    path's node indices from the root). `head_rows(nodes)` = the target's logits at those nodes, [len, vocab].
+
+    The head runs lazily, like a chain's verification: the root alone first (its draft is rejected about half the
+    time), then, once the walk enters a child, that child and its top-1 descendants in one call (a confident
+    stretch tends to go on, and a head call of 4 rows costs about twice one row, not four times)."""
     tree = draft.tree
     children = [{draft.tokens[c]: c for c in tree.children(i).values()} for i in range(tree.width)]
+    top1 = [tree.children(i).get(0) for i in range(tree.width)]
+    logits: dict[int, torch.Tensor] = {}
     node, path, new = 0, [0], []
     while True:
-        t = int(head_row(node).argmax())
+        if node not in logits:
+            rows = [node]
+            while node and top1[rows[-1]] is not None:
+                rows.append(top1[rows[-1]])
+            logits.update(zip(rows, head_rows(rows), strict=True))
+        t = int(logits[node].argmax())
         new.append(t)
         child = children[node].get(t)
         if child is None:

@@ -215,3 +215,32 @@ def test_arca_candidates_replay_each_shape():
     assert dict((t.width, tok) for t, tok in cands if t.is_chain())[1] == 1.0
     with pytest.raises(ValueError):
         arca_candidates([])
+
+
+def test_greedy_walk_follows_the_targets_tokens_and_runs_the_head_lazily():
+    import torch
+
+    from clients.hat.tree import TreeDraft, walk_greedy
+
+    tree = from_paths([(0,), (1,), (0, 0), (1, 0), (1, 1), (1, 0, 0)])  # nodes 1..6 in level order
+    tokens = [10, 11, 12, 13, 14, 15, 16]  # node i drafts token 10 + i
+    paths = {tree.path(i): i for i in range(tree.width)}
+    assert paths[(1,)] == 2 and paths[(1, 0)] == 4 and paths[(1, 0, 0)] == 6
+    # The target: after the root -> 12 (node 2, rank 1), then 14 (node 4), then 16 (node 6), then 99 (no child).
+    target = {0: 12, 2: 14, 4: 16, 6: 99}
+    calls: list[list[int]] = []
+
+    def head_rows(rows: list[int]) -> torch.Tensor:
+        calls.append(rows)
+        out = torch.zeros(len(rows), 100)
+        for j, r in enumerate(rows):
+            out[j, target.get(r, 0)] = 1.0
+        return out
+
+    new, path = walk_greedy(head_rows, TreeDraft(tree, tokens, torch.zeros(tree.width, 4)))
+    assert path == [0, 2, 4, 6] and new == [12, 14, 16, 99]
+    assert calls == [[0], [2, 4, 6]]  # the root alone, then the entered child with its top-1 descendants
+    calls.clear()
+    target[0] = 50  # the root's target drafts nothing: only the root's row is computed
+    assert walk_greedy(head_rows, TreeDraft(tree, tokens, torch.zeros(tree.width, 4))) == ([50], [0])
+    assert calls == [[0]]
