@@ -8,6 +8,9 @@ engine is the real one (app/worker/engine.py) on the real middle layers, in this
 
 Reported per batching mode: decode round time (submit → reply, what the device sees as its time between tokens at
 the worker) while a prefill is in flight, median and p90, and the prefiller's TTFT, median.
+
+`--decode-only SECONDS`: no prefiller; the decoders alone for that long after the warm-up, and the rounds they
+complete per second (pure-decode throughput: the planner must not cost it against greedy packing).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def run_mode(middle, batching: str, args: argparse.Namespace) -> dict[str, float
     prefilling = threading.Event()
     done = threading.Event()
     rounds: list[float] = []
+    completed = [0]  # rounds answered after the warm-up (decode-only throughput)
+    counting, count_lock = threading.Event(), threading.Lock()
 
     def decoder() -> None:
         s = open_session()
@@ -63,6 +68,9 @@ def run_mode(middle, batching: str, args: argparse.Namespace) -> dict[str, float
             engine.submit(s, wire.encode_tensor(wire.Kind.DRAFT, s.id, seq, rounds_x, arg=pos)).result(600)
             if during and prefilling.is_set():
                 rounds.append(time.perf_counter() - t0)
+            if counting.is_set():
+                with count_lock:
+                    completed[0] += 1
             seq += 1
             # keep 1 of the 3 positions (one accepted token per round), as a device would after rejecting drafts
             engine.submit(s, wire.encode_control(wire.Kind.ROLLBACK, s.id, seq, arg=pos + 1)).result(600)
@@ -73,8 +81,12 @@ def run_mode(middle, batching: str, args: argparse.Namespace) -> dict[str, float
     for t in threads:
         t.start()
     time.sleep(args.warmup)
+    if args.decode_only:
+        counting.set()
+        time.sleep(args.decode_only)
+        counting.clear()
     ttfts = []
-    for _ in range(args.prompts):
+    for _ in range(0 if args.decode_only else args.prompts):
         s = open_session()
         prefilling.set()
         t0 = time.perf_counter()
@@ -97,7 +109,8 @@ def run_mode(middle, batching: str, args: argparse.Namespace) -> dict[str, float
         "rounds": len(rounds),
         "tbt_p50": statistics.median(rounds) if rounds else float("nan"),
         "tbt_p90": rounds[int(0.9 * (len(rounds) - 1))] if rounds else float("nan"),
-        "ttft_p50": statistics.median(ttfts),
+        "ttft_p50": statistics.median(ttfts) if ttfts else float("nan"),
+        "rounds_per_s": completed[0] / args.decode_only if args.decode_only else float("nan"),
         "split": st.split_frames,
         "subchunks": st.subchunk_passes,
         "budget": st.subchunk_budget,
@@ -118,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--overhead", type=float, default=0.2, help="planned: the worker's subchunk_overhead ε")
     p.add_argument("--max-defer", type=int, default=0, help="planned: passes a frame may be left out in a row")
+    p.add_argument("--decode-only", type=float, default=0.0, help="seconds of decoders alone (throughput); 0 = off")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     import torch
@@ -132,6 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     res = {mode: run_mode(middle, mode, args) for mode in ("greedy", "planned")}
     g, pl = res["greedy"], res["planned"]
     cmd = " ".join(argv if argv is not None else sys.argv[1:])
+    if args.decode_only:
+        lines = [
+            "# Worker batching: pure-decode throughput, planned vs greedy",
+            "",
+            f"Command: `tandem bench worker-batching {cmd}`",
+            "",
+            f"{args.model} middle layers on {args.threads} thread(s); {args.decoders} decoding sessions (3-position "
+            f"rounds, back to back), {args.decode_only:g} s per mode after a {args.warmup:g} s warm-up.",
+            "",
+            "| measurement | greedy | planned | planned / greedy | target |",
+            "|---|---|---|---|---|",
+            f"| rounds per second (all sessions) | {g['rounds_per_s']:.2f} | {pl['rounds_per_s']:.2f} | "
+            f"{pl['rounds_per_s'] / g['rounds_per_s']:.3f}× | 0.95-1.05× |",
+        ]
+        publish("\n".join(lines), args.out)
+        return 0
     lines = [
         "# Worker batching: decode rounds during long prefills, planned vs greedy",
         "",

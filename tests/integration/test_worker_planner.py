@@ -117,3 +117,17 @@ def test_verification_first_bit_identical_and_subchunked_prefill_exact(
     # The split prefill left the cache exactly as long as the frame: the next round continues at position 128.
     nxt = result(engine.submit(prefiller, frame(prefiller, 2, shallow[128:131], 128, Kind.DRAFT)))
     assert nxt.kind == Kind.VERIFY_RESULT and nxt.tensor().shape[0] == 3
+
+
+def test_bench_worker_batching_measures_pure_decode_throughput(tmp_path) -> None:
+    """`tandem bench worker-batching --decode-only`: both modes serve the decoders and the report compares them."""
+    from app.bench.worker_batching import main
+
+    out = tmp_path / "report.md"
+    args = ["--model", "smollm2-135m-instruct", "--decoders", "2", "--warmup", "0.3", "--decode-only", "1.0"]
+    assert main([*args, "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "pure-decode throughput" in text
+    row = next(line for line in text.splitlines() if line.startswith("| rounds per second"))
+    greedy, planned = (float(x) for x in row.split("|")[2:4])
+    assert greedy > 0 and planned > 0
