@@ -141,6 +141,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench.privacy import main
     elif args.what == "outline":
         from app.bench.outline import main
+    elif args.what == "jupiter":
+        from app.bench.jupiter import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -184,7 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
     bench.add_argument(
         "what",
-        choices=["gateway", "device", "disco", "disco-live", "hat", "sd-edge", "worker-batching", "privacy", "outline"],
+        choices=[
+            "gateway",
+            "device",
+            "disco",
+            "disco-live",
+            "hat",
+            "sd-edge",
+            "worker-batching",
+            "privacy",
+            "outline",
+            "jupiter",
+        ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)

@@ -36,6 +36,15 @@ layers at start-up (`self_check`), so an unsupported layer layout fails loudly i
 
 Threading: all model calls run on one dedicated engine thread under torch.inference_mode(); the event loop only
 validates frames and hands them over (`submit` returns a concurrent Future of the reply frames).
+
+Stages (`tandem worker --stages P`, app/worker/stages.py): `middle` is then stage 0's slice of the layers. A pass
+runs here, then goes down the pipeline (`Pipeline.submit`); its deep states come back to the engine thread as an
+inbox message and the replies go out then. A frame's rows are `done` once stage 0 ran them (the session's next frame
+may follow at once: a prompt's chunks flow through the stages one behind the other) and `finished` once they came
+back. At most `max_inflight` passes are in flight; ROLLBACK and CLOSE follow the same chain (crop / release). In
+planned batching, stage 0 cuts each prefill frame at the ends of its Jupiter plan (policies/jupiter.py's sequence
+partition over the stages' τ_s) so a lone long prompt keeps every stage busy. A broken pipeline fails every session
+with an ERROR (503) and refuses new ones.
 """
 
 from __future__ import annotations
@@ -106,6 +115,7 @@ class EngineStats:
     subchunk_passes: int = 0  # sub-chunks run (pieces of split frames)
     subchunk_budget: int = 0  # the current sub-chunk size from g (tokens)
     status_frames: int = 0  # STATUS frames sent mid-session (mu and g moved since the device was told)
+    stage_seconds: list[float] = field(default_factory=list)  # staged worker: compute seconds so far, per stage
 
 
 FrameHook = Callable[[bytes | None, bytes], None]
@@ -637,9 +647,15 @@ class Engine:
                 _resolve(item.future, [self._error(item.session.id, item.seq, err)])
             return
         deep, stage_seconds = result
+        busy = self.stats.stage_seconds
+        if len(busy) != len(stage_seconds):
+            busy[:] = [0.0] * len(stage_seconds)
+        for s, seconds in enumerate(stage_seconds):
+            busy[s] += seconds
         planner = self.pipeline.planner  # type: ignore[union-attr]
-        if len(batch) == 1 and planner is not None:  # a lone piece times τ_s(x | y) on every stage: refit from it
-            item, n = batch[0]
+        item, n = batch[0]
+        if len(batch) == 1 and planner is not None and item.frame.kind == wire.Kind.PREFILL_CHUNK:  # type: ignore[union-attr]
+            # a lone prefill piece times τ_s(x | y) on every stage: the planner refits from such passes
             planner.observe(n, item.frame.arg + item.finished, stage_seconds)  # type: ignore[union-attr]
         self._complete(batch, deep, sum(stage_seconds))
 

@@ -277,6 +277,13 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(value))
             yield c
+        if st.stage_seconds:
+            busy = CounterMetricFamily(
+                "tandem_worker_stage_busy_seconds", "Staged worker: compute seconds per stage", labels=["stage"]
+            )
+            for stage, seconds in enumerate(list(st.stage_seconds)):
+                busy.add_metric([str(stage)], seconds)
+            yield busy
         frames = CounterMetricFamily("tandem_worker_frames", "Device frames accepted, by kind", labels=["kind"])
         for kind, n in sorted(st.frames.items()):
             frames.add_metric([kind], float(n))

@@ -55,7 +55,6 @@ import logging
 import math
 import os
 import queue
-import statistics
 import subprocess
 import sys
 import threading
@@ -209,8 +208,9 @@ class StageLink:
 # --- profiling (every stage, on its own hardware and threads) ---------------------------------------------------
 
 
-def time_layers(model: nn.Module, start: int, end: int, *, tokens: int = 32, reps: int = 3) -> list[float]:
-    """Median seconds of each decoder layer in [start, end) on `tokens` new positions (the worker's own forward)."""
+def time_layers(model: nn.Module, start: int, end: int, *, tokens: int = 32, reps: int = 5) -> list[float]:
+    """Seconds of each decoder layer in [start, end) on `tokens` new positions (the worker's own forward): the least
+    of `reps` runs, since other work on the machine only ever adds time."""
     hidden = int(model.config.hidden_size)
     out = []
     with torch.inference_mode():
@@ -226,7 +226,7 @@ def time_layers(model: nn.Module, start: int, end: int, *, tokens: int = 32, rep
                 ragged.forward([(x, cache)])
                 _sync(ragged.device)
                 times.append(time.perf_counter() - t0)
-            out.append(statistics.median(times))
+            out.append(min(times))
     return out
 
 
@@ -277,23 +277,25 @@ class SubsequencePlanner:
     granularity: int = 16
     context_step: int = 64
     cache: PlanCache = field(default_factory=lambda: PlanCache(256))
-    # (x, y, seconds per stage) of the start-up profile and of the lone-session passes the worker has run since;
-    # τ_s is refitted every `refit_every` new points (the plans of the old fit are dropped)
-    points: deque = field(default_factory=lambda: deque(maxlen=512))
+    # (x, y, seconds per stage): the start-up profile (always kept, so the fit stays determined) and the last lone
+    # prefill pieces the worker ran; τ_s is refitted every `refit_every` new points (the old fit's plans dropped)
+    profiled: list = field(default_factory=list)
+    points: deque = field(default_factory=lambda: deque(maxlen=256))
     refit_every: int = 32
     _new: int = 0
 
     def observe(self, x: int, y: int, seconds: Sequence[float]) -> None:
-        """A pass of x tokens after y through the pipeline took seconds[s] on stage s."""
-        if len(seconds) != len(self.costs) or x < 1:
+        """A prefill piece of x tokens after y ran alone through the pipeline: seconds[s] on stage s."""
+        if len(seconds) != len(self.costs) or x < self.min_len:
             return
         self.points.append((x, y, list(seconds)))
         self._new += 1
         if self._new >= self.refit_every:
             self._new = 0
+            data = [*self.profiled, *self.points]
             try:
                 fits = tuple(
-                    _clamped(fit_chunk_cost([(x_, y_, ts[s]) for x_, y_, ts in self.points], quadratic=True))
+                    _clamped(fit_chunk_cost([(x_, y_, ts[s]) for x_, y_, ts in data], quadratic=True))
                     for s in range(len(self.costs))
                 )
             except ValueError:  # the points do not pin τ down (all of one length): keep the current fit
@@ -579,7 +581,7 @@ def start_pipeline(model: nn.Module, settings: Any, device: torch.device) -> tup
             env = {**os.environ, "TANDEM_STAGE_PARENT": str(os.getpid())}
             for rank in range(1, world):
                 children.append(subprocess.Popen(stage_command(settings, rank, int(store.port)), env=env))
-        link = StageLink.join(store, 0, world, settings.stage_timeout, device)
+        link = _join_watching(store, world, settings.stage_timeout, device, children)
         param = next(model.parameters())
         pipeline = Pipeline(
             link, children=children, hidden_size=int(model.config.hidden_size), dtype=param.dtype,
@@ -596,6 +598,33 @@ def start_pipeline(model: nn.Module, settings: Any, device: torch.device) -> tup
         raise
 
 
+def _join_watching(
+    store: Any, world: int, timeout: float, device: torch.device, children: Sequence[subprocess.Popen]
+) -> StageLink:
+    """Stage 0 joins the process groups while watching the stages it spawned: one that exits (a bad model path,
+    no memory) fails the start-up at once instead of after the whole stage timeout."""
+    box: list[StageLink | BaseException] = []
+    joiner = threading.Thread(
+        target=lambda: box.append(_try(lambda: StageLink.join(store, 0, world, timeout, device))), daemon=True
+    )
+    joiner.start()
+    while joiner.is_alive():
+        for rank, child in enumerate(children, start=1):
+            if child.poll() is not None:
+                raise RuntimeError(f"stage {rank} exited with code {child.returncode} before joining the pipeline")
+        joiner.join(0.2)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def _try(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except BaseException as e:  # handed to the waiting thread
+        return e
+
+
 def _plan_and_check(
     pipeline: Pipeline, model: nn.Module, settings: Any, device: torch.device, n_layers: int
 ) -> tuple[Pipeline, StageSlice, list]:
@@ -604,7 +633,7 @@ def _plan_and_check(
     own = time_layers(model, m, n_layers)
     probe = torch.zeros(world, n_layers - m, dtype=torch.int64)
     probe[0] = torch.tensor([int(t * 1e9) for t in own])
-    got = pipeline.call([header(Cmd.PROBE, 0, 0, 0, 0, 0, 32, 3, n_layers - m), probe], Cmd.PROBE, timeout)
+    got = pipeline.call([header(Cmd.PROBE, 0, 0, 0, 0, 0, 32, 5, n_layers - m), probe], Cmd.PROBE, timeout)
     times = [[float(v) / 1e9 for v in row] for row in got]
     part = plan_layers(times, world)
     bounds = [(s + m, e + m) for s, e in part.bounds]
@@ -639,9 +668,7 @@ def _plan_and_check(
             raise RuntimeError(f"the {world}-stage pipeline disagrees with the model's layers (relative {diff:.2e})")
         costs, points = profile_chunk_costs(pipeline, ragged, mine, int(model.config.hidden_size))
     seeds += [(x_, sum(ts)) for x_, _y, ts in points if _y == 0]
-    pipeline.planner = SubsequencePlanner(costs, mode=settings.sequence_partition)
-    for x_, y_, ts in points:
-        pipeline.planner.points.append((x_, y_, ts))
+    pipeline.planner = SubsequencePlanner(costs, mode=settings.sequence_partition, profiled=list(points))
     log.info("τ_s(x | y) per stage: %s", costs)
     return pipeline, mine, seeds
 
