@@ -85,6 +85,7 @@ log = logging.getLogger(__name__)
 
 HEADER = 10
 STOP_GRACE = 5.0  # seconds a stage gets to exit after STOP before it is terminated
+PROBE_ROUNDS = 3  # start-up timing rounds of every layer on every stage (stages in turn)
 
 
 class Cmd(enum.IntEnum):
@@ -618,6 +619,10 @@ def _join_watching(
     return box[0]
 
 
+def _least(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
+    return [[min(x, y) for x, y in zip(ra, rb, strict=True)] for ra, rb in zip(a, b, strict=True)]
+
+
 def _try(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
@@ -630,11 +635,17 @@ def _plan_and_check(
 ) -> tuple[Pipeline, StageSlice, list]:
     world, m = settings.stages, settings.m
     timeout = settings.stage_timeout
-    own = time_layers(model, m, n_layers)
-    probe = torch.zeros(world, n_layers - m, dtype=torch.int64)
-    probe[0] = torch.tensor([int(t * 1e9) for t in own])
-    got = pipeline.call([header(Cmd.PROBE, 0, 0, 0, 0, 0, 32, 5, n_layers - m), probe], Cmd.PROBE, timeout)
-    times = [[float(v) / 1e9 for v in row] for row in got]
+    # Rounds, stage 0 then the others in turn, keeping each layer's least time: load from other work on the
+    # machine comes and goes, and one unlucky window must not make a stage look slow (and starve it of layers).
+    times: list[list[float]] | None = None
+    for _ in range(PROBE_ROUNDS):
+        own = time_layers(model, m, n_layers, reps=3)
+        probe = torch.zeros(world, n_layers - m, dtype=torch.int64)
+        probe[0] = torch.tensor([int(t * 1e9) for t in own])
+        got = pipeline.call([header(Cmd.PROBE, 0, 0, 0, 0, 0, 32, 3, n_layers - m), probe], Cmd.PROBE, timeout)
+        table = [[float(v) / 1e9 for v in row] for row in got]
+        times = table if times is None else _least(times, table)
+    assert times is not None
     part = plan_layers(times, world)
     bounds = [(s + m, e + m) for s, e in part.bounds]
     pipeline.bounds = tuple(bounds)
