@@ -85,6 +85,9 @@ log = logging.getLogger(__name__)
 
 HEADER = 10
 STOP_GRACE = 5.0  # seconds a stage gets to exit after STOP before it is terminated
+# How long the stages may take to meet (each loads the model first): apart from `stage_timeout`, which bounds every
+# receive once they run. A spawned stage that exits before it joins fails the start-up at once anyway.
+JOIN_TIMEOUT = 600.0
 PROBE_ROUNDS = 3  # start-up timing rounds of every layer on every stage (stages in turn)
 
 
@@ -137,13 +140,14 @@ class StageLink:
     @staticmethod
     def rendezvous(rank: int, world: int, addr: str, port: int, timeout: float) -> Any:
         """The rendezvous store: stage 0 hosts it (port 0 picks a free one: `.port`), the others connect to it."""
-        td = datetime.timedelta(seconds=timeout)
+        td = datetime.timedelta(seconds=max(timeout, JOIN_TIMEOUT))
         return dist.TCPStore(addr, port, world, rank == 0, timeout=td, wait_for_workers=False)
 
     @classmethod
     def join(cls, store: Any, rank: int, world: int, timeout: float, compute: torch.device) -> StageLink:
-        """Build both process groups (blocks until every stage has joined, at most `timeout`)."""
-        td = datetime.timedelta(seconds=timeout)
+        """Build both process groups (blocks until every stage has joined, at most JOIN_TIMEOUT); receives then wait
+        at most `timeout`."""
+        td = datetime.timedelta(seconds=max(timeout, JOIN_TIMEOUT))
         nccl = compute.type == "cuda" and dist.is_nccl_available() and torch.cuda.device_count() >= world
         groups = []
         for name in ("forward", "back"):
@@ -153,7 +157,7 @@ class StageLink:
             else:
                 groups.append(dist.ProcessGroupGloo(prefixed, rank, world, td))
         comm = compute if nccl else torch.device("cpu")
-        return cls(rank, world, groups[0], groups[1], td, comm, store)
+        return cls(rank, world, groups[0], groups[1], datetime.timedelta(seconds=timeout), comm, store)
 
     @property
     def port(self) -> int:
