@@ -77,7 +77,14 @@ def _worker(args: argparse.Namespace) -> int:
         "port": args.port,
         "num_threads": args.threads,
         "device": args.device,
+        "stages": args.stages,
+        "stage_threads": [int(t) for t in args.stage_threads.split(",")] if args.stage_threads else None,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "sequence_partition": args.sequence_partition,
     }
+    if args.stage_rank:  # a stage started by hand on another host: stage 0 does not spawn it
+        overrides["spawn_stages"] = False
     values.update({k: v for k, v in overrides.items() if v is not None})
     if token := os.environ.get("TANDEM_WORKER_AUTH_TOKEN"):
         values["auth_token"] = token  # from the environment only: a command line is visible to everyone
@@ -87,6 +94,13 @@ def _worker(args: argparse.Namespace) -> int:
         fields = "; ".join(f"worker.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         print(f"error: invalid worker configuration: {fields}", file=sys.stderr)
         return 2
+    if args.stage_rank:
+        from app.worker.stages import serve_stage
+
+        if not 0 < args.stage_rank < settings.stages:
+            print(f"error: --stage-rank must be in 1..{settings.stages - 1}", file=sys.stderr)
+            return 2
+        return serve_stage(settings, args.stage_rank)
     serve_worker(settings)
     return 0
 
@@ -127,6 +141,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench.privacy import main
     elif args.what == "outline":
         from app.bench.outline import main
+    elif args.what == "jupiter":
+        from app.bench.jupiter import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -150,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--port", type=int)
     worker.add_argument("--threads", type=int, help="torch threads")
     worker.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the middle layers run (default auto)")
+    worker.add_argument("--stages", type=int, help="pipeline stages P: processes the middle layers are split over")
+    worker.add_argument("--stage-threads", help="torch threads per stage, comma-separated (e.g. 2,1)")
+    worker.add_argument("--stage-rank", type=int, default=0, help="run only stage s >= 1 of a staged worker")
+    worker.add_argument("--master-addr", help="the stages' rendezvous address (stage 0's host)")
+    worker.add_argument("--master-port", type=int, help="the stages' rendezvous port")
+    worker.add_argument("--sequence-partition", choices=["dp", "equal", "off"], help="prefill sub-sequences")
     worker.set_defaults(func=_worker)
 
     train = sub.add_parser("train-adapter", help="distil the HAT draft adapter (see --help)", add_help=False)
@@ -164,7 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
     bench.add_argument(
         "what",
-        choices=["gateway", "device", "disco", "disco-live", "hat", "sd-edge", "worker-batching", "privacy", "outline"],
+        choices=[
+            "gateway",
+            "device",
+            "disco",
+            "disco-live",
+            "hat",
+            "sd-edge",
+            "worker-batching",
+            "privacy",
+            "outline",
+            "jupiter",
+        ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)

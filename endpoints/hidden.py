@@ -59,6 +59,9 @@ class WorkerState(Protocol):
     @property
     def ready(self) -> bool: ...
 
+    @property
+    def failure(self) -> str | None: ...
+
     def authorized(self, header: str | None) -> bool: ...
 
     def metrics(self) -> bytes: ...
@@ -93,7 +96,8 @@ async def hidden_ws(ws: WebSocket) -> None:
         return
     engine = worker.engine
     if engine is None or not worker.ready:
-        await _send_error_and_close(ws, 503, "not ready: the worker is still loading its model", 1013)
+        why = f"not ready: {worker.failure}" if worker.failure else "not ready: the worker is still loading its model"
+        await _send_error_and_close(ws, 503, why, 1013)
         return
     try:
         msg = await asyncio.wait_for(ws.receive(), timeout=engine.limits.idle_timeout)
@@ -118,10 +122,10 @@ async def hidden_ws(ws: WebSocket) -> None:
 
 async def _serve_session(ws: WebSocket, engine: Engine, session: Session) -> None:
     loop = asyncio.get_running_loop()
-    expired: asyncio.Future[str] = loop.create_future()
+    expired: asyncio.Future[tuple[str, int]] = loop.create_future()
 
-    def on_expire(message: str) -> None:  # engine thread
-        loop.call_soon_threadsafe(lambda: expired.done() or expired.set_result(message))
+    def on_expire(message: str, status: int) -> None:  # engine thread
+        loop.call_soon_threadsafe(lambda: expired.done() or expired.set_result((message, status)))
 
     session.on_expire = on_expire
     replies: asyncio.Queue[Future[list[bytes]] | None] = asyncio.Queue()
@@ -143,8 +147,12 @@ async def _serve_session(ws: WebSocket, engine: Engine, session: Session) -> Non
             if recv not in done:
                 recv.cancel()
                 if expired in done:
-                    replies.put_nowait(_done([wire.encode_error(session.id, 0, expired.result(), 408)]))
-                    close_code, close_reason = CLOSE_IDLE, "session idle"
+                    message, status = expired.result()
+                    replies.put_nowait(_done([wire.encode_error(session.id, 0, message, status)]))
+                    if status == 408:
+                        close_code, close_reason = CLOSE_IDLE, "session idle"
+                    else:
+                        close_code, close_reason = 1011, message[:120]
                 break  # expired, or the writer failed (peer gone)
             msg = recv.result()
             if msg["type"] == "websocket.disconnect":
@@ -200,7 +208,9 @@ def _check(request: Request) -> Engine:
             headers={"WWW-Authenticate": "Bearer"},
         )
     if worker.engine is None or not worker.ready:
-        raise ApiError(503, "The worker is still loading its model.", code="not_ready", retry=True)
+        failure = worker.failure
+        why = f"The worker is not ready: {failure}" if failure else "The worker is still loading its model."
+        raise ApiError(503, why, code="not_ready", retry=True)
     return worker.engine
 
 
@@ -273,9 +283,10 @@ async def ready(request: Request) -> JSONResponse:
     worker = _worker(request.app)
     if worker.ready and worker.engine is not None:
         return JSONResponse({"status": "ready", **worker.engine.info()})
-    body = {"status": "failed" if worker.startup_error else "loading"}
-    if worker.startup_error:
-        body["error"] = worker.startup_error
+    failure = worker.failure
+    body = {"status": "failed" if failure else "loading"}
+    if failure:
+        body["error"] = failure
     return JSONResponse(body, status_code=503)
 
 

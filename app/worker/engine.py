@@ -40,6 +40,15 @@ layers at start-up (`self_check`), so an unsupported layer layout fails loudly i
 
 Threading: all model calls run on one dedicated engine thread under torch.inference_mode(); the event loop only
 validates frames and hands them over (`submit` returns a concurrent Future of the reply frames).
+
+Stages (`tandem worker --stages P`, app/worker/stages.py): `middle` is then stage 0's slice of the layers. A pass
+runs here, then goes down the pipeline (`Pipeline.submit`); its deep states come back to the engine thread as an
+inbox message and the replies go out then. A frame's rows are `done` once stage 0 ran them (the session's next frame
+may follow at once: a prompt's chunks flow through the stages one behind the other) and `finished` once they came
+back. At most `max_inflight` passes are in flight; ROLLBACK and CLOSE follow the same chain (crop / release). In
+planned batching, stage 0 cuts each prefill frame at the ends of its Jupiter plan (policies/jupiter.py's sequence
+partition over the stages' τ_s) so a lone long prompt keeps every stage busy. A broken pipeline fails every session
+with an ERROR (503) and refuses new ones.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -77,6 +86,9 @@ from policies.drafting import DelayPredictor
 from policies.estimate import MovingAverage
 from policies.trees import is_root_path
 from policies.worker_batching import plan_groups, split_sizes, subchunk_tokens
+
+if TYPE_CHECKING:
+    from app.worker.stages import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +120,7 @@ class EngineStats:
     subchunk_passes: int = 0  # sub-chunks run (pieces of split frames)
     subchunk_budget: int = 0  # the current sub-chunk size from g (tokens)
     status_frames: int = 0  # STATUS frames sent mid-session (mu and g moved since the device was told)
+    stage_seconds: list[float] = field(default_factory=list)  # staged worker: compute seconds so far, per stage
 
 
 FrameHook = Callable[[bytes | None, bytes], None]
@@ -124,6 +137,7 @@ class Engine:
         model_name: str = "",
         frame_hook: FrameHook | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pipeline: Pipeline | None = None,
     ) -> None:
         stack = middle.stack
         cfg = stack.config
@@ -156,6 +170,11 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.started = False
+        # A staged worker (app/worker/stages.py): `middle` is stage 0's slice and the pipeline runs the rest.
+        self.pipeline = pipeline
+        self.failed: str | None = None  # why the pipeline broke (the worker is then not ready)
+        if pipeline is not None:
+            pipeline.on_failure = lambda reason: self._inbox.put(("failed", reason))
 
     # --- lifecycle (any thread) -------------------------------------------------------------------
 
@@ -174,6 +193,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self.pipeline is not None:
+            self.pipeline.stop()
         self.started = False
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
@@ -181,6 +202,11 @@ class Engine:
         fut: Future[Any] = Future()
         self._inbox.put(("call", (fn, fut)))
         return fut
+
+    @property
+    def stages(self) -> int:
+        """HAT's pipeline length P: the processes the middle layers are spread over."""
+        return 1 if self.pipeline is None else self.pipeline.stages
 
     @property
     def session_count(self) -> int:
@@ -210,6 +236,10 @@ class Engine:
             "g": [slope, intercept],
             "forwards": self.stats.forwards,
             "batched_forwards": self.stats.batched_forwards,
+            "pipeline": self.stages,
+            # Token trees need every stage to apply tree masks and KEEP; the stages' pipeline carries neither yet.
+            "trees": self.pipeline is None,
+            "stage_layers": [list(b) for b in self.pipeline.bounds] if self.pipeline is not None else None,
         }
 
     def count_rejection(self, reason: Reason) -> None:
@@ -229,6 +259,9 @@ class Engine:
             raise
         now = self.clock()
         with self._lock:
+            if self.failed is not None:
+                self.count_rejection(Reason.STAGE)
+                raise EngineError(503, Reason.STAGE, f"worker not ready: {self.failed}")
             if len(self._sessions) >= self.limits.max_sessions:
                 self.count_rejection(Reason.FULL)
                 raise EngineError(
@@ -238,7 +271,7 @@ class Engine:
             session = Session(sid, self.middle.new_cache(), params, created=now, last_active=now)
             self._sessions[sid] = session
             self.stats.sessions_opened += 1
-        reply = dict(self.info(), session=session.hex, protocol=PROTOCOL, pipeline=1)
+        reply = dict(self.info(), session=session.hex, protocol=PROTOCOL)
         session.told = (float(reply["mu"]), *(float(x) for x in reply["g"]))
         reply.update(max_frame_bytes=self.limits.max_frame_bytes, idle_timeout=self.limits.idle_timeout)
         return session, wire.encode_text(wire.Kind.OPEN, sid, 0, json.dumps(reply))
@@ -345,7 +378,8 @@ class Engine:
         tick = max(0.01, min(0.5, self.limits.idle_timeout / 4))
         while not self._stopping:
             try:
-                item = self._inbox.get(timeout=tick) if not self._ready else self._inbox.get_nowait()
+                idle = not self._ready or self._pipeline_full()
+                item = self._inbox.get(timeout=tick) if idle else self._inbox.get_nowait()
                 self._take(item)
                 while True:
                     self._take(self._inbox.get_nowait())
@@ -354,6 +388,8 @@ class Engine:
             if self._stopping:
                 break
             self._expire_idle()
+            if self._pipeline_full():
+                continue  # every stage has work: wait for a micro-batch to come back
             try:
                 batch = self._collect()
                 if batch:
@@ -362,9 +398,17 @@ class Engine:
                 log.exception("engine tick failed")
         self._drain_on_stop()
 
+    def _pipeline_full(self) -> bool:
+        return self.pipeline is not None and self.pipeline.inflight >= self.pipeline.max_inflight
+
     def _take(self, msg: tuple[str, Any]) -> None:
         kind, obj = msg
-        if kind == "frame":
+        if kind == "result":
+            batch, result = obj
+            self._finish_staged(batch, result)
+        elif kind == "failed":
+            self._fail_stages(obj)
+        elif kind == "frame":
             item: Item = obj
             if item.session.closed or item.session.id not in self._sessions:
                 _resolve(item.future, [])
@@ -391,6 +435,8 @@ class Engine:
         session.queue.clear()
         session.cache.reset()
         self._ready.pop(session.id, None)
+        if self.pipeline is not None:
+            self.pipeline.release(session.id)
 
     def _drain_on_stop(self) -> None:
         for session in list(self._sessions.values()):
@@ -418,7 +464,7 @@ class Engine:
             self._drop(session)
             if session.on_expire is not None:
                 with contextlib.suppress(Exception):
-                    session.on_expire(f"{Reason.IDLE.value}: session idle for more than {limit:g} s; closed")
+                    session.on_expire(f"{Reason.IDLE.value}: session idle for more than {limit:g} s; closed", 408)
 
     def _collect(self) -> list[tuple[Item, int]]:
         """Apply control frames, then choose this pass's (frame, rows) pieces by the configured batching."""
@@ -446,10 +492,13 @@ class Engine:
             item = self._next_tensor_frame(session)
             if item is not None:
                 rows = remaining = int(item.tensor.shape[0]) - item.done  # type: ignore[union-attr]
+                prefill = item.frame.kind == wire.Kind.PREFILL_CHUNK
+                if prefill and self.pipeline is not None and self.pipeline.planner is not None:
+                    rows = self._next_subsequence(item)
                 # Split only when another session could be waiting behind it: alone, a device gains nothing from
                 # sub-chunks and would pay their passes' fixed cost (up to `subchunk_overhead` of its TTFT).
-                if item.frame.kind == wire.Kind.PREFILL_CHUNK and remaining > budget and len(self._sessions) > 1:
-                    rows = split_sizes(remaining, budget)[0]
+                if prefill and rows > budget and len(self._sessions) > 1:
+                    rows = split_sizes(rows, budget)[0]
                 pieces.append((item, rows))
             if not session.queue:
                 self._ready.pop(sid, None)
@@ -480,6 +529,20 @@ class Engine:
             if item.session.id in self._ready:
                 self._ready.move_to_end(item.session.id)
         return batch
+
+    def _next_subsequence(self, item: Item) -> int:
+        """A staged worker's next piece of a prefill frame: up to the next end of the frame's Jupiter plan (made
+        when the frame first runs: policies/jupiter.py's sequence partition over the stages' profiled τ_s)."""
+        total = int(item.tensor.shape[0])  # type: ignore[union-attr]
+        if item.cuts is None:
+            planner = self.pipeline.planner  # type: ignore[union-attr]
+            lengths = planner.lengths(total - item.done, len(item.session.cache))  # type: ignore[union-attr]
+            ends, at = [], item.done
+            for n in lengths:
+                at += n
+                ends.append(at)
+            item.cuts = tuple(ends)
+        return next(end for end in item.cuts if end > item.done) - item.done
 
     def _next_tensor_frame(self, session) -> Item | None:
         """The session's next tensor frame that may run, left at the head of its queue; the ROLLBACKs before it are
@@ -556,12 +619,18 @@ class Engine:
             return
         session.open_tree = None
         session.cache.crop(keep)
+        if self.pipeline is not None and keep < have:
+            self.pipeline.crop(session.id, keep)
         _resolve(item.future, [])
 
     def _tree(self, item: Item) -> None:
         """A TREE frame: the structure of the session's next DRAFT (applied to it in `_tree_error`)."""
         frame = item.frame
         assert frame is not None
+        if self.pipeline is not None:
+            msg = "this worker runs its layers in stages and does not verify token trees (its OPEN says trees: false)"
+            self._refuse(item, EngineError(400, Reason.KIND, msg))
+            return
         item.session.pending_tree = (frame.arg, tuple(frame.indices()))
         _resolve(item.future, [])
 
@@ -605,7 +674,8 @@ class Engine:
         return None
 
     def _forward(self, batch: list[tuple[Item, int]]) -> None:
-        """Run each item's next `n` rows (from item.done); reply for items whose last row ran."""
+        """Run each item's next `n` rows (from item.done) through this process's layers. Single process: reply for
+        items whose last row ran. Staged: send the pass down the pipeline; the replies follow when it comes back."""
         t0 = time.perf_counter()
         rows = [(item.tensor[item.done : item.done + n], item.session.cache) for item, n in batch]  # type: ignore[index]
         trees = [item.tree for item, _ in batch] if any(item.tree is not None for item, _ in batch) else None
@@ -627,6 +697,40 @@ class Engine:
             _resolve(item.future, [self._error(item.session.id, item.seq, EngineError(500, Reason.INTERNAL, str(e)))])
             return
         elapsed = time.perf_counter() - t0
+        for item, n in batch:
+            item.done += n
+            if item.done == int(item.tensor.shape[0]):  # type: ignore[union-attr]
+                self._unqueue(item)  # all its rows ran here: the session's next frame may follow it
+        if self.pipeline is None:
+            self._complete(batch, outs, elapsed)
+            return
+        sent = [(item.session.id, item.frame.arg + item.done - n, n) for item, n in batch]  # type: ignore[union-attr]
+        self.pipeline.submit(
+            sent, torch.cat(outs), elapsed, lambda result: self._inbox.put(("result", (batch, result)))
+        )
+
+    def _finish_staged(self, batch: list[tuple[Item, int]], result: Any) -> None:
+        """A micro-batch came back from the last stage (deep states, each stage's seconds) or the pipeline broke."""
+        if isinstance(result, Exception):
+            err = EngineError(503, Reason.STAGE, f"a stage of this worker failed: {result}")
+            for item, _ in batch:
+                _resolve(item.future, [self._error(item.session.id, item.seq, err)])
+            return
+        deep, stage_seconds = result
+        busy = self.stats.stage_seconds
+        if len(busy) != len(stage_seconds):
+            busy[:] = [0.0] * len(stage_seconds)
+        for s, seconds in enumerate(stage_seconds):
+            busy[s] += seconds
+        planner = self.pipeline.planner  # type: ignore[union-attr]
+        item, n = batch[0]
+        if len(batch) == 1 and planner is not None and item.frame.kind == wire.Kind.PREFILL_CHUNK:  # type: ignore[union-attr]
+            # a lone prefill piece times τ_s(x | y) on every stage: the planner refits from such passes
+            planner.observe(n, item.frame.arg + item.finished, stage_seconds)  # type: ignore[union-attr]
+        self._complete(batch, deep, sum(stage_seconds))
+
+    def _complete(self, batch: list[tuple[Item, int]], outs: list[torch.Tensor], elapsed: float) -> None:
+        """Count a finished pass (`elapsed`: its compute time over all stages) and reply for finished frames."""
         tokens = sum(n for _, n in batch)
         st = self.stats
         st.forwards += 1
@@ -642,15 +746,14 @@ class Engine:
             frame = item.frame
             assert frame is not None
             item.session.tokens += int(deep.shape[0])
-            item.done += n
-            if item.done < int(item.tensor.shape[0]):  # type: ignore[union-attr]
+            item.finished += n
+            if item.finished < int(item.tensor.shape[0]):  # type: ignore[union-attr]
                 continue  # a sub-chunk: the frame's reply comes with its last piece
-            self._unqueue(item)
             item.session.frames += 1
             if item.tree is not None:
                 item.session.open_tree = (frame.arg, item.tree)
             if frame.kind == wire.Kind.PREFILL_CHUNK:
-                last = frame.arg + item.done - 1
+                last = frame.arg + item.finished - 1
                 reply = wire.encode_tensor(
                     wire.Kind.DEEP_STATE, item.session.id, item.seq, deep[-1:], arg=last, wire_dtype=self.wire_dtype
                 )
@@ -663,6 +766,21 @@ class Engine:
                     _resolve(item.future, [status, reply])
                     continue
             _resolve(item.future, [reply])
+
+    def _fail_stages(self, reason: str) -> None:
+        """The pipeline broke: every session fails with an ERROR and is closed; new sessions are refused."""
+        if self.failed is not None:
+            return
+        self.failed = reason
+        err = EngineError(503, Reason.STAGE, f"a stage of this worker failed ({reason}); session closed")
+        for session in list(self._sessions.values()):
+            for item in list(session.queue):
+                _resolve(item.future, [self._error(session.id, item.seq, err)])
+            self.close(session, f"a stage failed: {reason}")
+            self.count_rejection(Reason.STAGE)
+            if session.on_expire is not None:
+                with contextlib.suppress(Exception):
+                    session.on_expire(f"{err.reason.value}: {err.message}", 503)
 
     def _status(self, session: Session, seq: int, rows: int) -> bytes | None:
         """A STATUS frame for `session` when mu, or g's prediction for a round of `rows`, moved by more than the

@@ -26,7 +26,7 @@ import torch
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from app.lifespan import starting_in_background
 from app.worker.engine import Engine, FrameHook
@@ -72,6 +72,27 @@ class WorkerSettings(BaseModel):
     # Where the middle layers compute: "auto" = the first CUDA GPU if torch sees one, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Pipeline stages (app/worker/stages.py): P processes, each with a contiguous slice of the middle layers chosen by
+    # Jupiter's layer partition over per-layer times profiled at start-up; this process is stage 0.
+    stages: Annotated[int, Field(ge=1, le=16)] = 1
+    stage_threads: list[Annotated[int, Field(ge=1)]] | None = None  # torch threads per stage (None: num_threads)
+    # Stage 0 starts stages 1..P-1 on this host; false: they are started by hand (`--stage-rank s`, across hosts).
+    spawn_stages: bool = True
+    master_addr: str = "127.0.0.1"  # the stages' rendezvous (stage 0 hosts it)
+    master_port: Annotated[int, Field(ge=0, le=65535)] = 0  # 0: a free port (only when stage 0 spawns the stages)
+    stage_timeout: Annotated[float, Field(gt=0)] = 300.0  # the longest any stage waits on a peer
+    max_inflight: Annotated[int, Field(ge=1)] | None = None  # micro-batches in the pipeline at once (None: P)
+    # How stage 0 re-splits a prefill frame for the pipeline: "dp" = Jupiter's sequence partition over the stages'
+    # profiled τ(x | y) (exact flow-shop makespan), "equal" = equal pieces (best count), "off" = as the device sent it.
+    sequence_partition: Literal["dp", "equal", "off"] = "dp"
+
+    @model_validator(mode="after")
+    def _stages(self) -> WorkerSettings:
+        if self.stage_threads is not None and len(self.stage_threads) != self.stages:
+            raise ValueError(f"stage_threads needs one value per stage ({self.stages}), got {len(self.stage_threads)}")
+        if self.stages > 1 and not self.spawn_stages and self.master_port == 0:
+            raise ValueError("stages started by hand need a fixed master_port to find stage 0")
+        return self
 
     def limits(self) -> EngineLimits:
         return EngineLimits(
@@ -116,7 +137,14 @@ class Worker:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.started
+        return self.engine is not None and self.engine.started and self.engine.failed is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the worker cannot serve: its start-up failed, or a stage of a staged worker died."""
+        if self.startup_error:
+            return self.startup_error
+        return None if self.engine is None else self.engine.failed
 
     def authorized(self, header: str | None) -> bool:
         """Constant-time check of an "Authorization: Bearer <token>" header (always True without a token)."""
@@ -128,7 +156,7 @@ class Worker:
             self.loaded.set()
             e = self.engine
             log.info(
-                "worker ready: %s layers %d..%d of %d on %s, hidden %d, wire %s",
+                "worker ready: %s layers %d..%d of %d on %s, hidden %d, wire %s, %d stage(s)%s",
                 self.settings.model,
                 e.m,
                 e.num_layers - 1,
@@ -136,6 +164,8 @@ class Worker:
                 e.ragged.device,
                 e.hidden_size,
                 e.wire_dtype_name,
+                e.stages,
+                f" with layers {list(e.pipeline.bounds)}" if e.pipeline is not None else "",
             )
         except Exception as exc:
             self.startup_error = f"{type(exc).__name__}: {exc}"
@@ -146,15 +176,32 @@ class Worker:
         from clients.hat.split import split_model
 
         s = self.settings
-        if s.num_threads:
-            torch.set_num_threads(s.num_threads)
+        threads = s.stage_threads[0] if s.stage_threads else s.num_threads
+        if threads:
+            torch.set_num_threads(threads)
         model = self._model
         if model is None:
             from clients.hf_model import load_hf_model
 
             model, _tok = load_hf_model(resolve_model(s.model))
+        device = compute_device(s.device)
+        if s.stages > 1:
+            from app.worker.stages import start_pipeline
+
+            pipeline, first, seeds = start_pipeline(model, s, device)
+            del model
+            self._model = None
+            engine = Engine(first, s.limits(), model_name=s.model, frame_hook=self.frame_hook, pipeline=pipeline)
+            for tokens, seconds in seeds:  # whole-middle passes timed at start-up seed g (Eq. 2)
+                engine.stats.g.update(tokens, seconds)
+            try:
+                engine.start(self_check=False)  # start_pipeline checked the whole chain against the model's layers
+            except BaseException:
+                pipeline.stop()
+                raise
+            return engine
         middle = split_model(model, s.m).middle  # the only part the worker keeps a reference to
-        middle.to(compute_device(s.device))
+        middle.to(device)
         del model
         self._model = None
         engine = Engine(middle, s.limits(), model_name=s.model, frame_hook=self.frame_hook)
@@ -181,7 +228,7 @@ class _EngineCollector:
     def collect(self) -> Iterator[Any]:
         e = self._engine()
         up = GaugeMetricFamily("tandem_worker_ready", "1 once the middle submodel is loaded and checked")
-        up.add_metric([], 1.0 if e is not None and e.started else 0.0)
+        up.add_metric([], 1.0 if e is not None and e.started and e.failed is None else 0.0)
         yield up
         if e is None:
             return
@@ -189,6 +236,7 @@ class _EngineCollector:
         slope, intercept = st.g.coefficients()
         gauges = [
             ("tandem_worker_sessions", "Open device sessions", float(e.session_count)),
+            ("tandem_worker_pipeline_stages", "Processes the middle layers run on (HAT's P)", float(e.stages)),
             ("tandem_worker_max_sessions", "Session limit", float(e.limits.max_sessions)),
             ("tandem_worker_batch_tokens_avg", "mu: moving average of tokens per forward (HAT Eq. 1)", st.mu.get()),
             ("tandem_worker_compute_delay_avg_seconds", "eta: moving average of forward-pass time", st.eta.get()),
@@ -229,6 +277,13 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(value))
             yield c
+        if st.stage_seconds:
+            busy = CounterMetricFamily(
+                "tandem_worker_stage_busy_seconds", "Staged worker: compute seconds per stage", labels=["stage"]
+            )
+            for stage, seconds in enumerate(list(st.stage_seconds)):
+                busy.add_metric([str(stage)], seconds)
+            yield busy
         frames = CounterMetricFamily("tandem_worker_frames", "Device frames accepted, by kind", labels=["kind"])
         for kind, n in sorted(st.frames.items()):
             frames.add_metric([kind], float(n))

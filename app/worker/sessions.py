@@ -46,6 +46,7 @@ class Reason(enum.StrEnum):
     FULL = "full"
     BACKLOG = "backlog"
     IDLE = "idle"
+    STAGE = "stage"
     CLOSED = "closed"
     INTERNAL = "internal"
 
@@ -117,7 +118,10 @@ class Item:
     frame: wire.Frame | None  # None: rejected on arrival (future already resolved)
     tensor: torch.Tensor | None
     future: Future[list[bytes]]
-    done: int = 0  # rows already run (a prefill frame split into sub-chunks by the planned batching)
+    done: int = 0  # rows already run (a prefill frame split into sub-chunks by the planned batching); with stages,
+    # rows stage 0 has run and sent down the pipeline
+    finished: int = 0  # rows whose deep states are back (equal to `done` in a single-process worker)
+    cuts: tuple[int, ...] | None = None  # a staged worker's planned sub-sequence ends within this frame (Jupiter)
     tree: tuple[int, ...] | None = None  # a DRAFT's token tree (parent indices), from the TREE frame before it
     deferred: int = 0  # consecutive passes this frame was pending but left out of (planned batching)
 
@@ -136,7 +140,9 @@ class Session:
     queue: deque[Item] = field(default_factory=deque)
     closed: bool = False
     close_reason: str | None = None
-    on_expire: Callable[[str], None] | None = None
+    # Called on the engine thread when the worker drops the session on its own: (message, HTTP-like status): 408
+    # after the idle timeout, 503 when a stage of a staged worker failed.
+    on_expire: Callable[[str, int], None] | None = None
     frames: int = 0
     tokens: int = 0
     waiting_bytes: int = 0  # frames accepted and not yet answered (Engine._pending_lock)

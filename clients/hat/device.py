@@ -467,7 +467,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         """One speculative round from `token` at `position`; returns the new tokens (accepted drafts + 1) and,
         when the request asked for them, their logprobs (from the head's logits at each token's position).
         `room`: positions the context has left from `position` (a tree needs one per node)."""
-        tree = self._round_tree(cap, room, req, adjust, mask)
+        tree = self._round_tree(cap, room, req, adjust, mask) if link.info.get("trees") else None
         if tree is not None and not (st.prepared is not None and st.prepared_at == (token, position)):
             return await self._tree_round(link, st, token, position, tree), None
         t0 = time.perf_counter()

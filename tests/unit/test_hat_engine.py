@@ -229,7 +229,7 @@ def test_idle_sessions_expire_without_touching_others(tiny: LlamaForCausalLM) ->
         idle, _ = open_session(engine)
         busy, _ = open_session(engine)
         expired: list[str] = []
-        idle.on_expire = expired.append
+        idle.on_expire = lambda message, status: expired.append(message) if status == 408 else None
         for seq in range(1, 8):
             time.sleep(0.1)
             assert (
@@ -247,10 +247,10 @@ def test_a_failing_row_does_not_fail_its_batch(engine: Engine) -> None:
     bad, _ = open_session(engine)
     real = engine.ragged.forward
 
-    def flaky(rows):
+    def flaky(rows, trees=None):
         if any(cache is bad.cache for _, cache in rows):
             raise RuntimeError("boom")
-        return real(rows)
+        return real(rows, trees)
 
     engine.ragged.forward = flaky  # type: ignore[method-assign]
     with Paused(engine):
