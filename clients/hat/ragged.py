@@ -16,6 +16,10 @@ alone or in a batch (tested). With more threads BLAS may split rows differently:
 case) at the price of that guarantee. The forward is written here (it calls the HF layer's submodules: norms,
 projections, rotary, the model's attention function, MLP) rather than through the layers' own forward, so the
 worker checks it against the model's layers at start-up and an unsupported layer layout fails loudly.
+
+The device half's drafting station (clients/hat/station.py) runs the same forward over its input layers and the
+draft adapter (an attention-only block: no MLP) for several streams at once, and projects their rows through a
+head with `rows_linear`, whose per-row result does not depend on the other rows either.
 """
 
 from __future__ import annotations
@@ -40,11 +44,15 @@ class RaggedMiddle:
         self.min_rows = max(1, min_rows)
         if not self.layers:
             raise ValueError("the middle submodel has no layers")
-        needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        needed = ("input_layernorm", "self_attn")
         for layer in self.layers:
             attn = getattr(layer, "self_attn", None)
-            if any(not hasattr(layer, a) for a in needed) or any(
-                not hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+            # a decoder layer has both of the feed-forward half's modules; an attention-only block (the adapter) neither
+            halves = hasattr(layer, "post_attention_layernorm") == hasattr(layer, "mlp")
+            if (
+                any(not hasattr(layer, a) for a in needed)
+                or not halves
+                or any(not hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))
             ):
                 raise TypeError(f"{type(layer).__name__} is not a Llama/Qwen-style decoder layer")
         attn0 = self.layers[0].self_attn
@@ -133,4 +141,23 @@ class RaggedMiddle:
         if pad:
             pieces.append(x.new_zeros(1, pad, pieces[0].shape[-1]))
         h = x + attn.o_proj(torch.cat(pieces, dim=1).contiguous())
+        if not hasattr(layer, "mlp"):  # an attention-only block (the draft adapter)
+            return h
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+ROWS_CHUNK = 4
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ weight[out, in]^T, batch-invariant and fast for a few rows: computed as weight @ chunk^T over
+    chunks of exactly ROWS_CHUNK rows (the last padded with zeros), so every row goes through the same kernel with
+    the same shape whatever else is in the batch. On this CPU (one thread) a row's result is then bit-identical
+    alone or batched (tested), and a 4-row chunk of a 152k-row LM head costs less than F.linear on one row: the
+    weight-left GEMM streams the weight once without packing it."""
+    rows = x.shape[0]
+    pad = -rows % ROWS_CHUNK
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    out = [(weight @ x[i : i + ROWS_CHUNK].T).T for i in range(0, x.shape[0], ROWS_CHUNK)]
+    return torch.cat(out)[:rows]
