@@ -117,6 +117,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench.disco_live import main
     elif args.what == "hat":
         from app.bench.hat import main
+    elif args.what == "hat-streams":
+        from app.bench.hat_streams import main
     elif args.what == "device":
         from app.bench.device import main
     elif args.what == "sd-edge":
@@ -164,7 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run a benchmark (see BENCHMARKS.md)")
     bench.add_argument(
         "what",
-        choices=["gateway", "device", "disco", "disco-live", "hat", "sd-edge", "worker-batching", "privacy", "outline"],
+        choices=[
+            "gateway",
+            "device",
+            "disco",
+            "disco-live",
+            "hat",
+            "hat-streams",
+            "sd-edge",
+            "worker-batching",
+            "privacy",
+            "outline",
+        ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)

@@ -166,6 +166,7 @@ class Gateway:
             draft_length=cloud.draft_length,
             speculative=cloud.speculative,
             parallel_drafting=cloud.parallel_drafting,
+            drafting=cloud.drafting,
             link=LinkProfile.parse(cloud.link) if cloud.link else None,
             num_threads=cloud.num_threads,
             noise=cloud.noise,
