@@ -121,12 +121,12 @@ async def measure(bench: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
                 runs[mode].append(await run_streams(backends[mode], prompts, args.tokens))
                 print(f"K={k} {mode}: {runs[mode][-1]['tok_s']:.2f} tok/s", file=sys.stderr, flush=True)
         station = backends["Alg. 1"].station
-        alg1_groups = station.stats.last_groups if station is not None else []
+        alg1_groups = station.stats.widest_plan if station is not None else []
         fits = station.fits() if station is not None else None
         for b in backends.values():
             await b.close()
         ref = runs["one group"][0]["outputs"]
-        row: dict[str, Any] = {"streams": k, "alg1_groups": [len(g) for g in alg1_groups]}
+        row: dict[str, Any] = {"streams": k, "alg1_groups": alg1_groups}
         row["alg1_fits"] = None if fits is None else [[f.c1, f.c2] for f in fits]
         for mode in modes:
             row[mode] = {

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from clients.hat.drafting import Draft, DraftRun, DraftState
-from clients.hat.ragged import ROWS_CHUNK, RaggedMiddle
+from clients.hat.ragged import ROWS_CHUNK, RaggedMiddle, project_rows
 from policies.sd_edge import Runtime, fit_runtime, plan_stream_groups
 
 if TYPE_CHECKING:
@@ -171,6 +171,7 @@ class StationStats:
     head_rows: int = 0
     plans: int = 0
     last_groups: list[list[int]] = field(default_factory=list)
+    widest_plan: list[int] = field(default_factory=list)  # group sizes of the latest plan over the most streams
 
 
 class DraftingStation:
@@ -369,20 +370,33 @@ class DraftingStation:
         self._groups = groups
         self.stats.plans += 1
         self.stats.last_groups = [list(g) for g in groups]
+        if len(ids) >= sum(self.stats.widest_plan):
+            self.stats.widest_plan = [len(g) for g in groups]
 
     # --- the batched passes (model thread) -------------------------------------------------------------------
 
-    def _feed(self, items: list[tuple[list[int], DraftState, int]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _feed(
+        self, items: list[tuple[list[int], DraftState, int]], draft_step: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Token ids of several streams, each at its position: shallow states and adapter features per stream, in
-        one ragged forward of the input layers and one of the adapter (appending to each stream's caches)."""
+        one ragged forward of the input layers and one of the adapter (appending to each stream's caches).
+
+        Draft steps (one row per stream) project through ragged.project_rows: fixed 4-row chunks, a one-row linear's
+        cost; prefill chunks through the layers' own linears (blocked GEMM over >= 4 rows). Either way a row's
+        result does not depend on the other rows, and a row is a draft step's or a prefill's whatever else runs."""
         for _, st, position in items:
             if len(st.input_cache) != position or len(st.adapter_cache) != position:
                 raise RuntimeError(f"drafting station: caches hold {len(st.input_cache)} positions, fed at {position}")
         sizes = [len(ids) for ids, _, _ in items]
         flat = torch.tensor([t for ids, _, _ in items for t in ids], dtype=torch.long)
         embedded = self.backend._input.embed_tokens(flat).split(sizes)
-        shallow = self._input.forward([(e, st.input_cache) for e, (_, st, _) in zip(embedded, items, strict=True)])
-        feats = self._adapter.forward([(s, st.adapter_cache) for s, (_, st, _) in zip(shallow, items, strict=True)])
+        project = project_rows if draft_step else None
+        shallow = self._input.forward(
+            [(e, st.input_cache) for e, (_, st, _) in zip(embedded, items, strict=True)], project
+        )
+        feats = self._adapter.forward(
+            [(s, st.adapter_cache) for s, (_, st, _) in zip(shallow, items, strict=True)], project
+        )
         return [s.clone() for s in shallow], feats
 
     def _prefill_batch(self, jobs: list[tuple[DraftState, list[int], int]]) -> list[torch.Tensor]:
@@ -401,7 +415,9 @@ class DraftingStation:
                 active = [i for i, r in enumerate(runs) if not r.done]
                 if not active:
                     break
-                shallow, feats = self._feed([([runs[i].token], states[i], runs[i].position) for i in active])
+                shallow, feats = self._feed(
+                    [([runs[i].token], states[i], runs[i].position) for i in active], draft_step=True
+                )
                 fed += len(active)
                 self.stats.draft_steps += 1
                 want = [(i, f) for i, s, f in zip(active, shallow, feats, strict=True) if runs[i].fed(s)]
