@@ -74,6 +74,26 @@ def backend_for(bench: Any, mode: str) -> Any:
     return HATBackend(options, model=bench.model, tokenizer=bench.tok)
 
 
+def count_device_time(backend: Any) -> list[float]:
+    """Instrument the backend's model thread: the returned cell accumulates the seconds its calls take (the device's
+    busy time, whatever the calls are: solo model calls or the station's batched units)."""
+    busy = [0.0]
+    run = backend._run
+
+    async def timed(fn: Any, *args: Any) -> Any:
+        def call() -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                busy[0] += time.perf_counter() - t
+
+        return await run(call)
+
+    backend._run = timed
+    return busy
+
+
 def set_grouping(backend: Any, mode: str) -> None:
     if backend.station is not None:
         backend.station.grouping = {"one group": "one", "Alg. 1": "alg1", "2 groups": 2}[mode]
@@ -87,6 +107,8 @@ async def run_streams(backend: Any, prompts: list[list[int]], tokens: int) -> di
         return [ev.token_id async for ev in backend.stream(req) if ev.token_id is not None]
 
     rounds, produced = backend.stats.rounds, backend.stats.round_tokens
+    busy = getattr(backend, "device_busy", [0.0])
+    busy0 = busy[0]
     t0 = time.perf_counter()
     outputs = await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t0
@@ -94,6 +116,7 @@ async def run_streams(backend: Any, prompts: list[list[int]], tokens: int) -> di
     r = backend.stats.rounds - rounds
     return {
         "tok_s": total / wall,
+        "device_ms_per_token": 1e3 * (busy[0] - busy0) / max(total, 1),
         "wall_s": wall,
         "tokens": total,
         "accept_length": (backend.stats.round_tokens - produced) / r if r else float("nan"),
@@ -111,6 +134,7 @@ async def measure(bench: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         for mode in modes:
             b = backend_for(bench, mode)
             await b.start()
+            b.device_busy = count_device_time(b)
             set_grouping(b, mode)
             if args.warmup_tokens:  # unmeasured: caches, and the station's T(b, F) fits for Alg. 1
                 await run_streams(b, prompts, args.warmup_tokens)
@@ -133,6 +157,7 @@ async def measure(bench: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "tok_s": statistics.median(r["tok_s"] for r in runs[mode]),
                 "tok_s_runs": [round(r["tok_s"], 3) for r in runs[mode]],
                 "accept_length": statistics.median(r["accept_length"] for r in runs[mode]),
+                "device_ms_per_token": statistics.median(r["device_ms_per_token"] for r in runs[mode]),
                 "same_tokens": all(r["outputs"] == ref for r in runs[mode]),
             }
         rows.append(row)
@@ -147,7 +172,8 @@ def report(rows: list[dict[str, Any]], setup: dict[str, Any], cmd: str) -> str:
         "",
         f"setup: {json.dumps(setup)}",
         "",
-        "Aggregate tokens/s (median of the runs; ratio to solo), accept length, same tokens as `one group`:",
+        "Aggregate tokens/s (median of the runs; ratio to solo), accept length L, the device's busy time per token (its"
+        " model thread), same tokens as `one group`:",
         "",
         "| K | " + " | ".join(MODES) + " | Alg. 1's groups |",
         "|---" * (len(MODES) + 2) + "|",
@@ -161,7 +187,10 @@ def report(rows: list[dict[str, Any]], setup: dict[str, Any], cmd: str) -> str:
                 cells.append("–")
                 continue
             same = "" if c["same_tokens"] else " (tokens differ)"
-            cells.append(f"{c['tok_s']:.2f} ({c['tok_s'] / solo:.2f}×), L {c['accept_length']:.2f}{same}")
+            cells.append(
+                f"{c['tok_s']:.2f} ({c['tok_s'] / solo:.2f}×), L {c['accept_length']:.2f}, "
+                f"{c['device_ms_per_token']:.0f} ms{same}"
+            )
         lines.append(f"| {r['streams']} | " + " | ".join(cells) + f" | {r['alg1_groups']} |")
     last = rows[-1]
     one, alg1 = last["one group"]["tok_s"], last["Alg. 1"]["tok_s"]
