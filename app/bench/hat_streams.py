@@ -11,9 +11,11 @@ them); every frame crosses the link emulator. For each K in --streams, K held-ou
 - 2 groups: the station with two fixed groups, pipelined: group 2 drafted while group 1 is at the worker.
 
 Each (K, mode) cell: a fresh backend, one unmeasured warm-up run of the K streams (the station fits its stage times),
-then --reps measured runs, modes interleaved per repetition. Aggregate tokens/s = all streams' tokens / wall time
-(session set-up and prefill included). Greedy: every mode must produce the same tokens (the station's are exactly
-the solo-station run's; `solo` may differ from them only at float near-ties), reported per cell.
+then --reps measured runs, modes interleaved per repetition (their order rotated each repetition, so a drift in the
+shared machine's load hits every mode). Aggregate tokens/s = all streams' tokens / wall time (session set-up and
+prefill included); the device's busy time per token = seconds its model thread spent in calls / tokens. Greedy:
+every mode must produce the same tokens (the station's modes exactly; `solo` may differ from them only at float
+near-ties), reported per cell.
 """
 
 from __future__ import annotations
@@ -140,8 +142,8 @@ async def measure(bench: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
                 await run_streams(b, prompts, args.warmup_tokens)
             backends[mode] = b
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-        for _ in range(args.reps):
-            for mode in modes:
+        for rep in range(args.reps):
+            for mode in modes[rep % len(modes) :] + modes[: rep % len(modes)]:  # rotated: drift hits every mode
                 runs[mode].append(await run_streams(backends[mode], prompts, args.tokens))
                 print(f"K={k} {mode}: {runs[mode][-1]['tok_s']:.2f} tok/s", file=sys.stderr, flush=True)
         station = backends["Alg. 1"].station

@@ -340,10 +340,10 @@ class DraftingStation:
 
     def fits(self) -> tuple[Runtime, Runtime] | None:
         """(device stage, verify stage) T(b, F) fitted from the recent timed passes, once each has a spread."""
-        try:
-            draft = fit_runtime(self.draft_points)
-            head = fit_runtime(self.head_points)
-            wait = fit_runtime(self.wait_points)
+        try:  # list(): a snapshot (the model thread may append while a stream's join re-plans)
+            draft = fit_runtime(list(self.draft_points))
+            head = fit_runtime(list(self.head_points))
+            wait = fit_runtime(list(self.wait_points))
         except ValueError:
             return None
         device = Runtime(max(0.0, draft.c1) + max(0.0, head.c1), max(0.0, draft.c2) + max(0.0, head.c2))
