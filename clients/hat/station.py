@@ -16,15 +16,16 @@ time on the backend's model thread. The station gathers the streams' pending dev
 Grouping and the pipeline. Streams are split into groups by Alg. 1 (policies.sd_edge.plan_stream_groups, the
 corrected recursion) with T(b, F) = c1·F·b + c2 fitted from the station's own timed passes (device stage: draft
 unit + head unit; verify stage: the streams' send -> reply times). A group is drafted when every one of its
-decoding members has its next round's work pending (a straggler is left behind after `max_wait`); while group m's
-drafts are at the worker the station drafts group m + 1: the worker's round trip of one group overlaps the device
-work of the next (Eq. 20). Before the fits have data, and whenever Alg. 1 says so, all streams form one group.
+decoding members has its next round's work pending (a member handing out its tokens is waited for up to `max_wait`,
+one whose draft is still at the worker up to `sync_wait`, so streams that fell out of step fall back in); while
+group m's drafts are at the worker the station drafts group m + 1: the worker's round trip of one group overlaps the
+device work of the next (Eq. 20). Before the fits have data, and whenever Alg. 1 says so, all streams form one group.
 
-Exactness. Every batched call is batch-invariant: the ragged forwards pad to >= 4 rows and attend per stream, and
-heads go through ragged.rows_linear (fixed 4-row chunks), so a stream's shallow states, drafts and logits are
-bit-identical whether it ran alone through the station or beside others: greedy output is the same token for
-token. (`drafting = "solo"`, the one-call-at-a-time path, uses the model's own layer forwards: equal up to float
-reassociation, as HAT is to U-shape decoding.)
+Exactness. Every batched call is batch-invariant: the ragged forwards pad to >= 4 rows and attend per stream, draft
+steps' projections and the heads go through ragged.rows_linear (fixed 4-row chunks), so a stream's shallow states,
+drafts and logits are bit-identical whether it ran alone through the station or beside others: greedy output is the
+same token for token. (`drafting = "solo"`, the one-call-at-a-time path, uses the model's own layer forwards: equal
+up to float reassociation, as HAT is to U-shape decoding.)
 
 Parallel drafting runs only while the station serves a single stream (with more, the device has no idle time to
 fill). Everything here runs on the backend's model thread (`backend._run`); the scheduling runs on the event loop.
@@ -170,7 +171,6 @@ class StationStats:
     head_calls: int = 0
     head_rows: int = 0
     plans: int = 0
-    last_groups: list[list[int]] = field(default_factory=list)
     widest_plan: list[int] = field(default_factory=list)  # group sizes of the latest plan over the most streams
 
 
@@ -223,10 +223,6 @@ class DraftingStation:
     def alone(self, slot: StreamSlot) -> bool:
         """True when `slot` is the only stream here (parallel drafting may then use the idle device)."""
         return len(self._slots) == 1 and slot.id in self._slots
-
-    @property
-    def groups(self) -> list[list[int]]:
-        return [list(g) for g in self._groups]
 
     async def close(self) -> None:
         if self._task is not None:
@@ -369,7 +365,6 @@ class DraftingStation:
             groups = [[ids[i] for i in g] for g in plan]
         self._groups = groups
         self.stats.plans += 1
-        self.stats.last_groups = [list(g) for g in groups]
         if len(ids) >= sum(self.stats.widest_plan):
             self.stats.widest_plan = [len(g) for g in groups]
 
