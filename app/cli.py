@@ -131,6 +131,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench.disco_live import main
     elif args.what == "hat":
         from app.bench.hat import main
+    elif args.what == "hat-streams":
+        from app.bench.hat_streams import main
     elif args.what == "device":
         from app.bench.device import main
     elif args.what == "sd-edge":
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             "disco",
             "disco-live",
             "hat",
+            "hat-streams",
             "sd-edge",
             "worker-batching",
             "privacy",

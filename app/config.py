@@ -221,6 +221,9 @@ class HATCloudSettings(_Strict):
     tree_width: Annotated[int, Field(ge=0, le=64)] = 0
     speculative: bool = True
     parallel_drafting: bool = False
+    # Concurrent HAT streams: "batched" drafts, verifies and prefills them in shared batched passes (the drafting
+    # station, clients/hat/station.py; output unchanged); "solo" runs each stream's own model calls one at a time.
+    drafting: Literal["batched", "solo"] = "batched"
     link: str = ""  # emulate a link, e.g. "latency=20ms,jitter=2ms,up=10MB/s,down=15MB/s"
     # Privacy noise: Gaussian noise of this std relative to each hidden vector's RMS, added to every hidden state
     # sent to the worker (clients/hat/noise.py). 0 = none (exact output); > 0 trades quality for privacy

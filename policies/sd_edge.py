@@ -228,45 +228,58 @@ class BatchPlan:
 Variant = Literal["corrected", "printed"]
 
 
+StepTimes = Callable[[int, int], tuple[np.ndarray, np.ndarray]]  # (batch, input_len) -> (T^d_n, T^v_n) per step
+
+
 @dataclass
 class _Ctx:
-    pair: Pair
+    pair: Pair | None
     lengths: list[int]  # sorted input lengths
     spec_len: int
     alpha: float
     steps: int
+    step_fn: StepTimes | None = None
     cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def times(self, batch: int, input_len: int) -> tuple[np.ndarray, np.ndarray]:
         key = (batch, input_len)
         hit = self.cache.get(key)
         if hit is None:
-            hit = self.cache[key] = step_times(self.pair, batch, input_len, self.spec_len, self.alpha, self.steps)
+            if self.step_fn is not None:
+                hit = self.step_fn(batch, input_len)
+            else:
+                assert self.pair is not None
+                hit = step_times(self.pair, batch, input_len, self.spec_len, self.alpha, self.steps)
+            self.cache[key] = hit
         return hit
 
 
 def plan_batches(
     lengths: Sequence[int],
-    pair: Pair,
+    pair: Pair | None,
     spec_len: int,
     alpha: float,
     max_output: int,
     *,
     memory: float | None = None,
     variant: Variant = "corrected",
+    times: StepTimes | None = None,
 ) -> BatchPlan:
     """Alg. 1 for a given l: sort by input length, DP over contiguous groups, backtrack. O(K²·N).
 
     memory: Γ_s in bytes (skip groups whose draft memory exceeds it); None = no limit. Ties go to the later j,
-    as Alg. 1's `>=` does.
+    as Alg. 1's `>=` does. times: the per-step stage times of a batch (batch size, its longest input) in place
+    of the FLOPs model's `step_times` (then `pair` may be None and the steps are as many as `times` returns).
     """
     k = len(lengths)
     if k == 0:
         return BatchPlan([], spec_len, 0.0)
+    if pair is None and (times is None or memory is not None):
+        raise ValueError("plan_batches needs a Pair unless `times` is given and there is no memory limit")
     order = sorted(range(k), key=lambda t: lengths[t])
     srt = [int(lengths[t]) for t in order]
-    steps = num_steps(max_output, alpha, spec_len)
-    ctx = _Ctx(pair, srt, spec_len, alpha, steps)
+    steps = num_steps(max_output, alpha, spec_len) if times is None else len(times(1, srt[0])[0])
+    ctx = _Ctx(pair, srt, spec_len, alpha, steps, times)
     zero = np.zeros(steps)
     y0: list[np.ndarray] = [zero]  # Υ[i, ·, 0]: draft-node completion per step of the first i tasks
     y1: list[np.ndarray] = [zero]  # Υ[i, ·, 1]: verify-node completion per step
@@ -276,7 +289,7 @@ def plan_batches(
         top, star, star_td, star_tv = math.inf, 0, zero, zero
         for j in range(1, i + 1):
             b = i - j + 1
-            if memory is not None and draft_memory_bytes(pair.draft, b, srt[i - 1], max_output) > memory:
+            if memory is not None and draft_memory_bytes(pair.draft, b, srt[i - 1], max_output) > memory:  # type: ignore[union-attr]
                 continue
             td, tv = ctx.times(b, srt[i - 1])
             if variant == "corrected":
@@ -358,6 +371,41 @@ def brute_force_contiguous(
         if val < best:
             best, arg = val, groups
     return best, [[order[t] for t in g] for g in arg]
+
+
+# --- a gateway's HAT streams as SD-edge tasks (the drafting station, clients/hat/station.py) ----------------------
+
+
+def plan_stream_groups(
+    contexts: Sequence[int], device: Runtime, verify: Runtime, rows_per_stream: float, steps: int = 1
+) -> list[list[int]]:
+    """Alg. 1 (corrected) over concurrent decoding streams: which streams the device drafts together, in what order.
+
+    The device stage of a group of b streams (its batched drafting and its head over the verification rows) takes
+    device(b, F) seconds and the verify stage (upload, the worker's pass, download) verify(b, F), F = rows per
+    stream per round (draft length + 1): T(b, F) = c1·F·b + c2 fitted from the station's own timed passes (Eq.
+    17). Every step of a steady decode looks alike, so `steps` copies of one step's times. Returns groups of
+    indices into `contexts`, in drafting order (sorted by context length, as Alg. 1 sorts by input length).
+    """
+    if not contexts:
+        return []
+    n = max(1, int(steps))
+
+    def times(batch: int, _longest: int) -> tuple[np.ndarray, np.ndarray]:
+        return (
+            np.full(n, float(device(batch, rows_per_stream))),
+            np.full(n, float(verify(batch, rows_per_stream))),
+        )
+
+    return plan_batches(contexts, None, 1, 0.0, 1, times=times).batches
+
+
+def stream_groups_latency(groups: Sequence[Sequence[int]], device: Runtime, verify: Runtime, rows: float) -> float:
+    """One pipelined step's completion time (Eq. 20) of a grouping under the fitted stage times."""
+    return pipeline_latency(
+        [np.array([float(device(len(g), rows))]) for g in groups],
+        [np.array([float(verify(len(g), rows))]) for g in groups],
+    )
 
 
 # --- speculation length (Eq. 33) and fixed-size baselines -------------------------------------------------------

@@ -167,6 +167,7 @@ class Gateway:
             tree_width=cloud.tree_width,
             speculative=cloud.speculative,
             parallel_drafting=cloud.parallel_drafting,
+            drafting=cloud.drafting,
             link=LinkProfile.parse(cloud.link) if cloud.link else None,
             num_threads=cloud.num_threads,
             noise=cloud.noise,

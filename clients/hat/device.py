@@ -75,7 +75,9 @@ from clients.grammar import GrammarError, HFTokenizerGrammars, TokenMask
 from clients.hat import wire
 from clients.hat.drafting import Branches, Draft, Drafter, DraftState
 from clients.hat.options import HATOptions, HATStats
+from clients.hat.ragged import rows_linear
 from clients.hat.session import FrameSession
+from clients.hat.station import DraftingStation, StreamSlot
 from clients.hat.transport import LinkOptions, WorkerAddress
 from clients.hat.tree import TreeDraft, draft_tree, keep_path, walk_greedy
 from clients.hf_model import HFTokenizerMixin, open_token_source
@@ -115,6 +117,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     def __init__(self, options: HATOptions, *, model: Any = None, tokenizer: Any = None) -> None:
         if options.gguf_path is None and (model is None or tokenizer is None):
             raise ValueError("HATBackend needs gguf_path or both model and tokenizer")
+        if options.drafting not in ("batched", "solo"):
+            raise ValueError(f"drafting must be 'batched' or 'solo', got {options.drafting!r}")
         o = self.options = options
         self.address = WorkerAddress.parse(o.worker_url)
         self.transport = self.address.kind
@@ -166,6 +170,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self._input: Any = None
         self.drafter: Any = None
         self._output: Any = None
+        self.station: DraftingStation | None = None  # drafting = "batched": concurrent streams' device work batched
         self.active = 0
         self.tokens_generated = 0
         self.stats = HATStats()
@@ -209,6 +214,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self._grammars = HFTokenizerGrammars(self.tokenizer, self.eos_ids, self._tok_lock)
         if o.draft_vocab_path:
             self._load_draft_vocab(o.draft_vocab_path)
+        if o.drafting == "batched":
+            self.station = DraftingStation(self)
         log.info("%s: device half of %s ready in %.1f s", self.name, self.model_id, time.monotonic() - t0)
 
     def _load_draft_vocab(self, path: str | os.PathLike[str]) -> None:
@@ -221,6 +228,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
 
     async def close(self) -> None:
         self._ready = False
+        if self.station is not None:
+            await self.station.close()
         if self._executor is not None:
             ex, self._executor = self._executor, None
             await asyncio.to_thread(ex.shutdown, True)
@@ -261,6 +270,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         transport = self.address.transport(self.link_options)
         link = FrameSession(transport, self.link_options, self.hidden_size)
         st = self.drafter.new_state()
+        slot = self.station.join(len(context)) if self.station is not None else None
         try:
             info = await link.open(self.num_layers, self.options.m, self.model_id)
             limit = min(int(info.get("max_context") or 1 << 30), self.max_context or 1 << 30)
@@ -271,7 +281,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                     backend=self.name,
                 )
             self.stats.sessions += 1
-            async for event in self._generate(link, st, request, context, limit, mask):
+            async for event in self._generate(link, st, request, context, limit, mask, slot=slot):
                 yield event
         except TimeoutError:
             raise BackendError(f"{self.name}: the worker did not answer in time", 504, self.name) from None
@@ -282,6 +292,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             raise BackendError(f"{self.name}: HAT generation failed: {e}", 502, self.name) from e
         finally:
             self.active -= 1
+            if slot is not None:
+                self.station.leave(slot)  # type: ignore[union-attr]
             await link.close()
             self.stats.status_updates += link.status_updates
             self.stats.bytes_up += transport.bytes_up
@@ -311,6 +323,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         context: list[int],
         limit: int,
         mask: TokenMask | None = None,
+        *,
+        slot: StreamSlot | None = None,
     ) -> AsyncIterator[TokenEvent]:
         max_tokens = min(req.max_tokens, limit - len(context))
         if max_tokens <= 0:
@@ -324,7 +338,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         # verified position with the drafts before it counted), so speculative decoding stays on and exact.
         adjust = LogitAdjuster(req, self.answer_prefix_ids(req)) if req.adjusts_logits else None
 
-        logits = await self._prefill(link, st, context)
+        logits = await self._prefill(link, st, context, slot)
         scores = logits if adjust is None else adjust.apply(logits)
         if mask is not None:  # after penalties / logit_bias: nothing may bring back a token the grammar forbids
             scores = await self._run(mask.apply, scores)
@@ -366,7 +380,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 else 0
             )
             pending, pending_lps = await self._round(
-                link, st, last, position, max(cap, 0), req, generator, adjust, mask, room=limit - position
+                link, st, last, position, max(cap, 0), req, generator, adjust, mask, slot=slot, room=limit - position
             )
             position += len(pending)
 
@@ -390,14 +404,19 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         )
         return max(1, min(x, length, fits))
 
-    async def _prefill(self, link: FrameSession, st: DraftState, context: list[int]) -> torch.Tensor:
+    async def _prefill(
+        self, link: FrameSession, st: DraftState, context: list[int], slot: StreamSlot | None = None
+    ) -> torch.Tensor:
         """Chunked, pipelined prefill; returns the logits at the last context position."""
         t0 = time.perf_counter()
         chunk = self._chunk(len(context), link.info)
         bounds = chunk_bounds(split_prompt(len(context), chunk))
         seqs, sent_at, sizes = [], [], []
         for start, end in bounds:
-            shallow = await self._run(self.drafter.prefill, st, context[start:end], start)
+            if slot is not None:  # batched with other streams' pending chunks
+                shallow = await self.station.prefill(slot, st, context[start:end], start)  # type: ignore[union-attr]
+            else:
+                shallow = await self._run(self.drafter.prefill, st, context[start:end], start)
             seqs.append(link.send_tensor(wire.Kind.PREFILL_CHUNK, shallow, start))
             sent_at.append(time.perf_counter())
             sizes.append(end - start)
@@ -462,11 +481,14 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         gen: torch.Generator | None,
         adjust: LogitAdjuster | None = None,
         mask: TokenMask | None = None,
+        *,
+        slot: StreamSlot | None = None,
         room: int | None = None,
     ) -> tuple[list[int], list | None]:
         """One speculative round from `token` at `position`; returns the new tokens (accepted drafts + 1) and,
         when the request asked for them, their logprobs (from the head's logits at each token's position).
-        `room`: positions the context has left from `position` (a tree needs one per node)."""
+        `room`: positions the context has left from `position` (a tree needs one per node). Tree rounds run on the
+        model thread by themselves, not through the drafting station."""
         tree = self._round_tree(cap, room, req, adjust, mask) if link.info.get("trees") else None
         if tree is not None and not (st.prepared is not None and st.prepared_at == (token, position)):
             return await self._tree_round(link, st, token, position, tree), None
@@ -479,14 +501,21 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         else:
             if st.prepared is not None:  # stale branch (cannot happen unless the caller skipped a round): drop it
                 raise BackendError(f"{self.name}: internal error: unused parallel draft", 500, self.name)
-            draft = await self._run(self.drafter.draft, st, token, position, cap, temperature, top_p, gen, mask)
+            draft = await (
+                self.station.draft(slot, st, token, position, cap, temperature, top_p, gen, mask)
+                if slot is not None and self.station is not None
+                else self._run(self.drafter.draft, st, token, position, cap, temperature, top_p, gen, mask)
+            )
         st.prepared = st.prepared_at = None
         t1 = time.perf_counter()
         k = len(draft.tokens)
         seq = link.send_tensor(wire.Kind.DRAFT, draft.shallow, position)
         parallel: asyncio.Task[Branches | None] | None = None
         stop = threading.Event()
-        if self.options.parallel_drafting and k >= 1 and mask is None:  # branches would need a grammar state each
+        # Parallel drafting: not under a grammar (each branch would need its own grammar state), and at the station only
+        # while this is its one stream (with more, the device's waiting time goes to the other streams' work).
+        alone = slot is None or self.station is None or self.station.alone(slot)
+        if self.options.parallel_drafting and k >= 1 and mask is None and alone:
             timing = self._pd_window(k, link.info)
             parallel = asyncio.create_task(self._parallel(st, draft, position, temperature, top_p, gen, stop, timing))
         try:
@@ -494,6 +523,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         finally:
             stop.set()  # parallel drafting never delays verification by more than one step
         t2 = time.perf_counter()
+        if slot is not None and self.station is not None:
+            self.station.observe_wait(slot, t2 - t1)
         branches = await parallel if parallel is not None else None
         deep = frame.tensor().reshape(-1, self.hidden_size)
         if frame.arg != position or deep.shape[0] != k + 1:
@@ -504,9 +535,11 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 self.name,
             )
         t_verify = time.perf_counter()
-        new, accepted, lps = await self._run(
-            self._verify, st, deep, draft, position, temperature, top_p, gen, adjust, req.logprobs, mask
-        )
+        verify_args = (st, deep, draft, position, temperature, top_p, gen, adjust, req.logprobs, mask)
+        if slot is not None and self.station is not None:  # the head's rows batched with other streams'
+            new, accepted, lps = await self.station.verify(slot, *verify_args)
+        else:
+            new, accepted, lps = await self._run(self._verify, *verify_args)
         t_head = time.perf_counter() - t_verify
         eta = self.options.eta
         self.controller.observe(
@@ -593,20 +626,32 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self, st: DraftState, deep: torch.Tensor, draft: TreeDraft, position: int
     ) -> tuple[list[int], list[int]]:
         with torch.inference_mode():
-            new, path = walk_greedy(lambda rows: self._output(deep[rows]).float(), draft)
+            new, path = walk_greedy(lambda rows: self._head_rows(deep[rows]), draft)
         keep_path(st, position, path)
         return new, path
 
-    def _draft_logits(self, feats: torch.Tensor, position: int) -> torch.Tensor:
-        """Draft head: features [rows, hidden] of tokens fed at `position` -> logits [rows, vocab] for position+1.
+    def _draft_logits(self, feats: torch.Tensor, position: int | list[int]) -> torch.Tensor:
+        """Draft head: features [rows, hidden] of tokens fed at `position` (one for all rows, or one per row) ->
+        logits [rows, vocab] for the next position.
 
-        With a reduced draft vocabulary only its rows of the head are computed; the other logits are -inf."""
+        With a reduced draft vocabulary only its rows of the head are computed; the other logits are -inf. Rows go
+        through ragged.rows_linear: batch-invariant (the drafting station batches streams' rows) and, for a few
+        rows, faster than a plain linear."""
         if self._draft_ids is None:
-            return self._output(feats).float()
+            return self._head_rows(feats)
+        assert self._draft_weight is not None
         normed = self._output.norm(feats.to(self._draft_weight.dtype))
         logits = torch.full((feats.shape[0], self.vocab_size), float("-inf"))
-        logits[:, self._draft_ids] = torch.nn.functional.linear(normed, self._draft_weight).float()
+        logits[:, self._draft_ids] = rows_linear(normed, self._draft_weight).float()
         return logits
+
+    def _head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output submodel (final norm + LM head) over rows, batch-invariant (ragged.rows_linear): float logits."""
+        head = self._output.lm_head
+        logits = rows_linear(self._output.norm(hidden.to(head.weight.dtype)), head.weight)
+        if head.bias is not None:
+            logits = logits + head.bias
+        return logits.float()
 
     # --- parallel drafting (Eq. 6) --------------------------------------------------------------
 
@@ -669,7 +714,12 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         adjust: LogitAdjuster | None = None,
         logprobs: int | None = None,
         mask: TokenMask | None = None,
+        head: Callable[[int, int], torch.Tensor] | None = None,
     ) -> tuple[list[int], int, list | None]:
+        """Accept drafts from the deep states: the new tokens, how many drafts were accepted, their logprobs.
+
+        head(lo, hi): the head's raw logits for deep rows lo..hi-1 (the drafting station's, computed batched with
+        other streams' rows); None = the output submodel here."""
         walked = [0, True]  # drafts the grammar has tentatively consumed; whether all so far fitted it
 
         def constrain(j: int, row: torch.Tensor) -> torch.Tensor:
@@ -685,8 +735,10 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             return mask.apply(row) if walked[0] == j else row
 
         check = None if mask is None else constrain
+        if head is None:
+            head = lambda lo, hi: self._output(deep[lo:hi]).float()  # noqa: E731
         try:
-            return self._verify_rows(st, deep, draft, position, temperature, top_p, gen, adjust, logprobs, check)
+            return self._verify_rows(st, head, draft, position, temperature, top_p, gen, adjust, logprobs, check)
         finally:
             if mask is not None:
                 mask.rollback(walked[0])  # the emitted tokens are accepted as they are delivered
@@ -694,7 +746,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     def _verify_rows(
         self,
         st: DraftState,
-        deep: torch.Tensor,
+        head: Callable[[int, int], torch.Tensor],
         draft: Draft,
         position: int,
         temperature: float,
@@ -713,8 +765,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 # The LM head is the device's biggest cost. Run it on the first position alone: if the first draft is
                 # rejected (the common case with a weak adapter) the other positions' logits are never needed.
                 if i >= len(rows):
-                    part = deep[:1] if not rows else deep[len(rows) :]
-                    logits = self._output(part).float()
+                    logits = head(len(rows), 1 if not rows else k + 1)
                     raw.extend(logits)
                     if adjust is not None:  # position j follows drafts 0..j-1: they count for its penalties
                         logits = torch.stack(

@@ -55,6 +55,67 @@ class DraftState:
         self.adapter_cache.crop(n)
 
 
+class DraftRun:
+    """One draft in progress, fed one token at a time by a driver that owns the forward passes: Drafter.draft for
+    one generation, the drafting station (clients/hat/station.py) for several at once. Here: what to feed next, and
+    the Eq. 5 stop rule, the cap and the grammar deciding each draft from the head's logits."""
+
+    def __init__(
+        self,
+        rule: DraftStopRule,
+        token: int,
+        position: int,
+        cap: int,
+        temperature: float,
+        top_p: float,
+        gen: torch.Generator | None,
+        mask: Any = None,
+    ) -> None:
+        self.rule, self.temperature, self.top_p, self.gen, self.mask = rule, temperature, top_p, gen, mask
+        self.token, self.position = token, position  # the next token to feed and where it goes
+        self.cap = cap
+        self.tokens: list[int] = []
+        self.dists: list[torch.Tensor] = []
+        self.shallows: list[torch.Tensor] = []
+        self.stop = cap <= 0  # the token being fed is the last one: no head call after it
+        self.done = False
+
+    def fed(self, shallow: torch.Tensor) -> bool:
+        """The fed token's shallow state [1, hidden]; True when the head's logits at its position are wanted next."""
+        self.shallows.append(shallow)
+        if self.stop:
+            self.done = True
+        return not self.done
+
+    def decide(self, logits: torch.Tensor) -> None:
+        """The draft head's logits [vocab] after the fed token: keep a draft (and feed it next) or stop."""
+        mask = self.mask
+        if mask is not None:
+            logits = mask.apply(logits)
+            if not torch.isfinite(logits).any():  # a reduced draft vocabulary without an allowed token
+                self.done = True
+                return
+        d, probs = choose(logits, self.temperature, self.top_p, self.gen)
+        keep, stop = self.rule.decide(float(probs[d]), len(self.tokens))
+        if not keep:
+            self.done = True
+            return
+        if mask is not None:
+            if not mask.try_accept(d):
+                self.done = True
+                return
+            stop = stop or mask.finished
+        self.tokens.append(d)
+        self.dists.append(probs)
+        self.stop = stop or len(self.tokens) >= self.cap
+        self.token, self.position = d, self.position + 1
+
+    def finish(self) -> Draft:
+        if self.mask is not None:
+            self.mask.rollback(len(self.tokens))
+        return Draft(self.tokens, self.dists, torch.cat(self.shallows))
+
+
 class Drafter:
     """Input submodel + adapter + draft head, with the Eq. 5 stop rule and `candidates` parallel branches."""
 
@@ -104,38 +165,14 @@ class Drafter:
         `mask` (clients.grammar.TokenMask, a constrained request's): every draft is chosen from the head's logits
         masked by the grammar advanced over the drafts before it; the grammar is stepped back to where it was
         before returning. Drafting stops where the grammar is complete (nothing but the end may follow)."""
-        tokens: list[int] = []
-        dists: list[torch.Tensor] = []
-        shallows: list[torch.Tensor] = []
-        cur, pos = token, position
-        stop = cap <= 0
+        run = DraftRun(self.rule, token, position, cap, temperature, top_p, gen, mask)
         with torch.inference_mode():
-            while True:
-                ids = torch.tensor([[cur]], dtype=torch.long)
-                shallow, feats = self._feed(ids, st.input_cache, st.adapter_cache, pos)
-                shallows.append(shallow[0])
-                if stop:
-                    break
-                logits = self.head(feats[:, -1], pos)[0]
-                if mask is not None:
-                    logits = mask.apply(logits)
-                    if not torch.isfinite(logits).any():  # a reduced draft vocabulary without an allowed token
-                        break
-                d, probs = choose(logits, temperature, top_p, gen)
-                keep, stop = self.rule.decide(float(probs[d]), len(tokens))
-                if not keep:
-                    break
-                if mask is not None:
-                    if not mask.try_accept(d):
-                        break
-                    stop = stop or mask.finished
-                tokens.append(d)
-                dists.append(probs)
-                stop = stop or len(tokens) >= cap
-                cur, pos = d, pos + 1
-        if mask is not None:
-            mask.rollback(len(tokens))
-        return Draft(tokens, dists, torch.cat(shallows))
+            while not run.done:
+                ids = torch.tensor([[run.token]], dtype=torch.long)
+                shallow, feats = self._feed(ids, st.input_cache, st.adapter_cache, run.position)
+                if run.fed(shallow[0]):
+                    run.decide(self.head(feats[:, -1], run.position)[0])
+        return run.finish()
 
     def take_prepared(self, st: DraftState, position: int, cap: int) -> Draft:
         """The prepared draft, cut to this round's cap (its caches cut to match)."""

@@ -51,6 +51,10 @@ class HATOptions:
     noise: Gaussian noise added to every hidden-state frame the device sends (prefill chunks and drafts), std =
         noise x each vector's RMS (clients/hat/noise.py): makes inverting the states harder (`tandem bench
         privacy`), at a cost in quality — with noise > 0 the output is no longer the LLM's exactly. 0 = none.
+    drafting: "batched" (default): concurrent streams' device work — draft steps, verification heads, prefill
+        chunks — runs batched at the drafting station (clients/hat/station.py), streams grouped by SD-edge's Alg. 1
+        and pipelined against the worker; each stream's output is what it would be alone. "solo": each stream's
+        own model calls, one at a time.
     noise_seed: seeds every session's noise generator (reproducible tests and benchmarks only: the same noise in
         every session can be subtracted out); None = a fresh seed from the OS per session.
     """
@@ -73,6 +77,7 @@ class HATOptions:
     parallel_candidates: int = 3
     tree_width: int = 0
     tree_paths: tuple[tuple[int, ...], ...] | None = None
+    drafting: str = "batched"  # "batched" | "solo"
     chunk_size: int | None = None
     min_chunk: int = 16
     max_chunk: int = 256

@@ -16,6 +16,10 @@ alone or in a batch (tested). With more threads BLAS may split rows differently:
 case) at the price of that guarantee. The forward is written here (it calls the HF layer's submodules: norms,
 projections, rotary, the model's attention function, MLP) rather than through the layers' own forward, so the
 worker checks it against the model's layers at start-up and an unsupported layer layout fails loudly.
+
+The device half's drafting station (clients/hat/station.py) runs the same forward over its input layers and the
+draft adapter (an attention-only block: no MLP) for several streams at once, and projects their rows through a
+head with `rows_linear`, whose per-row result does not depend on the other rows either.
 """
 
 from __future__ import annotations
@@ -46,11 +50,15 @@ class RaggedMiddle:
         self.min_rows = max(1, min_rows)
         if not self.layers:
             raise ValueError("the middle submodel has no layers")
-        needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        needed = ("input_layernorm", "self_attn")
         for layer in self.layers:
             attn = getattr(layer, "self_attn", None)
-            if any(not hasattr(layer, a) for a in needed) or any(
-                not hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+            # a decoder layer has both of the feed-forward half's modules; an attention-only block (the adapter) neither
+            halves = hasattr(layer, "post_attention_layernorm") == hasattr(layer, "mlp")
+            if (
+                any(not hasattr(layer, a) for a in needed)
+                or not halves
+                or any(not hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))
             ):
                 raise TypeError(f"{type(layer).__name__} is not a Llama/Qwen-style decoder layer")
         attn0 = self.layers[0].self_attn
@@ -69,13 +77,17 @@ class RaggedMiddle:
         return ALL_ATTENTION_FUNCTIONS.get_interface(impl, self._eager)
 
     def forward(
-        self, rows: list[tuple[torch.Tensor, SplitKVCache]], trees: list[Sequence[int] | None] | None = None
+        self,
+        rows: list[tuple[torch.Tensor, SplitKVCache]],
+        trees: list[Sequence[int] | None] | None = None,
+        project: Project | None = None,
     ) -> list[torch.Tensor]:
         """rows: (shallow states [n_i, hidden], the session's cache). Appends to every cache; deep states per row.
 
         New tokens go at positions len(cache) .. len(cache)+n_i-1 — or, for a row whose `trees` entry is a token
         tree's parent indices, node j at len(cache) + depth(j), attending to the cache and its own ancestors.
         On any exception every cache is left as it was.
+        project(linear, x): how each linear projection is computed (e.g. `project_rows`); None = the module itself.
         """
         spans, key_pos, masks, pos_parts = [], [], [], []
         start = 0
@@ -109,7 +121,7 @@ class RaggedMiddle:
         old = [c.positions for _, c in rows]
         try:
             for layer, ltype in zip(self.layers, self.layer_types, strict=True):
-                x = self._layer(layer, ltype, x, cos, sin, rows, spans, masks, pad)
+                x = self._layer(layer, ltype, x, cos, sin, rows, spans, masks, pad, project)
         except BaseException:
             for (_, cache), positions in zip(rows, old, strict=True):
                 cache.restore(positions)
@@ -129,14 +141,18 @@ class RaggedMiddle:
         spans: list[tuple[int, int]],
         masks: list[dict[str, torch.Tensor | None]],
         pad: int,
+        project: Project | None = None,
     ) -> torch.Tensor:
+        def lin(module: Any, h: torch.Tensor) -> torch.Tensor:
+            return module(h) if project is None else project(module, h)
+
         attn = layer.self_attn
         width = x.shape[1]
         hs = layer.input_layernorm(x)
         shape = (1, width, -1, attn.head_dim)
-        q = attn.q_proj(hs).view(shape)
-        k = attn.k_proj(hs).view(shape)
-        v = attn.v_proj(hs).view(shape).transpose(1, 2)
+        q = lin(attn.q_proj, hs).view(shape)
+        k = lin(attn.k_proj, hs).view(shape)
+        v = lin(attn.v_proj, hs).view(shape).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before rotary
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -150,5 +166,37 @@ class RaggedMiddle:
             pieces.append(out.reshape(1, e - s, -1))
         if pad:
             pieces.append(x.new_zeros(1, pad, pieces[0].shape[-1]))
-        h = x + attn.o_proj(torch.cat(pieces, dim=1).contiguous())
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = x + lin(attn.o_proj, torch.cat(pieces, dim=1).contiguous())
+        if not hasattr(layer, "mlp"):  # an attention-only block (the draft adapter)
+            return h
+        mlp, normed = layer.mlp, layer.post_attention_layernorm(h)
+        if project is None or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return h + mlp(normed)
+        return h + lin(mlp.down_proj, mlp.act_fn(lin(mlp.gate_proj, normed)) * lin(mlp.up_proj, normed))
+
+
+ROWS_CHUNK = 4
+Project = Callable[[Any, torch.Tensor], torch.Tensor]  # (an nn.Linear, x [1, rows, in]) -> [1, rows, out]
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ weight[out, in]^T, batch-invariant and fast for a few rows: computed as weight @ chunk^T over
+    chunks of exactly ROWS_CHUNK rows (the last padded with zeros), so every row goes through the same kernel with
+    the same shape whatever else is in the batch. On this CPU (one thread) a row's result is then bit-identical
+    alone or batched (tested), and a 4-row chunk of a 152k-row LM head costs less than F.linear on one row: the
+    weight-left GEMM streams the weight once without packing it."""
+    rows = x.shape[0]
+    pad = -rows % ROWS_CHUNK
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    out = [(weight @ x[i : i + ROWS_CHUNK].T).T for i in range(0, x.shape[0], ROWS_CHUNK)]
+    return torch.cat(out)[:rows]
+
+
+def project_rows(linear: Any, x: torch.Tensor) -> torch.Tensor:
+    """A RaggedMiddle `project`: nn.Linear `linear` over x [1, rows, in] through rows_linear (batch-invariant, and
+    for a few rows as fast as a one-row linear: the drafting station's draft steps)."""
+    out = rows_linear(x[0], linear.weight)
+    if linear.bias is not None:
+        out = out + linear.bias
+    return out[None]

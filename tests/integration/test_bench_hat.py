@@ -50,3 +50,21 @@ def test_train_adapter_subcommand_takes_its_own_options(capsys) -> None:
         tandem(["train-adapter", "--help"])
     assert exit_info.value.code == 0
     assert "--stage" in capsys.readouterr().out
+
+
+def test_bench_hat_streams_quick(tmp_path: Path, capsys) -> None:
+    """`tandem bench hat-streams --quick`: K = 1 and 2 streams through one backend in every drafting mode, with a
+    real worker subprocess; the station's modes produce the same tokens."""
+    out, raw = tmp_path / "report.md", tmp_path / "raw.json"
+    code = tandem([
+        "bench", "hat-streams", "--quick", "--model", "smollm2-135m-instruct", "--device-core", "-1",
+        "--worker-core", "-1", "--worker-device", "cpu", "--out", str(out), "--json", str(raw),
+    ])  # fmt: skip
+    assert code == 0
+    rows = json.loads(raw.read_text())["rows"]
+    assert [r["streams"] for r in rows] == [1, 2]
+    for r in rows:
+        modes = ["solo", "one group", "Alg. 1"] + (["2 groups"] if r["streams"] > 1 else [])
+        assert all(r[m]["tok_s"] > 0 for m in modes)
+        assert all(r[m]["same_tokens"] for m in modes if m != "solo")
+    assert "Aggregate tokens/s" in out.read_text() and "| 2 |" in capsys.readouterr().out

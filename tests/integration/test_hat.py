@@ -584,6 +584,74 @@ async def test_two_devices_batched_in_one_forward_equal_running_alone(worker: Wo
     print(f"batched forwards: {engine.stats.batched_forwards - before} of {engine.stats.forwards}")
 
 
+# --- the drafting station: concurrent streams of one backend drafted together -----------------------
+
+JSON_PROMPT = "Invent a person. Answer in JSON with their name and age."
+
+
+async def test_concurrent_streams_drafted_together_equal_running_alone(worker: WorkerServer, smol, reference) -> None:
+    """Two and three streams of one backend at once: the station batches their draft steps, verification heads and
+    prefill chunks, and each stream's tokens equal its run alone — greedy with accepted drafts (an oracle draft
+    head for the first prompt), sampling at a fixed seed, and a JSON grammar. drafting = "solo" (one call at a
+    time) gives the U-shape answer too."""
+    from app.serving.structured import _json_rule
+
+    model, tok = smol
+    ref, gaps = reference
+    ids = [prompt_ids(tok), prompt_ids(tok, OTHER), prompt_ids(tok, JSON_PROMPT)]
+    answer = {len(ids[0]) + i: t for i, t in enumerate(ref)}
+    grammar = "start: " + _json_rule(PERSON)
+    n = 12
+    requests = [
+        {"max_tokens": n},
+        {"max_tokens": n, "temperature": 0.7, "seed": 5},
+        {"max_tokens": n, "grammar": grammar},
+    ]
+
+    def backend(**kw: Any) -> OracleHAT:
+        options = HATOptions(worker.ws, model_id=SMOL, auth_token=TOKEN, chunk_size=16, **kw)
+        return OracleHAT(options, model=model, tokenizer=tok, answer=answer)
+
+    station_backend = backend()
+    await station_backend.start()
+    station = station_backend.station
+    assert station is not None
+    try:
+        alone = [token_ids(await collect(station_backend, i, **r)) for i, r in zip(ids, requests, strict=True)]
+        assert station.stats.max_streams == 1
+        check_against_reference(alone[0], ref[:n], gaps)
+        print(f"fitted (device, verify) T(b, F) after the solo runs: {station.fits()}")
+        # All streams in one group, then three streams in two groups pipelined (group 2 drafted while group 1 is at
+        # the worker), then Alg. 1's own grouping: the answers never change, only which rows share a pass.
+        for k, grouping in ((2, "one"), (3, 2), (3, "alg1")):
+            station.grouping = grouping
+            before = dict(station.stats.streams), dict(station.stats.units)
+            together = await asyncio.gather(
+                *(collect(station_backend, i, **r) for i, r in zip(ids[:k], requests[:k], strict=True))
+            )
+            assert [token_ids(e) for e in together] == alone[:k]
+            drafted = station.stats.streams["draft"] - before[0]["draft"]
+            units = station.stats.units["draft"] - before[1]["draft"]
+            verified = station.stats.streams["verify"] - before[0]["verify"]
+            print(
+                f"K={k} {grouping}: {drafted} stream drafts in {units} units, group sizes {station.stats.widest_plan}"
+            )
+            if grouping != "alg1":  # rows of several streams shared draft and head passes
+                assert drafted > units and verified > station.stats.units["verify"] - before[1]["verify"]
+        assert station.stats.max_streams >= 2 and station_backend.stats.accepted > 0
+    finally:
+        await station_backend.close()
+
+    solo = backend(drafting="solo")
+    await solo.start()
+    try:
+        assert solo.station is None
+        check_against_reference(token_ids(await collect(solo, ids[0], max_tokens=n)), ref[:n], gaps)
+    finally:
+        await solo.close()
+    await wait_for(lambda: worker.engine.session_count == 0)
+
+
 # --- the Backend contract ---------------------------------------------------------------------------
 
 
@@ -733,13 +801,15 @@ class OracleHAT(HATBackend):
         super().__init__(*args, **kw)
         self.answer = answer
 
-    def _draft_logits(self, feats: torch.Tensor, position: int) -> torch.Tensor:
-        want = self.answer.get(position + 1, 0)
+    def _draft_logits(self, feats: torch.Tensor, position: int | list[int]) -> torch.Tensor:
+        positions = position if isinstance(position, list) else [position] * feats.shape[0]  # per row at the station
         out = torch.full((feats.shape[0], self.vocab_size), -50.0)
-        if position % 3:
-            out[:, want], out[:, (want + 7) % self.vocab_size] = 0.0, -2.2  # p ~ 0.9
-        else:
-            out[:, (want + 1) % self.vocab_size], out[:, want], out[:, (want + 7) % self.vocab_size] = 0.0, -0.22, -1.6
+        for row, pos in zip(out, positions, strict=True):
+            want = self.answer.get(pos + 1, 0)
+            if pos % 3:
+                row[want], row[(want + 7) % self.vocab_size] = 0.0, -2.2  # p ~ 0.9
+            else:
+                row[(want + 1) % self.vocab_size], row[want], row[(want + 7) % self.vocab_size] = 0.0, -0.22, -1.6
         return out
 
 
