@@ -224,6 +224,9 @@ class HATCloudSettings(_Strict):
     # Concurrent HAT streams: "batched" drafts, verifies and prefills them in shared batched passes (the drafting
     # station, clients/hat/station.py; output unchanged); "solo" runs each stream's own model calls one at a time.
     drafting: Literal["batched", "solo"] = "batched"
+    # Prefill chunks: "eq3" = equal chunks of HAT's Eq. 3 size; "dp" = Jupiter's sequence partition over the
+    # device -> link -> worker pipeline (unequal chunks, planned from measured stage times).
+    chunking: Literal["eq3", "dp"] = "eq3"
     link: str = ""  # emulate a link, e.g. "latency=20ms,jitter=2ms,up=10MB/s,down=15MB/s"
     # Privacy noise: Gaussian noise of this std relative to each hidden vector's RMS, added to every hidden state
     # sent to the worker (clients/hat/noise.py). 0 = none (exact output); > 0 trades quality for privacy

@@ -24,6 +24,8 @@ Sections (`--sections`, all by default):
   each strategy starts to win.
 - draft_length: TBT of SD+PC with each draft-length rule (eta / eq7 / eq7+eta) at each of --draft-length-rtt-ms,
   one warm-up and one measured request per cell.
+- chunks: TTFT of the Table 5 prompts as one frame, as Eq. 3's equal chunks and as Jupiter's DP chunks over the
+  device -> link -> worker pipeline (HATOptions.chunking = "dp").
 - trees: chains vs token trees of --tree-widths positions (SD alone), accept length and median TBT on the held-out
   chat prompts and on code-reading prompts of --tree-code-lengths tokens, with U-shape in the same run.
 - throughput: 1, 4 and 8 devices (raw protocol clients replaying real shallow states, so the devices' own
@@ -49,6 +51,7 @@ import torch
 
 from app.bench.hat_sections import (
     DRAFT_LENGTH_MODES,
+    chunks,
     components,
     draft_length,
     sweep,
@@ -116,6 +119,13 @@ def report(results: dict[str, Any]) -> str:
             cells = [f"{r[m]['tbt_ms']:.1f} / {r[m]['accept_length']:.2f} / {r[m]['drafted_per_round']:.2f}"
                      for m in DRAFT_LENGTH_MODES]  # fmt: skip
             lines.append(f"| {r['rtt_ms']:g} | " + " | ".join(cells) + " |")
+    if "chunks" in results:
+        lines += ["", "Prefill chunks: TTFT ms (ratio to one frame); chunk lengths", "",
+                  "| prompt | one frame | Eq. 3 | DP | DP chunks |", "|---|---|---|---|---|"]  # fmt: skip
+        for r in results["chunks"]["rows"]:
+            one = r["one frame"]
+            lines.append(f"| {r['prompt_tokens']} | {one:.0f} | {r['Eq. 3']:.0f} ({r['Eq. 3'] / one:.2f}x) | "
+                         f"{r['DP']:.0f} ({r['DP'] / one:.2f}x) | {r['DP chunks']} |")  # fmt: skip
     if "trees" in results:
         t = results["trees"]
         lines += ["", f"Chains vs token trees (SD alone; {t['chat_prompts']} held-out chat prompts, code prompts of "
@@ -140,6 +150,7 @@ SECTIONS = {
     "table4": table4,
     "sweep": sweep,
     "draft_length": draft_length,
+    "chunks": chunks,
     "trees": trees,
     "throughput": throughput,
 }

@@ -287,3 +287,29 @@ async def trees(bench: Bench) -> dict[str, Any]:
             row[kind]["speedup"] = base[kind]["tbt_ms_median"] / row[kind]["tbt_ms_median"]
             row[kind]["same_as_u_shape"] = row[kind].pop("ids") == base_ids[kind]
     return {"chat_prompts": len(sets["chat"]), "code_lengths": a.tree_code_lengths, "rows": rows}
+
+
+async def chunks(bench: Bench) -> dict[str, Any]:
+    """TTFT of the Table 5 prompts prefilled as one frame, as Eq. 3's equal chunks and as Jupiter's DP chunks over
+    the device -> link -> worker pipeline (one request each, interleaved per length, after a warm-up)."""
+    a = bench.args
+    pc = Variant(False, True, False)
+    backends = {
+        "one frame": await started(bench, U_SHAPE),
+        "Eq. 3": await started(bench, pc),
+        "DP": await started(bench, pc, chunking="dp"),
+    }
+    for b in backends.values():
+        await run_request(b, bench.code_prompt(128), 1)
+    rows = []
+    for length in a.lengths:
+        ids = bench.code_prompt(length)
+        row: dict[str, Any] = {"prompt_tokens": length}
+        for name, b in backends.items():
+            row[name] = (await run_request(b, ids, 1))["ttft_ms"]
+            row[f"{name} chunks"] = list(b.stats.last_chunks)
+        rows.append(row)
+        print(f"  chunks {length:5d}: " + "  ".join(f"{n} {row[n]:.0f} ms" for n in backends), file=sys.stderr)
+    for b in backends.values():
+        await b.close()
+    return {"rows": rows}

@@ -72,7 +72,13 @@ class Bench:
             self.worker.stop()
 
     def backend(
-        self, v: Variant, link: Any = None, full_vocab: bool = False, draft_length: str = "eta", tree_width: int = 0
+        self,
+        v: Variant,
+        link: Any = None,
+        full_vocab: bool = False,
+        draft_length: str = "eta",
+        tree_width: int = 0,
+        chunking: str = "eq3",
     ) -> Any:
         from clients.hat.device import HATBackend
         from clients.hat.options import HATOptions
@@ -87,6 +93,7 @@ class Bench:
             parallel_drafting=v.pd,
             draft_length=draft_length,
             tree_width=tree_width,
+            chunking=chunking,
             chunk_size=None if v.pc else 1 << 20,  # no chunking = the whole prompt in one frame
             link=self.link if link is None else link,
             round_timeout=600.0,

@@ -168,6 +168,7 @@ class Gateway:
             speculative=cloud.speculative,
             parallel_drafting=cloud.parallel_drafting,
             drafting=cloud.drafting,
+            chunking=cloud.chunking,
             link=LinkProfile.parse(cloud.link) if cloud.link else None,
             num_threads=cloud.num_threads,
             noise=cloud.noise,

@@ -94,6 +94,7 @@ from clients.torch_local import IncrementalDetokenizer
 from policies.chunking import chunk_bounds, chunk_size, split_prompt
 from policies.drafting import DraftLengthController, DraftStopRule, LinkState, parallel_draft_steps
 from policies.estimate import MovingAverage
+from policies.jupiter import ChunkCost, PlanCache, fit_chunk_cost, plan_device_prefill
 from policies.trees import DraftTree, from_paths, greedy_tree, prior_probabilities
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self.drafter: Any = None
         self._output: Any = None
         self.station: DraftingStation | None = None  # drafting = "batched": concurrent streams' device work batched
+        self._device_tau: ChunkCost | None = None  # chunking = "dp": this device's fitted prefill step time
+        self._plans = PlanCache(64)
         self.active = 0
         self.tokens_generated = 0
         self.stats = HATStats()
@@ -216,6 +219,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             self._load_draft_vocab(o.draft_vocab_path)
         if o.drafting == "batched":
             self.station = DraftingStation(self)
+        if o.chunking == "dp":
+            self._device_tau = self._fit_device_tau()
         log.info("%s: device half of %s ready in %.1f s", self.name, self.model_id, time.monotonic() - t0)
 
     def _load_draft_vocab(self, path: str | os.PathLike[str]) -> None:
@@ -389,7 +394,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     def _chunk(self, length: int, info: dict[str, Any]) -> int:
         """Prefill chunk size: fixed, or Eq. 3; never more than fits one of the worker's frames."""
         token_bytes = self._token_bytes()
-        fits = max(1, int(info.get("max_frame_bytes") or self.options.max_frame_bytes) // token_bytes)
+        fits = self._frame_tokens(info)
         if self.options.chunk_size:
             return max(1, min(self.options.chunk_size, fits))
         slope, intercept = (float(x) for x in info.get("g", (0.0, 0.0)))
@@ -404,13 +409,54 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         )
         return max(1, min(x, length, fits))
 
+    def _frame_tokens(self, info: dict[str, Any]) -> int:
+        """Most positions one of the worker's frames can carry."""
+        return max(1, int(info.get("max_frame_bytes") or self.options.max_frame_bytes) // self._token_bytes())
+
+    def _prefill_bounds(self, length: int, info: dict[str, Any]) -> list[tuple[int, int]]:
+        """The prompt's chunks: equal chunks of Eq. 3's size (or the fixed chunk_size), or with `chunking = "dp"`
+        Jupiter's sequence partition over the device → link → worker pipeline (policies/jupiter.py): the device's
+        own fitted τ(x | y), the upload at the measured bandwidth, the worker's g as its τ (context-free)."""
+        if self.options.chunking != "dp" or self.options.chunk_size or self._device_tau is None or length < 2:
+            return chunk_bounds(split_prompt(length, self._chunk(length, info)))
+        slope, intercept = (float(x) for x in info.get("g", (0.0, 0.0)))
+        plan = plan_device_prefill(
+            length,
+            self._device_tau,
+            ChunkCost(a=max(intercept, 0.0), b=max(slope, 0.0)),
+            token_bytes=self._token_bytes(),
+            beta_up=self.beta_up.get(10e6),
+            min_len=min(self.options.min_chunk, length),
+            granularity=min(16, length),
+            max_len=self._frame_tokens(info),
+            cache=self._plans,
+        )
+        return plan.bounds
+
+    def _fit_device_tau(self) -> ChunkCost:
+        """τ(x | y) of this device's prefill step (input submodel + adapter): timed at load on a small grid."""
+        points = []
+        with torch.inference_mode():
+            for y in (0, 128):
+                for x in (16, 64, 128):
+                    st = self.drafter.new_state()
+                    if y:
+                        self.drafter.prefill(st, [0] * y, 0)
+                    samples = []
+                    for _ in range(2):
+                        t0 = time.perf_counter()
+                        self.drafter.prefill(st, [0] * x, y)
+                        samples.append(time.perf_counter() - t0)
+                        st.crop(y)
+                    points.append((x, y, min(samples)))
+        return fit_chunk_cost(points)
+
     async def _prefill(
         self, link: FrameSession, st: DraftState, context: list[int], slot: StreamSlot | None = None
     ) -> torch.Tensor:
         """Chunked, pipelined prefill; returns the logits at the last context position."""
         t0 = time.perf_counter()
-        chunk = self._chunk(len(context), link.info)
-        bounds = chunk_bounds(split_prompt(len(context), chunk))
+        bounds = self._prefill_bounds(len(context), link.info)
         seqs, sent_at, sizes = [], [], []
         for start, end in bounds:
             if slot is not None:  # batched with other streams' pending chunks
@@ -434,7 +480,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         st.prefill_tokens += len(context)
         st.prefill_chunks += len(bounds)
         st.prefill_seconds += time.perf_counter() - t0
-        st.last_chunk_size = chunk
+        st.last_chunk_size = bounds[0][1] - bounds[0][0]
+        st.last_chunks = [end - start for start, end in bounds]
         return logits
 
     def _observe_upload(self, tokens: int, rtt: float, info: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from clients.hat import wire
 from clients.hat.link import LinkProfile
@@ -43,6 +43,10 @@ class HATOptions:
         that sample, penalise, follow a grammar or return logprobs stay chains. Greedy output is unchanged.
     tree_paths: the tree's shape as rank paths (e.g. ((0,), (1,), (0, 0)): top-1, top-2, top-1 after top-1), as
         ARCA chose it from a profile; None = shaped greedily from policies.trees' prior for tree_width nodes.
+    chunking: "eq3" = equal chunks of Eq. 3's size; "dp" = Jupiter's sequence partition over the device → link →
+        worker pipeline (policies/jupiter.py plan_device_prefill), with the device's own prefill step time fitted
+        at load, the measured upload bandwidth and the worker's g: unequal chunks (the three stages are very
+        unequal, where one chunk size is not optimal). A fixed chunk_size overrides both.
     chunk_size: fixed prefill chunk; None = Eq. 3 with min_chunk..max_chunk.
     beta_up / beta_down: initial link bandwidth estimates in bytes/s (HAT's devices measure them, e.g. with
         iperf3); the upload estimate is refined from prefill timings. With a LinkProfile the emulated
@@ -78,6 +82,7 @@ class HATOptions:
     tree_width: int = 0
     tree_paths: tuple[tuple[int, ...], ...] | None = None
     drafting: str = "batched"  # "batched" | "solo"
+    chunking: str = "eq3"  # "eq3" | "dp"
     chunk_size: int | None = None
     min_chunk: int = 16
     max_chunk: int = 256
@@ -117,6 +122,7 @@ class HATStats:
     status_updates: int = 0  # STATUS frames (the worker's mu and g) received mid-session
     tree_rounds: int = 0  # rounds that verified a token tree
     last_chunk_size: int = 0
+    last_chunks: list[int] = field(default_factory=list)  # the last prefill's chunk lengths
 
     def summary(self) -> dict[str, float]:
         r = max(self.rounds, 1)

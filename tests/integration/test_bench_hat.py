@@ -37,6 +37,8 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     assert [r["rtt_ms"] for r in results["sweep"]["rtt"]] == [0, 40]
     assert [r["devices"] for r in results["throughput"]["rows"]] == [1, 2]
     assert all(r["batched_tok_s"] > 0 and r["one_at_a_time_tok_s"] > 0 for r in results["throughput"]["rows"])
+    assert [r["prompt_tokens"] for r in results["chunks"]["rows"]] == [96, 160]
+    assert all(sum(r["DP chunks"]) == r["prompt_tokens"] and r["DP"] > 0 for r in results["chunks"]["rows"])
     trees = results["trees"]
     assert [r["shape"] for r in trees["rows"]] == ["U-shape", "chain", "tree w=4"]
     assert all(r[k]["accept_length"] >= 1.0 and r[k]["speedup"] > 0 for r in trees["rows"] for k in ("chat", "code"))

@@ -713,6 +713,26 @@ async def test_emulated_link_and_eq3_chunking(worker: WorkerServer, smol, refere
     print(f"emulated link: {elapsed * 1e3:.0f} ms for 8 tokens, chunk {stats.last_chunk_size}, {stats.summary()}")
 
 
+async def test_dp_chunking_plans_unequal_chunks_and_keeps_greedy_exact(worker: WorkerServer, smol) -> None:
+    """chunking = "dp": the prompt's chunks come from Jupiter's partition over device -> link -> worker (the
+    device's own step time fitted at load); the answer is unchanged."""
+    model, tok = smol
+    ids = prompt_ids(tok, PROMPT + " Explain each step. " + "Use clear names and short comments. " * 20)
+    ref, gaps = u_shape_greedy(model, ids, 6)
+    link = LinkProfile(latency=0.005, up_bandwidth=2e6, down_bandwidth=4e6, seed=1)
+    backend = worker.backend(model, tok, SMOL, chunk_size=None, link=link, chunking="dp")
+    await backend.start()
+    tau = backend._device_tau
+    assert tau is not None and tau.b > 0  # seconds per token of the device's prefill step, measured
+    got = token_ids(await collect(backend, ids, max_tokens=6))
+    await backend.close()
+    check_against_reference(got, ref, gaps)
+    chunks = backend.stats.last_chunks
+    print(f"dp chunks for {len(ids)} tokens: {chunks}")
+    assert sum(chunks) == len(ids) and len(chunks) == backend.stats.prefill_chunks
+    assert all(c >= 16 for c in chunks) and len(chunks) >= 2
+
+
 def test_sse_frames_are_base64_events(worker: WorkerServer, smol) -> None:
     model, _ = smol
     params = json.dumps(open_params(worker))
