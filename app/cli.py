@@ -77,6 +77,7 @@ def _worker(args: argparse.Namespace) -> int:
         "port": args.port,
         "num_threads": args.threads,
         "device": args.device,
+        "profile": args.profile,
     }
     values.update({k: v for k, v in overrides.items() if v is not None})
     if token := os.environ.get("TANDEM_WORKER_AUTH_TOKEN"):
@@ -93,6 +94,12 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _train_adapter(args: argparse.Namespace) -> int:
     from app.training.train_adapter import main
+
+    return main(args.rest)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from app.profiling.main import main
 
     return main(args.rest)
 
@@ -150,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--port", type=int)
     worker.add_argument("--threads", type=int, help="torch threads")
     worker.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the middle layers run (default auto)")
+    worker.add_argument("--profile", help="a `tandem profile` JSON: g starts from its measured middle times")
     worker.set_defaults(func=_worker)
+
+    prof = sub.add_parser("profile", help="measure this device and a HAT worker (see --help)", add_help=False)
+    prof.add_argument("rest", nargs=argparse.REMAINDER)
+    prof.set_defaults(func=_profile)
 
     train = sub.add_parser("train-adapter", help="distil the HAT draft adapter (see --help)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
@@ -170,8 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=_bench)
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["train-adapter"]:  # its own parser: argparse's REMAINDER cannot start with an --option
+    # Their own parsers: argparse's REMAINDER cannot start with an --option.
+    if argv[:1] == ["train-adapter"]:
         return _train_adapter(argparse.Namespace(rest=argv[1:]))
+    if argv[:1] == ["profile"]:
+        return _profile(argparse.Namespace(rest=argv[1:]))
     args = parser.parse_args(argv)
     return args.func(args)
 

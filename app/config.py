@@ -231,6 +231,9 @@ class HATCloudSettings(_Strict):
     # device decode speed); HAT's own benchmarks run the device half on one thread.
     num_threads: Annotated[int, Field(ge=1)] | None = 1
     price: PriceSettings = PriceSettings()
+    # A profile from `tandem profile` (JSON): the device half (and an embedded worker) start from its measured
+    # times and acceptance instead of warm-up priors; "" = online estimates only. Refused for another model / m.
+    profile: str = ""
     embedded: EmbeddedWorkerSettings | None = None
 
     @field_validator("worker_url")

@@ -46,6 +46,10 @@ class HATOptions:
     noise: Gaussian noise added to every hidden-state frame the device sends (prefill chunks and drafts), std =
         noise x each vector's RMS (clients/hat/noise.py): makes inverting the states harder (`tandem bench
         privacy`), at a cost in quality — with noise > 0 the output is no longer the LLM's exactly. 0 = none.
+    profile: a profile of this device and its worker (`tandem profile`, clients/hat/profile.py): the draft-length
+        controller starts from its measured draft step, head, link latency and replayed acceptance, and the
+        bandwidth estimates from its measured bandwidths, instead of the warm-up priors; refused if it was made
+        for another model or m. None = today's online estimates only.
     noise_seed: seeds every session's noise generator (reproducible tests and benchmarks only: the same noise in
         every session can be subtracted out); None = a fresh seed from the OS per session.
     """
@@ -74,6 +78,7 @@ class HATOptions:
     link: LinkProfile | None = None
     noise: float = 0.0
     noise_seed: int | None = None
+    profile: str | os.PathLike[str] | None = None
     connect_timeout: float = 10.0
     round_timeout: float = 60.0
     max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES
