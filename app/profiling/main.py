@@ -172,12 +172,12 @@ def table1(
     counts), replayed exactly on the calibration set and on the transfer set; modelled round time and tokens/s;
     ARCA's width (argmax of calibrated accept length / round time, ties to the smaller); Ghidorah's decomposition
     speedup(w) = accept(w) * T(1) / T(w)."""
-    counts, starts = rp.path_counts(calib, depth, top_k)
+    counts, starts = rp.path_counts(calib, max(depth, max(widths) - 1), top_k)  # deep enough for every chain
     rows = []
     for w in widths:
         row: dict[str, Any] = {"width": w}
         for shape in ("chain", "tree"):
-            tree = rp.chain(min(w - 1, depth)) if shape == "chain" else rp.greedy_tree(counts, w - 1, top_k)
+            tree = rp.chain(w - 1) if shape == "chain" else rp.greedy_tree(counts, w - 1, top_k)
             est = rp.expected_accept(tree, counts, starts)
             t = round_ms(profile, tree, est, context)
             row[shape] = {

@@ -288,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="corpus: also this many code-reading prompts built from the Python standard library's source",
     )
+    p.add_argument("--code-max-tokens", type=int, default=2048, help="longest code-reading prompt (tokens)")
     p.add_argument("--code-max-new-tokens", type=int, default=128, help="answer cap for the code-reading prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1000)
@@ -361,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.code_prompts:
             # The code-reading prompts first (long prompts, short answers: a larger context), then the chat prompts,
             # held-out ones first, so a run stopped early still has both held-out sets.
-            code = build_code_prompts(tokenizer, args.code_prompts, args.seed)
+            code = build_code_prompts(tokenizer, args.code_prompts, args.seed, max_tokens=args.code_max_tokens)
             code_cfg = CorpusConfig(
                 max_new_tokens=args.code_max_new_tokens,
                 temperature=args.temperature,
