@@ -120,6 +120,7 @@ def _train_stage(args: argparse.Namespace, out: Path, gguf: Path, model: Any, sp
         checkpoint_every=args.checkpoint_every,
         eval_every=args.eval_every,
         time_budget_s=args.time_budget * 60 if args.time_budget else None,
+        answers_only=args.answers_only,
     )
     loss_from = max(common_prefix_len([e.prompt_ids for e in train_ex]) - 1, 0) if not args.loss_on_header else 0
     frequent = frequent_tokens((e.ids for e in train_ex), opts.ce_vocab // 2)
@@ -298,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--w-ce", type=float, default=0.1, help="weight of the CE term (HAT Eq. 4: 0.1)")
     p.add_argument("--ce-vocab", type=int, default=4096, help="CE vocabulary subset size (0 = full vocabulary)")
     p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--answers-only", action="store_true", help="train on answer positions only (not the prompts)")
     p.add_argument("--loss-on-header", action="store_true", help="also train on the shared chat-template header")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=200, help="held-out top-1 on a few sequences every N steps")

@@ -133,6 +133,19 @@ def test_loss_is_eq4(tiny: LlamaForCausalLM) -> None:
     assert sub["smooth_l1"] > 0
 
 
+def test_answers_only_trains_on_each_answer_not_its_prompt(tiny: LlamaForCausalLM) -> None:
+    split = split_model(tiny, 2)
+    data = []
+    for i, prompt_len in enumerate((5, 12)):
+        ids = torch.randint(0, 96, (20,)).tolist()
+        data.append(compute_features(split, Example(i, False, ids[:prompt_len], ids[prompt_len:]), 1024, False))
+    opts = TrainOptions(steps=1, batch=2, ce_vocab=48, eval_every=0, answers_only=True)
+    # each sequence from its prompt's last position (which predicts the first answer token) to its end
+    assert Trainer(split, Adapter(tiny, m=2), data, opts).run_step()["tokens"] == (20 - 4) + (20 - 11)
+    every = TrainOptions(steps=1, batch=2, ce_vocab=48, eval_every=0)
+    assert Trainer(split, Adapter(tiny, m=2), data, every, loss_from=2).run_step()["tokens"] == 2 * (20 - 2)
+
+
 def test_training_improves_agreement_and_round_trips(tiny: LlamaForCausalLM, tmp_path: Path) -> None:
     torch.manual_seed(1)
     model = LlamaForCausalLM(tiny.config).eval()
