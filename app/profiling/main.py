@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quick(args: argparse.Namespace) -> None:
-    args.rows, args.widths, args.contexts, args.repeats = [1, 2, 4], [1, 2, 4], [32, 64], 3
+    args.rows, args.widths, args.contexts, args.repeats = [1, 2, 4], [1, 2, 4], [32], 2
     args.chat_prompts, args.code_prompts, args.answer_tokens, args.depth, args.top_k = 2, 1, 12, 4, 4
     args.code_max_tokens = 256
 
@@ -283,7 +283,7 @@ async def _measure(args: argparse.Namespace, backend: Any, model_name: str) -> t
 
 
 def _link_positions(args: argparse.Namespace) -> list[int]:
-    return [1, 16, 64] if args.quick else [1, 64, 256]
+    return [1, 16] if args.quick else [1, 64, 256]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
