@@ -350,10 +350,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "link": measured["link"],
     }
     t1 = time.monotonic()
-    texts = calibration_texts(args, model, tok, set(backend.eos_ids))
+    eos = set(backend.eos_ids)
+    texts = calibration_texts(args, model, tok, eos)
     split = split_model(model, args.m)
     ranked = {
-        name: [rp.rank_text(split, backend.adapter, p + a, len(p), backend._draft_ids) for p, a in pairs]
+        name: [
+            rp.rank_text(split, backend.adapter, p + a, len(p), backend._draft_ids, capped=not a or a[-1] not in eos)
+            for p, a in pairs
+        ]
         for name, pairs in texts.items()
     }
     profile["acceptance"] = acceptance(args, ranked, profile)

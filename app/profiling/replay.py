@@ -44,6 +44,20 @@ class RankedText:
     llm_top1: list[int]  # the LLM's argmax
     ranks: list[int]  # rank of the LLM's argmax in the draft distribution (0 = the draft's argmax; MISS)
     maxp: list[float]  # the draft distribution's max probability (the eta rule's confidence)
+    # Cut by a length limit (True) or ended by an end token (False). A live run capped at a length drafts at most
+    # up to the last token but one, so its own token closes the last round; one that stops at the end token may
+    # draft the end token itself, and its last round's token then lies past the text.
+    capped: bool = True
+
+    @property
+    def draft_limit(self) -> int:
+        """Drafts of a round starting at p stop before position p + d reaches this."""
+        return self.end - 1 if self.capped else self.end
+
+    @property
+    def first_round(self) -> int:
+        """Where the first decode round starts: at the first answer token, which prefill produced (no drafts)."""
+        return self.prompt_len
 
     @property
     def end(self) -> int:
@@ -61,6 +75,7 @@ def rank_text(
     prompt_len: int,
     draft_vocab: torch.Tensor | None = None,
     chunk: int = 256,
+    capped: bool = True,
 ) -> RankedText:
     """Teacher-forced LLM argmax and draft ranks along `ids` (fp32 split model; draft head on `draft_vocab` only)."""
     t = torch.tensor([list(ids)], dtype=torch.long)
@@ -83,16 +98,17 @@ def rank_text(
         rank = (logits > true_logit).sum(-1)
         ranks += torch.where(inside, rank, torch.full_like(rank, MISS)).tolist()
         maxp += torch.softmax(logits, -1).max(-1).values.tolist()
-    return RankedText(list(ids), prompt_len, llm_top1.tolist(), ranks, maxp)
+    return RankedText(list(ids), prompt_len, llm_top1.tolist(), ranks, maxp, capped)
 
 
 # --- calibration statistics -------------------------------------------------------------------------
 
 
 def _starts(texts: Iterable[RankedText]) -> Iterable[tuple[RankedText, int]]:
-    """Every answer position as a round start: the position whose token was just accepted."""
+    """Every answer position as a round start: the position whose token was just accepted (the first one from
+    prefill)."""
     for t in texts:
-        for p in range(max(t.prompt_len - 1, 0), t.end):
+        for p in range(t.first_round, t.end):
             yield t, p
 
 
@@ -219,14 +235,16 @@ class Replay:
 
 
 def replay(texts: Sequence[RankedText], tree: Tree) -> Replay:
-    """Greedy HAT rounds with this tree every round, from each answer's first round to the end of its text."""
+    """Greedy HAT rounds with this tree every round, from each answer's first round to the end of its text.
+
+    A round's drafts stop at the text's draft limit (RankedText.capped: how the live run's last round ended)."""
     out = Replay()
     for t in texts:
-        p = max(t.prompt_len - 1, 0)
+        p = t.first_round
         while p < t.end:
             path: tuple[int, ...] = ()
             accepted = 0
-            while p + accepted < t.end:
+            while p + accepted < t.draft_limit:
                 q = p + accepted
                 path = (*path, t.ranks[q])
                 if path not in tree:
@@ -256,10 +274,10 @@ def replay_eta(texts: Sequence[RankedText], eta: float, max_draft: int, include_
     )
     out = Replay()
     for t in texts:
-        p = max(t.prompt_len - 1, 0)
+        p = t.first_round
         while p < t.end:
             drafted, accepted, flags = 0, 0, []
-            while p + drafted < t.end:
+            while p + drafted < t.draft_limit:
                 q = p + drafted
                 keep, stop = rule.decide(t.maxp[q], drafted)
                 if not keep:

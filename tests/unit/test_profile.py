@@ -23,13 +23,13 @@ from policies.drafting import (
 
 
 def _text(ranks: list[int], prompt_len: int = 1, ties: set[int] = frozenset(), maxp: list[float] | None = None):
-    """A RankedText whose answer positions (from prompt_len - 1) carry `ranks`; the LLM's argmax is the text's
-    next token except at `ties`."""
-    n = prompt_len - 1 + len(ranks) + 1
+    """A RankedText whose decode-round positions (from the first answer token, which prefill produced) carry
+    `ranks`, counted from 0; the LLM's argmax is the text's next token except at `ties` (same counting)."""
+    n = prompt_len + len(ranks) + 1
     ids = list(range(100, 100 + n))
-    top1 = [ids[q + 1] if q + 1 < n and q not in ties else -1 for q in range(n)]
-    full = [0] * (prompt_len - 1) + list(ranks) + [0]
-    probs = [0.9] * n if maxp is None else [0.9] * (prompt_len - 1) + list(maxp) + [0.9]
+    top1 = [ids[q + 1] if q + 1 < n and q - prompt_len not in ties else -1 for q in range(n)]
+    full = [0] * prompt_len + list(ranks) + [0]
+    probs = [0.9] * n if maxp is None else [0.9] * prompt_len + list(maxp) + [0.9]
     return rp.RankedText(ids, prompt_len, top1, full, probs)
 
 
@@ -54,7 +54,7 @@ def test_tree_replay_follows_rank_paths_and_ties_end_a_round() -> None:
 def test_greedy_trees_are_valid_and_their_acceptance_does_not_fall_with_width() -> None:
     texts = [_text([0, 1, 0, 0, 2, 0, 1, 1, 0, 0, 0, 3, 0, 1, 0, 0, 5, 0, 0, 1])]
     counts, starts = rp.path_counts(texts, depth=4, top_k=4)
-    assert counts[(0,)] == sum(1 for r in texts[0].ranks[:-1] if r == 0)  # each start counts its first rank
+    assert counts[(0,)] == sum(1 for r in texts[0].ranks[1:-1] if r == 0)  # each start counts its first rank
     previous = 1.0
     for w in (1, 2, 4, 8, 16, 32):
         tree = rp.greedy_tree(counts, w - 1, top_k=4)
@@ -78,9 +78,10 @@ def test_rank_cdf_is_conditional_on_the_path() -> None:
 
 def test_eta_replay_measures_what_the_controller_plans_with() -> None:
     # confident drafts accepted, one unconfident draft rejected each round
-    t = _text([0, 0, 1, 0, 0, 1], maxp=[0.9, 0.9, 0.3, 0.9, 0.9, 0.3])
+    t = _text([0, 0, 1, 0, 0, 1, 0], maxp=[0.9, 0.9, 0.3, 0.9, 0.9, 0.3, 0.9])
     out = rp.replay_eta([t], eta=0.6, max_draft=8)
-    assert out["accept_length"] == 3.0  # two rounds: 2 accepted + 1 each
+    # two rounds of 2 accepted + 1, then one token left: a last round with no room for a draft
+    assert out["rounds"] == 3 and out["accept_length"] == pytest.approx(7 / 3, abs=1e-4)
     assert out["alpha"]["eta"] == pytest.approx(4 / 6, abs=1e-5)  # 4 accepted, 2 rejecting rounds
     assert out["alpha"]["confident"] == 1.0  # the rejected drafts were unconfident
 
