@@ -82,6 +82,7 @@ def _worker(args: argparse.Namespace) -> int:
         "master_addr": args.master_addr,
         "master_port": args.master_port,
         "sequence_partition": args.sequence_partition,
+        "profile": args.profile,
     }
     if args.stage_rank:  # a stage started by hand on another host: stage 0 does not spawn it
         overrides["spawn_stages"] = False
@@ -107,6 +108,12 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _train_adapter(args: argparse.Namespace) -> int:
     from app.training.train_adapter import main
+
+    return main(args.rest)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from app.profiling.main import main
 
     return main(args.rest)
 
@@ -174,7 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--master-addr", help="the stages' rendezvous address (stage 0's host)")
     worker.add_argument("--master-port", type=int, help="the stages' rendezvous port")
     worker.add_argument("--sequence-partition", choices=["dp", "equal", "off"], help="prefill sub-sequences")
+    worker.add_argument("--profile", help="a `tandem profile` JSON: g starts from its measured middle times")
     worker.set_defaults(func=_worker)
+
+    prof = sub.add_parser("profile", help="measure this device and a HAT worker (see --help)", add_help=False)
+    prof.add_argument("rest", nargs=argparse.REMAINDER)
+    prof.set_defaults(func=_profile)
 
     train = sub.add_parser("train-adapter", help="distil the HAT draft adapter (see --help)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
@@ -206,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=_bench)
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["train-adapter"]:  # its own parser: argparse's REMAINDER cannot start with an --option
+    # Their own parsers: argparse's REMAINDER cannot start with an --option.
+    if argv[:1] == ["train-adapter"]:
         return _train_adapter(argparse.Namespace(rest=argv[1:]))
+    if argv[:1] == ["profile"]:
+        return _profile(argparse.Namespace(rest=argv[1:]))
     args = parser.parse_args(argv)
     return args.func(args)
 

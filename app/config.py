@@ -219,6 +219,9 @@ class HATCloudSettings(_Strict):
     # Greedy rounds verify a token tree of this many positions over the draft's top-k (clients/hat/tree.py); 0 =
     # chains. Same output; faster where the worker's pass costs about the same for w positions as for a chain's.
     tree_width: Annotated[int, Field(ge=0, le=64)] = 0
+    # With a profile: verify the tree (or chain) its ARCA choice names, from replayed acceptance and profiled step
+    # times (`tandem profile`); overrides tree_width.
+    arca: bool = False
     speculative: bool = True
     parallel_drafting: bool = False
     # Concurrent HAT streams: "batched" drafts, verifies and prefills them in shared batched passes (the drafting
@@ -240,6 +243,9 @@ class HATCloudSettings(_Strict):
     # device decode speed); HAT's own benchmarks run the device half on one thread.
     num_threads: Annotated[int, Field(ge=1)] | None = 1
     price: PriceSettings = PriceSettings()
+    # A profile from `tandem profile` (JSON): the device half (and an embedded worker) start from its measured
+    # times and acceptance instead of warm-up priors; "" = online estimates only. Refused for another model / m.
+    profile: str = ""
     embedded: EmbeddedWorkerSettings | None = None
 
     @field_validator("tree_width")

@@ -122,12 +122,13 @@ class EmbeddedServer(_ManagedProcess):
 class EmbeddedWorker(_ManagedProcess):
     what = "HAT worker"
 
-    def __init__(self, settings: EmbeddedWorkerSettings, model: str, m: int, auth_token: str | None):
+    def __init__(self, settings: EmbeddedWorkerSettings, model: str, m: int, auth_token: str | None, profile: str = ""):
         super().__init__(settings.port, "/health/ready", settings.startup_timeout, settings.cpus)
         self.settings = settings
         self.model = model
         self.m = m
         self.auth_token = auth_token
+        self.profile = profile
         self.url = f"ws://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
@@ -136,6 +137,8 @@ class EmbeddedWorker(_ManagedProcess):
                "--host", "127.0.0.1", "--port", str(self.port), "--device", self.settings.device]  # fmt: skip
         if self.settings.num_threads:
             cmd += ["--threads", str(self.settings.num_threads)]
+        if self.profile:
+            cmd += ["--profile", self.profile]
         return cmd
 
     def environment(self) -> dict[str, str] | None:

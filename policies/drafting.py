@@ -66,6 +66,19 @@ class DelayPredictor:
         slope, intercept = self.coefficients()
         return max(0.0, slope * batch_tokens + intercept)
 
+    def prime(self, points: list[tuple[float, float]]) -> None:
+        """Start from measured (batch tokens, delay) points (a profile) instead of nothing: the least-squares line
+        through them, held with the weight of one observation, so live passes take over at Eq. 2's pace."""
+        if not points:
+            raise ValueError("prime needs at least one (batch_tokens, delay) point")
+        n = float(len(points))
+        self._w = 1.0
+        self._wx = sum(x for x, _ in points) / n
+        self._wy = sum(y for _, y in points) / n
+        self._wxx = sum(x * x for x, _ in points) / n
+        self._wxy = sum(x * y for x, y in points) / n
+        self.count = len(points)
+
 
 # --- drafting stop rule (Eq. 5) ---------------------------------------------------------------------
 
@@ -244,6 +257,31 @@ class RoundTime:
         return self.draft + self.upload + self.worker + self.download + self.head + self.rtt
 
 
+@dataclass(frozen=True)
+class MeasuredParts:
+    """A profile's measurements of the round-time parts (`tandem profile`), seconds and bytes/s, and the acceptance
+    its offline replay measured: what the controller starts from instead of its priors. None = not measured.
+
+    alpha_chain: acceptance of fixed chains without a confidence stop (what "eq7" plans with); alpha_eta: pooled
+    acceptance under the eta stop ("eta"); alpha_confident: acceptance of confident drafts ("eq7+eta").
+    weight: how many drafts the replayed acceptance counts as (pseudo-counts of the estimators' priors).
+    """
+
+    step: float | None = None
+    head_row: float | None = None
+    rtt: float | None = None
+    alpha_chain: float | None = None
+    alpha_eta: float | None = None
+    alpha_confident: float | None = None
+    weight: float = 20.0
+
+
+def _prior(alpha: float, weight: float) -> AcceptanceEstimator:
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"a measured acceptance rate must be in [0, 1], got {alpha}")
+    return AcceptanceEstimator(prior_accepted=alpha * weight, prior_rejections=(1.0 - alpha) * weight)
+
+
 @dataclass
 class DraftLengthController:
     """Chooses each round's draft length l* = argmax L(l, alpha_hat) / T_round(l) from measured parts (HAT item 2).
@@ -293,6 +331,18 @@ class DraftLengthController:
             raise ValueError(f"draft_length must be one of {', '.join(DRAFT_LENGTH_MODES)}, got {self.mode!r}")
         if self.max_len < 1:
             raise ValueError(f"max_draft must be >= 1, got {self.max_len}")
+
+    def seed(self, parts: MeasuredParts) -> None:
+        """Start from a profile's measured parts instead of the warm-up priors (before any round is observed);
+        the moving averages and the estimators then refine them online as usual."""
+        self.step = parts.step if parts.step is not None else self.step
+        self.head_row = parts.head_row if parts.head_row is not None else self.head_row
+        self.rtt = parts.rtt if parts.rtt is not None else self.rtt
+        pooled = parts.alpha_chain if self.mode == "eq7" else parts.alpha_eta
+        if pooled is not None:
+            self.pooled = _prior(pooled, parts.weight)
+        if parts.alpha_confident is not None:
+            self.confident = _prior(parts.alpha_confident, parts.weight)
 
     @property
     def alpha(self) -> float:

@@ -1,4 +1,4 @@
-"""Token trees for HAT verification and ARCA's width choice (Ghidorah §III-C), from measured draft ranks.
+"""Token trees for HAT verification (Ghidorah §III-C), shaped from measured draft ranks.
 
 A round verifies w positions: the root (the last accepted token, which the worker has not seen yet) and w - 1 draft
 nodes. Node i drafts the rank-`ranks[i]` candidate (0 = the draft model's top-1) of the draft distribution at its
@@ -17,8 +17,8 @@ draft distribution given the true prefix (`RankSequence`, recorded by the profil
   ancestor-closed node set because a node is never more probable than its parent;
 - `replay`: the exact greedy rounds over a rank sequence (each round starts after the previous round's accepted
   drafts and its correction), i.e. the accept length a live run gets on the same prompts;
-- `refine_tree`: Ghidorah's step 5 (swap leaves for frontier nodes while the replayed accept length improves);
-- `choose_width`: ARCA's selection, the tree maximising tokens per round / round time, ties to the smaller width.
+- `refine_tree`: Ghidorah's step 5 (swap leaves for frontier nodes while the replayed accept length improves).
+ARCA's width choice over these trees and the profiled round time is `tandem profile`'s (app/profiling/main.py).
 
 Pure: no I/O, no clocks; times are arguments.
 """
@@ -26,12 +26,9 @@ Pure: no I/O, no clocks; times are arguments.
 from __future__ import annotations
 
 import itertools
-import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-
-ARCA_WIDTHS = (1, 2, 4, 8, 16, 32)  # Ghidorah's powers of two, capped where a CPU worker's pass time climbs
 
 # Per answer token after the first (the first comes from the prefill's deep state): its rank in the draft
 # distribution given the true prefix. Ranks >= the profile's cap may be recorded as the cap.
@@ -308,78 +305,3 @@ def _next_rank(paths: set[RankPath], parent: RankPath) -> int:
     while r in used:
         r += 1
     return r
-
-
-# --- ARCA: the width -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TreeRoundCost:
-    """Seconds a round with a given tree takes, by its measured parts (the profile's numbers).
-
-    - draft_step(rows): one batched draft-model step over `rows` nodes (a tree drafts depth by depth; the root's
-      step is one row); upload/download per position; worker(w): the middle layers on w positions (g(mu + w) with
-      the live mu); head_row: the device head on one row (it checks the accepted path lazily, one row per visited
-      node: expected visits = the round's expected tokens); rtt.
-    """
-
-    draft_step: Callable[[int], float]
-    worker: Callable[[int], float]
-    head_row: float
-    upload_per_position: float = 0.0
-    download_per_position: float = 0.0
-    rtt: float = 0.0
-
-    def __call__(self, tree: DraftTree, tokens: float) -> float:
-        drafting = sum(self.draft_step(rows) for rows in tree.expanded_per_level())
-        w = tree.width
-        link = w * (self.upload_per_position + self.download_per_position) + self.rtt
-        return drafting + link + self.worker(w) + self.head_row * tokens
-
-
-@dataclass(frozen=True)
-class WidthChoice:
-    tree: DraftTree
-    tokens_per_round: float
-    round_time: float
-
-    @property
-    def rate(self) -> float:
-        return self.tokens_per_round / self.round_time if self.round_time > 0 else math.inf
-
-
-def choose_width(candidates: Iterable[tuple[DraftTree, float]], cost: TreeRoundCost) -> WidthChoice:
-    """ARCA's selection: the (tree, expected tokens per round) with the most tokens per second; ties (1e-12
-    relative) go to the smaller width, then to the earlier candidate."""
-    best: WidthChoice | None = None
-    for tree, tokens in sorted(candidates, key=lambda c: c[0].width):
-        choice = WidthChoice(tree, tokens, cost(tree, tokens))
-        if best is None or choice.rate > best.rate * (1 + 1e-12):
-            best = choice
-    if best is None:
-        raise ValueError("no candidate trees")
-    return best
-
-
-def arca_candidates(
-    sequences: Sequence[RankSequence],
-    widths: Sequence[int] = ARCA_WIDTHS,
-    max_rank: int = 8,
-    trees: bool = True,
-    refine: bool = False,
-) -> list[tuple[DraftTree, float]]:
-    """For every width: the chain (w - 1 drafts) and, with `trees`, the greedy (optionally refined) tree, each with
-    its replayed tokens per round on `sequences` (the calibration answers)."""
-    if not sequences:
-        raise ValueError("ARCA needs calibration rank sequences")
-    probs = path_probabilities(sequences, max_depth=max(widths), max_rank=max_rank)
-    out: list[tuple[DraftTree, float]] = []
-    for w in widths:
-        shapes = [chain(w - 1)]
-        if trees and w > 2:
-            tree = greedy_tree(w, probs)
-            shapes.append(refine_tree(tree, sequences) if refine else tree)
-        for shape in shapes:
-            if all(shape != t for t, _ in out):
-                out.append((shape, replay_accept_length(shape, sequences)))
-    return out

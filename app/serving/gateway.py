@@ -147,7 +147,7 @@ class Gateway:
         url = cloud.worker_url
         token = cloud.auth_token.get_secret_value() if cloud.auth_token else None
         if cloud.embedded is not None:
-            worker = EmbeddedWorker(cloud.embedded, cloud.model, cloud.m, token)
+            worker = EmbeddedWorker(cloud.embedded, cloud.model, cloud.m, token, profile=cloud.profile)
             url = worker.url
             self.embedded.append(worker)
         adapter, draft_vocab = draft_files(cloud.model, cloud.m, cloud.adapter, cloud.draft_vocab)
@@ -165,6 +165,7 @@ class Gateway:
             max_draft=cloud.max_draft,
             draft_length=cloud.draft_length,
             tree_width=cloud.tree_width,
+            arca=cloud.arca,
             speculative=cloud.speculative,
             parallel_drafting=cloud.parallel_drafting,
             drafting=cloud.drafting,
@@ -172,6 +173,7 @@ class Gateway:
             link=LinkProfile.parse(cloud.link) if cloud.link else None,
             num_threads=cloud.num_threads,
             noise=cloud.noise,
+            profile=cloud.profile or None,
         )
         backend = HATBackend(options)
         backend.accepts_token_ids = cloud.tokenizer == "device"

@@ -14,7 +14,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -115,7 +115,7 @@ def load_tokenizer(gguf: Path) -> Any:
 
 
 def generate_corpus(
-    prompts: Sequence[str],
+    prompts: Sequence[str] | Mapping[int, str],
     out_path: str | os.PathLike[str],
     gguf: Path,
     tokenizer: Any,
@@ -123,12 +123,18 @@ def generate_corpus(
     indices: Iterable[int] | None = None,
     progress: bool = True,
 ) -> dict[int, Example]:
-    """Answer every prompt not yet in `out_path` with llama.cpp, appending one JSON line per answer."""
+    """Answer every prompt not yet in `out_path` with llama.cpp, appending one JSON line per answer.
+
+    `prompts` is a list (corpus index = position) or a mapping from corpus index to prompt (the code-reading
+    prompts live at app.training.code_prompts.CODE_INDEX_BASE + j); `indices` picks and orders the ones to answer.
+    """
     from tqdm import tqdm
 
     done = read_corpus(out_path)
     todo = []
-    for i in indices if indices is not None else range(len(prompts)):
+    if indices is None:
+        indices = sorted(prompts) if isinstance(prompts, Mapping) else range(len(prompts))
+    for i in indices:
         key = _record_key(prompts[i], cfg, is_held_out(i), i)
         if i not in done or done[i].key != key:
             todo.append((i, key))
@@ -191,10 +197,16 @@ def generate_corpus(
 
 
 def corpus_stats(corpus: dict[int, Example]) -> dict[str, Any]:
+    from app.training.code_prompts import is_code_index
+
     train = [e for e in corpus.values() if not e.held_out]
     held = [e for e in corpus.values() if e.held_out]
+    code = [e for e in corpus.values() if is_code_index(e.index)]
     return {
         "prompts": len(corpus),
+        "code_prompts": len(code),
+        "code_held_out_prompts": sum(e.held_out for e in code),
+        "code_tokens": sum(len(e.ids) for e in code),
         "train_prompts": len(train),
         "held_out_prompts": len(held),
         "train_tokens": sum(len(e.ids) for e in train),

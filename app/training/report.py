@@ -219,6 +219,35 @@ def time_draft_step(split: Any, adapter: Any, context: int = 300, vocab: torch.T
     return {"draft_step_ms": 1e3 * times[len(times) // 2], "head_ms": 1e3 * head_times[len(head_times) // 2]}
 
 
+@torch.inference_mode()
+def side_by_side(
+    split: Any, held: Sequence[Features], contenders: dict[str, tuple[Any, torch.Tensor | None]], eta: float
+) -> dict[str, Any]:
+    """Each (adapter, draft vocabulary) on the held-out chat prompts and the held-out code-reading prompts apart:
+    top-1 agreement over its vocabulary and the accept length of greedy HAT rounds at eta (max 8 drafts)."""
+    from app.training.code_prompts import is_code_index
+
+    groups = {
+        "chat": [f for f in held if not is_code_index(f.index)],
+        "code": [f for f in held if is_code_index(f.index)],
+    }
+    out: dict[str, Any] = {}
+    for group, seqs in groups.items():
+        if not seqs:
+            continue
+        out[group] = {"prompts": len(seqs), "response_tokens": sum(f.ids.shape[0] - f.prompt_len for f in seqs)}
+        for name, (fn, vocab) in contenders.items():
+            preds = predict(split, fn, seqs, vocab, None)
+            rounds = accept_length(split, fn, seqs, (eta,), preds=preds)
+            out[group][name] = {
+                **top1_agreement(split, fn, seqs, preds=preds),
+                "accept_length_send_low": rounds[f"eta={eta:g},send_low"]["accept_length"],
+                "accept_length_stop_before_low": rounds[f"eta={eta:g},stop_before_low"]["accept_length"],
+                "vocab": None if vocab is None else int(vocab.numel()),
+            }
+    return out
+
+
 def _headline(v: dict[str, Any], eta: float) -> str:
     send = v["rounds"][f"eta={eta:g},send_low"]["accept_length"]
     stop = v["rounds"][f"eta={eta:g},stop_before_low"]["accept_length"]
@@ -241,6 +270,14 @@ def print_report(report: dict[str, Any]) -> None:
             f"  draft vocab {k:>6}: coverage {v['coverage_of_llm_tokens']:.3f}; {_headline(v, eta)}; "
             f"draft step {t['draft_step_ms']:.1f} ms (head {t['head_ms']:.1f} ms)"
         )
+    for group, v in report.get("side_by_side", {}).items():
+        print(f"  side by side, held-out {group} ({v['prompts']} prompts, {v['response_tokens']} answer tokens):")
+        for name, r in v.items():
+            if isinstance(r, dict):
+                print(
+                    f"    {name:>9}: top-1 {r['top1_response']:.3f}; accept length {r['accept_length_send_low']:.3f} "
+                    f"/ {r['accept_length_stop_before_low']:.3f} (vocab {r['vocab'] or 'full'})"
+                )
     if "draft_vocab_full_timing" in report:
         t = report["draft_vocab_full_timing"]
         print(f"  full vocabulary: draft step {t['draft_step_ms']:.1f} ms (head {t['head_ms']:.1f} ms)")

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from app.training.code_prompts import CODE_INDEX_BASE, build_code_prompts
 from app.training.corpus import (
     DEFAULT_PROMPTS,
     CorpusConfig,
@@ -38,6 +39,7 @@ from app.training.corpus import (
     corpus_stats,
     frequent_tokens,
     generate_corpus,
+    is_held_out,
     load_prompts,
     load_tokenizer,
     read_corpus,
@@ -49,6 +51,7 @@ from app.training.report import (
     predict,
     print_report,
     response_slice,
+    side_by_side,
     time_draft_step,
     top1_agreement,
 )
@@ -117,10 +120,16 @@ def _train_stage(args: argparse.Namespace, out: Path, gguf: Path, model: Any, sp
         checkpoint_every=args.checkpoint_every,
         eval_every=args.eval_every,
         time_budget_s=args.time_budget * 60 if args.time_budget else None,
+        answers_only=args.answers_only,
     )
     loss_from = max(common_prefix_len([e.prompt_ids for e in train_ex]) - 1, 0) if not args.loss_on_header else 0
     frequent = frequent_tokens((e.ids for e in train_ex), opts.ce_vocab // 2)
-    adapter = Adapter(model, args.m)
+    if args.init_adapter:  # warm start: continue from a trained adapter (e.g. the shipped one) on this corpus
+        adapter = Adapter.load(model, args.init_adapter)
+        if adapter.m != args.m:
+            raise SystemExit(f"--init-adapter {args.init_adapter} was trained for m={adapter.m}, not m={args.m}")
+    else:
+        adapter = Adapter(model, args.m)
     trainer = Trainer(split, adapter, train, opts, loss_from, frequent, held)
     ckpt = out / "checkpoint"
     if not ckpt.exists() and (out / "checkpoint.old").exists():
@@ -147,6 +156,7 @@ def _train_stage(args: argparse.Namespace, out: Path, gguf: Path, model: Any, sp
         "feature_seconds_this_run": round(feature_seconds, 1),
         "options": asdict(opts),
         "loss_from_position": loss_from,
+        "init_adapter": args.init_adapter or None,
         "final": trainer.history[-1] if trainer.history else {},
         "evals": trainer.evals,
         "corpus": corpus_stats(corpus),
@@ -168,6 +178,8 @@ def _report_stage(args: argparse.Namespace, out: Path, gguf: Path, model: Any, s
     variants: dict[str, Any] = {"no_adapter": lambda s: s, "untrained": Adapter(model, args.m).eval()}
     if trained_path.exists():
         variants["trained"] = Adapter.load(model, trained_path).eval()
+    best = variants.get("trained", variants["untrained"])
+    variants = {k: v for k, v in variants.items() if k in args.variants}
     etas = sorted({args.eta, 0.4, 0.8})
     report: dict[str, Any] = {
         **_model_info(args.model, gguf),
@@ -188,7 +200,6 @@ def _report_stage(args: argparse.Namespace, out: Path, gguf: Path, model: Any, s
             "rounds": accept_length(split, fn, held, etas, preds=preds),
         }
         print(f"report: {name} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-    best = variants.get("trained", variants["untrained"])
     if args.draft_vocab:
         freq_all = frequent_tokens((e.ids for e in train_ex), max(args.draft_vocab))
         timing = {"full": time_draft_step(split, best)}
@@ -205,9 +216,28 @@ def _report_stage(args: argparse.Namespace, out: Path, gguf: Path, model: Any, s
                 "timing": time_draft_step(split, best, vocab=vocab),
             }
         report["draft_vocab_full_timing"] = timing["full"]
+    if args.baseline:
+        trained_vocab = Path(args.trained_vocab) if args.trained_vocab else None
+        contenders = {
+            "baseline": (Adapter.load(model, args.baseline).eval(), _vocab(args.baseline_vocab)),
+            "trained": (best, _vocab(trained_vocab)),
+        }
+        report["side_by_side"] = side_by_side(split, held, contenders, args.eta)
+        report["side_by_side_files"] = {
+            "baseline": [args.baseline, args.baseline_vocab or None],
+            "trained": [str(trained_path), str(trained_vocab) if trained_vocab else None],
+        }
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     print_report(report)
     return report
+
+
+def _vocab(path: str | os.PathLike[str] | None) -> torch.Tensor | None:
+    """A draft vocabulary file's token ids (sorted), or None for the full vocabulary."""
+    if not path:
+        return None
+    ids = json.loads(Path(path).read_text())["token_ids"]
+    return torch.tensor(sorted(set(ids)), dtype=torch.long)
 
 
 def _ship(args: argparse.Namespace, out: Path, argv: Sequence[str], wall_s: float) -> Path:
@@ -253,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature for training answers")
+    p.add_argument(
+        "--code-prompts",
+        type=int,
+        default=0,
+        help="corpus: also this many code-reading prompts built from the Python standard library's source",
+    )
+    p.add_argument("--code-max-tokens", type=int, default=2048, help="longest code-reading prompt (tokens)")
+    p.add_argument("--code-max-new-tokens", type=int, default=128, help="answer cap for the code-reading prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
@@ -261,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--w-ce", type=float, default=0.1, help="weight of the CE term (HAT Eq. 4: 0.1)")
     p.add_argument("--ce-vocab", type=int, default=4096, help="CE vocabulary subset size (0 = full vocabulary)")
     p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--answers-only", action="store_true", help="train on answer positions only (not the prompts)")
     p.add_argument("--loss-on-header", action="store_true", help="also train on the shared chat-template header")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=200, help="held-out top-1 on a few sequences every N steps")
@@ -280,6 +319,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--adapter", default=None, help="report: adapter file to evaluate (default: <out>/adapter.safetensors)"
+    )
+    p.add_argument(
+        "--variants",
+        nargs="*",
+        default=["no_adapter", "untrained", "trained"],
+        help="report: which draft models to score over the full vocabulary (each is a full-vocabulary head pass)",
+    )
+    p.add_argument("--init-adapter", default=None, help="train: start from this adapter file (warm start)")
+    p.add_argument(
+        "--draft-vocab-base",
+        default=None,
+        help="--save-draft-vocab: also keep every token of this earlier draft vocabulary (its corpus' tokens)",
+    )
+    p.add_argument("--baseline", default=None, help="report: an adapter to compare with side by side (chat / code)")
+    p.add_argument("--baseline-vocab", default=None, help="report: the baseline's draft vocabulary (default: full)")
+    p.add_argument(
+        "--trained-vocab", default=None, help="report: the trained adapter's draft vocabulary (side by side)"
     )
     p.add_argument("--ship", default=None, help="after training/report, write the float16 adapter + JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -303,13 +359,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.limit is not None:
         prompts = prompts[: args.limit]
     if "corpus" in stages:
+        tokenizer = load_tokenizer(gguf)
+        corpus = read_corpus(out / "corpus.jsonl")
+        if args.code_prompts:
+            # The code-reading prompts first (long prompts, short answers: a larger context), then the chat prompts,
+            # held-out ones first, so a run stopped early still has both held-out sets.
+            code = build_code_prompts(tokenizer, args.code_prompts, args.seed, max_tokens=args.code_max_tokens)
+            code_cfg = CorpusConfig(
+                max_new_tokens=args.code_max_new_tokens,
+                temperature=args.temperature,
+                seed=args.seed,
+                threads=args.threads,
+                n_ctx=4096,
+            )
+            by_index = {CODE_INDEX_BASE + j: p for j, p in enumerate(code)}
+            corpus = generate_corpus(by_index, out / "corpus.jsonl", gguf, tokenizer, code_cfg, progress=not args.quiet)
         cfg = CorpusConfig(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, threads=args.threads
         )
+        order = sorted(range(len(prompts)), key=lambda i: (not is_held_out(i), i))
         corpus = generate_corpus(
-            prompts, out / "corpus.jsonl", gguf, load_tokenizer(gguf), cfg, progress=not args.quiet
+            prompts, out / "corpus.jsonl", gguf, tokenizer, cfg, indices=order, progress=not args.quiet
         )
-        stats = corpus_stats({i: corpus[i] for i in range(len(prompts)) if i in corpus})
+        stats = corpus_stats(corpus)
         print(f"corpus: {json.dumps(stats)}", file=sys.stderr)
     model = split = None
     if "train" in stages or "report" in stages:
@@ -323,7 +395,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.save_draft_vocab:
         train_ex, _ = split_corpus(read_corpus(out / "corpus.jsonl"))
-        ids = sorted(frequent_tokens((e.ids for e in train_ex), args.save_draft_vocab))
+        ids = frequent_tokens((e.ids for e in train_ex), args.save_draft_vocab)
+        if args.draft_vocab_base:
+            # The tokens of an earlier vocabulary's corpus (kept as its id list: that corpus may be gone) are part
+            # of the larger corpus this vocabulary is cut from.
+            ids = set(ids) | set(json.loads(Path(args.draft_vocab_base).read_text())["token_ids"])
+        ids = sorted(ids)
         dest = Path(args.ship).with_suffix(".draft-vocab.json") if args.ship else out / "draft-vocab.json"
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(json.dumps({"model": args.model, "k": len(ids), "token_ids": ids}) + "\n")

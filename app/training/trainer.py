@@ -70,6 +70,9 @@ class TrainOptions:
     eval_every: int = 200
     eval_sequences: int = 8
     time_budget_s: float | None = None  # stop training after this many seconds (this invocation)
+    # Loss on answer positions only (each sequence from its prompt's last token): drafts are made while answering,
+    # and long code-reading prompts would otherwise outweigh every answer in the corpus.
+    answers_only: bool = False
 
 
 def lr_at(step: int, total: int, opts: TrainOptions) -> float:
@@ -159,7 +162,8 @@ class Trainer:
         for r, f in enumerate(batch):
             n = f.shallow.shape[0]
             shallow[r, :n], deep[r, :n] = f.shallow, f.deep
-            mask[r, min(self.loss_from, n - 1) : n] = True  # right padding: no real token attends to it
+            start = f.prompt_len - 1 if self.opts.answers_only else self.loss_from
+            mask[r, min(start, n - 1) : n] = True  # right padding: no real token attends to it
         self.adapter.train()
         self.opt.zero_grad(set_to_none=True)
         feats = self.adapter(shallow)

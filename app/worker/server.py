@@ -32,6 +32,7 @@ from app.lifespan import starting_in_background
 from app.worker.engine import Engine, FrameHook
 from app.worker.sessions import EngineLimits
 from clients.hat import wire
+from clients.hat.profile import load_profile
 from deploy.models import resolve_model
 from endpoints.auth import bearer, matches_any
 
@@ -93,6 +94,9 @@ class WorkerSettings(BaseModel):
         if self.stages > 1 and not self.spawn_stages and self.master_port == 0:
             raise ValueError("stages started by hand need a fixed master_port to find stage 0")
         return self
+
+    # A profile from `tandem profile` (JSON): g starts from its measured middle-layer times instead of nothing.
+    profile: str | None = None
 
     def limits(self) -> EngineLimits:
         return EngineLimits(
@@ -176,6 +180,9 @@ class Worker:
         from clients.hat.split import split_model
 
         s = self.settings
+        profile = load_profile(s.profile) if s.profile else None
+        if profile is not None:  # refused before the model loads if it was made for another model or m
+            profile.check_model({s.model, resolve_model(s.model).name}, s.m)
         threads = s.stage_threads[0] if s.stage_threads else s.num_threads
         if threads:
             torch.set_num_threads(threads)
@@ -206,6 +213,10 @@ class Worker:
         self._model = None
         engine = Engine(middle, s.limits(), model_name=s.model, frame_hook=self.frame_hook)
         engine.start()
+        if profile is not None:
+            # g starts from the measured middle times (clients/hat/profile.py) rather than the self-check's two cold
+            # passes; set on the engine thread, which owns the statistics.
+            engine.call(lambda: engine.stats.g.prime(profile.delay_points())).result()
         return engine
 
     async def stop(self) -> None:

@@ -75,6 +75,7 @@ from clients.grammar import GrammarError, HFTokenizerGrammars, TokenMask
 from clients.hat import wire
 from clients.hat.drafting import Branches, Draft, Drafter, DraftState
 from clients.hat.options import HATOptions, HATStats
+from clients.hat.profile import load_profile
 from clients.hat.ragged import rows_linear
 from clients.hat.session import FrameSession
 from clients.hat.station import DraftingStation, StreamSlot
@@ -156,6 +157,17 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self.beta_up = MovingAverage(value=(link.up_bandwidth if link and link.up_bandwidth else o.beta_up))
         self.beta_down = MovingAverage(value=(link.down_bandwidth if link and link.down_bandwidth else o.beta_down))
         self.gamma = MovingAverage()  # seconds per draft step (HAT's gamma_i)
+        if o.arca and o.profile is None:
+            raise ValueError("arca chooses the verification tree from a profile: set profile (tandem profile) too")
+        if o.profile is not None:  # measured parts instead of warm-up priors (clients/hat/profile.py)
+            profile = load_profile(o.profile)
+            profile.check_model({self.model_id, self.model_path.name if self.model_path else ""}, o.m)
+            self.controller.seed(profile.measured_parts())
+            if o.arca:  # ARCA: the tree (or the chain) with the most modelled tokens per second on this hardware
+                paths = profile.arca_tree()
+                self.tree = from_paths(paths) if paths else None
+            self.beta_up = MovingAverage(value=profile.up_bytes_per_s or self.beta_up.value)
+            self.beta_down = MovingAverage(value=profile.down_bytes_per_s or self.beta_down.value)
         self._owns_model = model is None
         self.model = model
         self.tokenizer = tokenizer

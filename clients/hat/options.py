@@ -43,6 +43,8 @@ class HATOptions:
         that sample, penalise, follow a grammar or return logprobs stay chains. Greedy output is unchanged.
     tree_paths: the tree's shape as rank paths (e.g. ((0,), (1,), (0, 0)): top-1, top-2, top-1 after top-1), as
         ARCA chose it from a profile; None = shaped greedily from policies.trees' prior for tree_width nodes.
+    arca: with a profile, verify the token tree (or the chain) that the profile's ARCA choice names (Ghidorah's
+        width chosen from replayed acceptance and profiled step times); overrides tree_width / tree_paths.
     chunking: "eq3" = equal chunks of Eq. 3's size; "dp" = Jupiter's sequence partition over the device → link →
         worker pipeline (policies/jupiter.py plan_device_prefill), with the device's own prefill step time fitted
         at load, the measured upload bandwidth and the worker's g: unequal chunks (the three stages are very
@@ -59,6 +61,10 @@ class HATOptions:
         chunks — runs batched at the drafting station (clients/hat/station.py), streams grouped by SD-edge's Alg. 1
         and pipelined against the worker; each stream's output is what it would be alone. "solo": each stream's
         own model calls, one at a time.
+    profile: a profile of this device and its worker (`tandem profile`, clients/hat/profile.py): the draft-length
+        controller starts from its measured draft step, head, link latency and replayed acceptance, and the
+        bandwidth estimates from its measured bandwidths, instead of the warm-up priors; refused if it was made
+        for another model or m. None = today's online estimates only.
     noise_seed: seeds every session's noise generator (reproducible tests and benchmarks only: the same noise in
         every session can be subtracted out); None = a fresh seed from the OS per session.
     """
@@ -81,6 +87,7 @@ class HATOptions:
     parallel_candidates: int = 3
     tree_width: int = 0
     tree_paths: tuple[tuple[int, ...], ...] | None = None
+    arca: bool = False
     drafting: str = "batched"  # "batched" | "solo"
     chunking: str = "eq3"  # "eq3" | "dp"
     chunk_size: int | None = None
@@ -91,6 +98,7 @@ class HATOptions:
     link: LinkProfile | None = None
     noise: float = 0.0
     noise_seed: int | None = None
+    profile: str | os.PathLike[str] | None = None
     connect_timeout: float = 10.0
     round_timeout: float = 60.0
     max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES

@@ -81,3 +81,16 @@ def test_hat_draft_length_settings(tmp_path):
     assert (s.clouds["h"].draft_length, s.clouds["h"].max_draft) == ("eq7+eta", 12)
     s = load_settings(write(tmp_path, "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'"))
     assert (s.clouds["h"].draft_length, s.clouds["h"].max_draft) == ("eta", 8)
+
+
+def test_hat_profile_setting_reaches_the_embedded_worker(tmp_path):
+    from app.embedded import EmbeddedWorker
+
+    text = "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'\nprofile = 'var/p.json'\n[clouds.h.embedded]\nport = 0"
+    cloud = load_settings(write(tmp_path, text)).clouds["h"]
+    assert cloud.profile == "var/p.json"
+    worker = EmbeddedWorker(cloud.embedded, cloud.model, cloud.m, None, profile=cloud.profile)
+    cmd = worker.command()
+    assert cmd[cmd.index("--profile") + 1] == "var/p.json"
+    assert "--profile" not in EmbeddedWorker(cloud.embedded, cloud.model, cloud.m, None).command()
+    assert load_settings(write(tmp_path, "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'")).clouds["h"].profile == ""

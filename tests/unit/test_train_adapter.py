@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from app.training import train_adapter as ta
+from app.training.code_prompts import is_code_index
 from app.training.corpus import (
     DEFAULT_PROMPTS,
     CorpusConfig,
@@ -22,6 +23,7 @@ from app.training.corpus import (
     is_held_out,
     load_prompts,
     load_tokenizer,
+    read_corpus,
 )
 from app.training.features import Features, compute_features, load_features
 from app.training.report import accept_length, simulate_rounds, top1_agreement
@@ -129,6 +131,19 @@ def test_loss_is_eq4(tiny: LlamaForCausalLM) -> None:
     assert float(loss.detach()) == pytest.approx(0.1 * entropy, rel=1e-4)
     _, sub = distillation_loss(ex.shallow, ex.deep, split, vocab_subset=torch.arange(10))
     assert sub["smooth_l1"] > 0
+
+
+def test_answers_only_trains_on_each_answer_not_its_prompt(tiny: LlamaForCausalLM) -> None:
+    split = split_model(tiny, 2)
+    data = []
+    for i, prompt_len in enumerate((5, 12)):
+        ids = torch.randint(0, 96, (20,)).tolist()
+        data.append(compute_features(split, Example(i, False, ids[:prompt_len], ids[prompt_len:]), 1024, False))
+    opts = TrainOptions(steps=1, batch=2, ce_vocab=48, eval_every=0, answers_only=True)
+    # each sequence from its prompt's last position (which predicts the first answer token) to its end
+    assert Trainer(split, Adapter(tiny, m=2), data, opts).run_step()["tokens"] == (20 - 4) + (20 - 11)
+    every = TrainOptions(steps=1, batch=2, ce_vocab=48, eval_every=0)
+    assert Trainer(split, Adapter(tiny, m=2), data, every, loss_from=2).run_step()["tokens"] == 2 * (20 - 2)
 
 
 def test_training_improves_agreement_and_round_trips(tiny: LlamaForCausalLM, tmp_path: Path) -> None:
@@ -262,6 +277,31 @@ def test_main_runs_every_stage_and_ships(tmp_path: Path) -> None:
         ta.main([*base, *train, "--stage", "train"])
     assert ta.main([*base, *train, "--stage", "train", "--resume", "--steps", "4"]) == 0
     assert json.loads((out / "train.json").read_text())["steps"] == 4
+
+    # Code-reading prompts beside the chat ones, a warm start from the adapter just trained, a draft vocabulary that
+    # keeps the earlier one's tokens, and the side-by-side report on held-out chat and code prompts.
+    code = tmp_path / "code"
+    first = tmp_path / "first.safetensors"
+    first.write_bytes((out / "adapter.safetensors").read_bytes())
+    earlier_vocab = ship.with_suffix(".draft-vocab.json")
+    argv = [
+        "--model", SMOL, "--out", str(code), "--limit", "8", "--max-new-tokens", "5", "--quiet", "--code-prompts", "8",
+        "--code-max-tokens", "200", "--code-max-new-tokens", "4", *train, "--init-adapter", str(first),
+        "--variants", "trained",
+        "--save-draft-vocab", "64", "--draft-vocab-base", str(earlier_vocab), "--baseline", str(first),
+        "--trained-vocab", str(code / "draft-vocab.json"),
+    ]  # fmt: skip
+    assert ta.main(argv) == 0
+    corpus = read_corpus(code / "corpus.jsonl")
+    assert sum(is_code_index(i) for i in corpus) == 8 and sum(not is_code_index(i) for i in corpus) == 8
+    assert json.loads((code / "train.json").read_text())["init_adapter"] == str(first)
+    vocab = set(json.loads((code / "draft-vocab.json").read_text())["token_ids"])
+    assert set(json.loads(earlier_vocab.read_text())["token_ids"]) <= vocab
+    sbs = json.loads((code / "report.json").read_text())["side_by_side"]
+    assert set(sbs) == {"chat", "code"} and sbs["code"]["prompts"] == 1
+    for group in sbs.values():
+        assert group["baseline"]["vocab"] is None and group["trained"]["vocab"] == len(vocab)
+        assert group["trained"]["accept_length_send_low"] >= 1.0 and 0 <= group["baseline"]["top1_response"] <= 1
 
 
 def test_shipped_adapter_loads_for_qwen_0_5b() -> None:

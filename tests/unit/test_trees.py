@@ -9,14 +9,10 @@ import pytest
 
 from policies.drafting import expected_tokens_per_verification
 from policies.trees import (
-    ARCA_WIDTHS,
     DraftTree,
-    TreeRoundCost,
     ancestor_mask,
-    arca_candidates,
     chain,
     check_tree,
-    choose_width,
     expected_tokens,
     from_paths,
     greedy_tree,
@@ -146,7 +142,7 @@ def test_estimated_acceptance_does_not_fall_with_width_and_trees_beat_chains():
     seqs = _sequences(3, n=8, length=120)
     probs = path_probabilities(seqs, max_depth=32, max_rank=8)
     previous = 0.0
-    for w in ARCA_WIDTHS:
+    for w in (1, 2, 4, 8, 16, 32):
         tree = greedy_tree(w, probs)
         est = expected_tokens(tree, probs)
         assert est >= previous - 1e-12
@@ -168,53 +164,6 @@ def test_refining_never_lowers_the_replayed_accept_length():
         refined = refine_tree(tree, seqs)
         assert refined.width == w
         assert replay_accept_length(refined, seqs) >= replay_accept_length(tree, seqs)
-
-
-def test_round_cost_counts_depth_steps_link_worker_and_lazy_head():
-    cost = TreeRoundCost(
-        draft_step=lambda rows: 0.010 + 0.001 * rows,
-        worker=lambda w: 0.100 + 0.002 * w,
-        head_row=0.005,
-        upload_per_position=0.001,
-        download_per_position=0.0005,
-        rtt=0.02,
-    )
-    tree = from_paths([(0,), (1,), (0, 0), (1, 0)])  # levels: root, two nodes, two nodes -> steps of 1 and 2 rows
-    got = cost(tree, tokens=2.0)
-    want = (0.011 + 0.012) + 5 * 0.0015 + 0.02 + (0.100 + 0.010) + 0.005 * 2.0
-    assert got == pytest.approx(want)
-
-
-def test_choose_width_is_the_argmax_with_ties_to_the_smaller():
-    flat = TreeRoundCost(draft_step=lambda rows: 0.0, worker=lambda w: 1.0, head_row=0.0)
-    # tokens per round proportional to... equal rates everywhere: the smallest width wins
-    candidates = [(chain(w - 1), float(w)) for w in (4, 1, 2)]
-    stepwise = TreeRoundCost(draft_step=lambda rows: 0.0, worker=lambda w: float(w), head_row=0.0)
-    assert choose_width(candidates, stepwise).tree.width == 1
-    # the worker costs the same for any width: the most tokens per round wins
-    assert choose_width(candidates, flat).tree.width == 4
-    # an explicit argmax over random instances
-    rng = random.Random(0)
-    for _ in range(50):
-        cands = [(chain(w - 1), rng.uniform(1, w)) for w in ARCA_WIDTHS]
-        cost = TreeRoundCost(draft_step=lambda rows: 0.01, worker=lambda w, k=rng.random(): 0.1 + k * w, head_row=0.0)
-        rates = [(tok / cost(t, tok), -t.width) for t, tok in cands]
-        assert choose_width(cands, cost).tree.width == -max(rates)[1]
-    with pytest.raises(ValueError):
-        choose_width([], flat)
-
-
-def test_arca_candidates_replay_each_shape():
-    seqs = _sequences(7, n=5)
-    cands = arca_candidates(seqs, widths=(1, 2, 4, 8))
-    assert sorted(t.width for t, _ in cands if t.is_chain()) == [1, 2, 4, 8]
-    assert len(cands) == len({t for t, _ in cands})  # a greedy tree that is the chain is listed once
-    assert any(not t.is_chain() for t, _ in cands)
-    for tree, tokens in cands:
-        assert tokens == pytest.approx(replay_accept_length(tree, seqs))
-    assert dict((t.width, tok) for t, tok in cands if t.is_chain())[1] == 1.0
-    with pytest.raises(ValueError):
-        arca_candidates([])
 
 
 def test_greedy_walk_follows_the_targets_tokens_and_runs_the_head_lazily():

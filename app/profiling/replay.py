@@ -1,0 +1,305 @@
+"""Offline replay of HAT's acceptance, exact for greedy decoding, for chains and token trees.
+
+Why one teacher-forced pass suffices (app/training/report.py has the chain argument): in greedy HAT the accepted
+text is the LLM's greedy text G. A draft node at depth d of a round starting after G[:p+1] is accepted only if
+every node on its path was, i.e. its path spells G[p+1 .. p+d]; the draft model's distribution below that node is
+then its teacher-forced distribution along G at position p+d-1, whatever other branches the tree has. So a node is
+named by its *rank path* (k_1, ..., k_d): the k_j-th most likely draft token at depth j, each conditional on the
+path above it. With rank_q = the rank of the LLM's token G[q+1] in the draft's teacher-forced distribution at q,
+the round from p accepts exactly the longest prefix of (rank_p, rank_{p+1}, ...) that is a path of the tree
+(a chain of l drafts is the tree {(0,), (0, 0), ..., (0,)*l}). The rank sequence along G is all the replay needs.
+
+From it:
+- `path_counts`: for every position as a round start, how often each rank path is the true path's prefix (ranks
+  below `top_k`, depth at most `depth`). P(node accepted) = count / starts, without Ghidorah's independence
+  assumption (HAT's adapter is autoregressive: acceptance at depth d depends on the path). A tree's expected
+  accept length is 1 + the sum of its nodes' probabilities, and the best tree of n nodes is the n most frequent
+  paths (counts never grow along a path, so they form a tree): `greedy_tree`.
+- `rank_cdf`: per depth d, P(rank at depth d <= k | the previous d-1 drafts were right), for chains (every earlier
+  rank 0) and for trees (every earlier rank below top_k).
+- `replay`: the exact sequential replay of a fixed tree (or chain), round after round along each text, and of
+  HAT's eta rule through the live controller's own bookkeeping (the acceptance rates its plan uses).
+
+A position where the LLM's fp32 argmax is not the text's next token (the text was generated with other arithmetic;
+a near-tie broke the other way) ends a round there and is counted as a tie break, as in app/training/report.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from policies import trees
+
+MISS = 1 << 30  # rank of a token the draft cannot propose (outside the reduced draft vocabulary)
+
+
+@dataclass
+class RankedText:
+    """One text with what the replay needs at every position q (predicting q + 1)."""
+
+    ids: list[int]
+    prompt_len: int
+    llm_top1: list[int]  # the LLM's argmax
+    ranks: list[int]  # rank of the LLM's argmax in the draft distribution (0 = the draft's argmax; MISS)
+    maxp: list[float]  # the draft distribution's max probability (the eta rule's confidence)
+    # Cut by a length limit (True) or ended by an end token (False). A live run capped at a length drafts at most
+    # up to the last token but one, so its own token closes the last round; one that stops at the end token may
+    # draft the end token itself, and its last round's token then lies past the text.
+    capped: bool = True
+
+    @property
+    def draft_limit(self) -> int:
+        """Drafts of a round starting at p stop before position p + d reaches this."""
+        return self.end - 1 if self.capped else self.end
+
+    @property
+    def first_round(self) -> int:
+        """Where the first decode round starts: at the first answer token, which prefill produced (no drafts)."""
+        return self.prompt_len
+
+    @property
+    def end(self) -> int:
+        return len(self.ids) - 1  # the last position whose next token is known
+
+    def tie(self, q: int) -> bool:
+        return self.llm_top1[q] != self.ids[q + 1]
+
+
+@torch.inference_mode()
+def rank_text(
+    split: Any,
+    adapter: Any,
+    ids: Sequence[int],
+    prompt_len: int,
+    draft_vocab: torch.Tensor | None = None,
+    chunk: int = 256,
+    capped: bool = True,
+) -> RankedText:
+    """Teacher-forced LLM argmax and draft ranks along `ids` (fp32 split model; draft head on `draft_vocab` only)."""
+    t = torch.tensor([list(ids)], dtype=torch.long)
+    shallow = split.input(t)
+    llm_top1 = split.output(split.middle(shallow)).argmax(-1)[0]
+    feats = adapter(shallow)[0]
+    normed = split.output.norm(feats)
+    weight = split.output.lm_head.weight if draft_vocab is None else split.output.lm_head.weight[draft_vocab]
+    ranks, maxp = [], []
+    for s in range(0, normed.shape[0], chunk):
+        logits = torch.nn.functional.linear(normed[s : s + chunk], weight).float()
+        target = llm_top1[s : s + chunk]
+        if draft_vocab is None:
+            where = target
+            inside = torch.ones_like(target, dtype=torch.bool)
+        else:
+            where = torch.searchsorted(draft_vocab, target).clamp(max=draft_vocab.numel() - 1)
+            inside = draft_vocab[where] == target
+        true_logit = logits.gather(1, where[:, None])
+        rank = (logits > true_logit).sum(-1)
+        ranks += torch.where(inside, rank, torch.full_like(rank, MISS)).tolist()
+        maxp += torch.softmax(logits, -1).max(-1).values.tolist()
+    return RankedText(list(ids), prompt_len, llm_top1.tolist(), ranks, maxp, capped)
+
+
+# --- calibration statistics -------------------------------------------------------------------------
+
+
+def _starts(texts: Iterable[RankedText]) -> Iterable[tuple[RankedText, int]]:
+    """Every answer position as a round start: the position whose token was just accepted (the first one from
+    prefill)."""
+    for t in texts:
+        for p in range(t.first_round, t.end):
+            yield t, p
+
+
+def path_counts(texts: Sequence[RankedText], depth: int, top_k: int) -> tuple[dict[tuple[int, ...], int], int]:
+    """(count of each rank path as the true path's prefix, number of round starts); see the module docstring."""
+    counts: dict[tuple[int, ...], int] = {}
+    starts = 0
+    for t, p in _starts(texts):
+        starts += 1
+        path: tuple[int, ...] = ()
+        for q in range(p, min(p + depth, t.end)):
+            if t.ranks[q] >= top_k:
+                break
+            path = (*path, t.ranks[q])
+            counts[path] = counts.get(path, 0) + 1
+            if t.tie(q):
+                break
+    return counts, starts
+
+
+def rank_cdf(texts: Sequence[RankedText], depth: int, top_k: int) -> dict[str, Any]:
+    """Per depth d: P(rank <= k | previous d-1 drafts right), k < top_k, for chains and trees (see module doc)."""
+    out: dict[str, Any] = {}
+    for name, right in (("chain", lambda r: r == 0), ("tree", lambda r: r < top_k)):
+        hist = [[0] * (top_k + 1) for _ in range(depth)]  # last bin: rank >= top_k (or not proposable)
+        for t, p in _starts(texts):
+            for d in range(depth):
+                q = p + d
+                if q >= t.end:
+                    break
+                hist[d][min(t.ranks[q], top_k)] += 1
+                if not right(t.ranks[q]) or t.tie(q):
+                    break
+        rows = []
+        for d, h in enumerate(hist):
+            n = sum(h)
+            cum, acc = [], 0
+            for k in range(top_k):
+                acc += h[k]
+                cum.append(round(acc / n, 5) if n else None)
+            rows.append({"depth": d + 1, "samples": n, "p_rank_le": cum})
+        out[name] = rows
+    return out
+
+
+# --- trees ---------------------------------------------------------------------------------------------
+
+
+Tree = frozenset[tuple[int, ...]]
+
+
+def chain(length: int) -> Tree:
+    """A chain of `length` drafts, each the draft's argmax after the previous one."""
+    return frozenset((0,) * d for d in range(1, length + 1))
+
+
+def is_tree(nodes: Iterable[tuple[int, ...]]) -> bool:
+    """Prefix-closed: every node's parent is a node too (the root, the last accepted token, is implicit)."""
+    s = set(nodes)
+    return all(len(n) >= 1 and (len(n) == 1 or n[:-1] in s) for n in s)
+
+
+def greedy_tree(counts: dict[tuple[int, ...], int], nodes: int, top_k: int) -> Tree:
+    """The `nodes` rank paths most often on the true path, prefix-closed (policies/trees.py greedy_tree: the most
+    probable frontier node first; unseen children, lowest rank and shallowest first, fill a width nothing more
+    probable can)."""
+    total = max(counts.values(), default=1)
+    probabilities = {p: c / total for p, c in counts.items() if all(r < top_k for r in p)}
+    tree = trees.greedy_tree(nodes + 1, probabilities)
+    return frozenset(tree.path(i) for i in range(1, tree.width))
+
+
+def expected_accept(tree: Tree, counts: dict[tuple[int, ...], int], starts: int) -> float:
+    """1 + sum over the tree's nodes of P(node on the true path): the calibrated tokens per round."""
+    return 1.0 + sum(counts.get(n, 0) for n in tree) / max(starts, 1)
+
+
+def depth_rows(tree: Tree) -> list[int]:
+    """Nodes per depth, the root (depth 0, one row) first: the rows of each batched draft step."""
+    deepest = max((len(n) for n in tree), default=0)
+    return [1] + [sum(1 for n in tree if len(n) == d) for d in range(1, deepest + 1)]
+
+
+# --- sequential replay ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Replay:
+    rounds: int = 0
+    tokens: int = 0  # accepted drafts + one LLM token per round
+    accepted: int = 0
+    tie_breaks: int = 0
+    histogram: list[int] = field(default_factory=list)
+
+    def add_round(self, accepted: int) -> None:
+        self.rounds += 1
+        self.accepted += accepted
+        self.tokens += accepted + 1
+        if accepted >= len(self.histogram):
+            self.histogram.extend([0] * (accepted + 1 - len(self.histogram)))
+        self.histogram[accepted] += 1
+
+    @property
+    def accept_length(self) -> float:
+        return self.tokens / max(self.rounds, 1)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "accept_length": round(self.accept_length, 4),
+            "rounds": self.rounds,
+            "tokens": self.tokens,
+            "tie_breaks": self.tie_breaks,
+            "accepted_histogram": self.histogram,
+        }
+
+
+def replay(texts: Sequence[RankedText], tree: Tree) -> Replay:
+    """Greedy HAT rounds with this tree every round, from each answer's first round to the end of its text.
+
+    A round's drafts stop at the text's draft limit (RankedText.capped: how the live run's last round ended)."""
+    out = Replay()
+    for t in texts:
+        p = t.first_round
+        while p < t.end:
+            path: tuple[int, ...] = ()
+            accepted = 0
+            while p + accepted < t.draft_limit:
+                q = p + accepted
+                path = (*path, t.ranks[q])
+                if path not in tree:
+                    break
+                accepted += 1
+                if t.tie(q):
+                    out.tie_breaks += 1
+                    break
+            out.add_round(accepted)
+            p += accepted + 1
+    return out
+
+
+def replay_eta(texts: Sequence[RankedText], eta: float, max_draft: int, include_low: bool = True) -> dict[str, Any]:
+    """HAT's eta rule (Eq. 5) replayed, with the live controller's bookkeeping: the accept length and the pooled
+    and confident-draft acceptance rates (policies.drafting.DraftLengthController.observe), and the pooled rate of
+    fixed chains of max_draft without the stop (what "eq7" measures)."""
+    from policies.drafting import AcceptanceEstimator, DraftLengthController, DraftStopRule
+
+    rule = DraftStopRule(eta=eta, max_draft=max_draft, include_low_confidence=include_low)
+    ctl = DraftLengthController(
+        mode="eta",
+        max_len=max_draft,
+        eta=eta,
+        pooled=AcceptanceEstimator(0.0, 0.0),
+        confident=AcceptanceEstimator(0.0, 0.0),
+    )
+    out = Replay()
+    for t in texts:
+        p = t.first_round
+        while p < t.end:
+            drafted, accepted, flags = 0, 0, []
+            while p + drafted < t.draft_limit:
+                q = p + drafted
+                keep, stop = rule.decide(t.maxp[q], drafted)
+                if not keep:
+                    break
+                drafted += 1
+                flags.append(t.maxp[q] >= eta)
+                # Drafts after a rejected one change none of the bookkeeping (the round ends at the rejection), and
+                # their confidences are not on the teacher-forced path: the round's replay stops here.
+                if t.ranks[q] != 0:
+                    break
+                accepted += 1
+                if t.tie(q):
+                    out.tie_breaks += 1
+                    break
+                if stop:
+                    break
+            ctl.observe(drafted=drafted, accepted=accepted, confident=flags)
+            out.add_round(accepted)
+            p += accepted + 1
+    fixed = replay(texts, chain(max_draft))
+    rejections = sum(c for a, c in enumerate(fixed.histogram) if a < max_draft)
+    chain_alpha = fixed.accepted / (fixed.accepted + rejections) if fixed.accepted + rejections else 0.0
+    return {
+        "accept_length": round(out.accept_length, 4),
+        "rounds": out.rounds,
+        "tie_breaks": out.tie_breaks,
+        "alpha": {
+            "chain": round(chain_alpha, 5),
+            "eta": round(ctl.pooled.alpha, 5),
+            "confident": round(ctl.confident.alpha, 5),
+        },
+    }

@@ -1,0 +1,138 @@
+"""`tandem profile` end to end on SmolLM2-135M (tiny grid, a real worker subprocess on loopback), and the profile
+read back: the device half's draft-length controller and the worker's g start from it, and a profile for another
+model or m is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.cli import main as tandem
+from app.worker.server import Worker, WorkerSettings
+from clients.hat.device import HATBackend
+from clients.hat.options import HATOptions
+from clients.hat.profile import ProfileError, load_profile
+from policies.drafting import DelayPredictor, LinkState, argmax_draft_length
+from tests.integration.hf_fixtures import SMOL, load
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    load(SMOL)  # skips when the model is not fetched
+    out = tmp_path_factory.mktemp("profile") / "smol.json"
+    code = tandem([
+        "profile", "--quick", "--model", SMOL, "--worker-core", "-1", "--worker-device", "cpu", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    return out
+
+
+def _backend(path: Path | None, mode: str = "eq7", m: int = 2, model_id: str = SMOL) -> HATBackend:
+    model, tok = load(SMOL)
+    options = HATOptions("ws://127.0.0.1:1", model_id=model_id, m=m, draft_length=mode, profile=path)
+    return HATBackend(options, model=model, tokenizer=tok)
+
+
+def test_profile_measures_every_part_and_replays_acceptance(profile_path: Path) -> None:
+    data = json.loads(profile_path.read_text())
+    p = load_profile(profile_path)  # valid by the reader's own checks
+    assert (p.model, p.m, data["hidden_size"]) == (SMOL, 2, 576)
+    assert set(p.draft_step_ms) == {1, 2, 4} and set(p.head_ms) == {1, 2, 4}
+    assert set(p.middle_ms) == {32} and set(p.middle_ms[32]) == {1, 2, 4}
+    assert data["hosts"]["worker"]["compute_device"] == "cpu" and data["link"]["samples"] >= 3
+    acc = data["acceptance"]
+    assert acc["calibration"]["texts"] == 2 and acc["transfer"]["texts"] == 1
+    assert all(0.0 <= a <= 1.0 for a in acc["alpha"].values())
+    assert [r["width"] for r in acc["table1"]["rows"]] == [1, 2, 4]
+    assert acc["table1"]["rows"][0]["chain"]["accept_replay_calibration"] == 1.0  # width 1: no drafts
+    assert {row["depth"] for row in acc["rank_cdf"]["calibration"]["chain"]} == {1, 2, 3, 4}
+    assert profile_path.with_suffix(".md").read_text().startswith("# HAT profile")
+
+
+def test_the_device_half_plans_from_the_profile(profile_path: Path, tmp_path: Path) -> None:
+    p = load_profile(profile_path)
+    b = _backend(profile_path)
+    ctl = b.controller
+    parts = p.measured_parts()
+    assert (ctl.step, ctl.head_row, ctl.rtt) == (parts.step, parts.head_row, parts.rtt)
+    assert ctl.alpha == pytest.approx(parts.alpha_chain, abs=1e-9)
+    g = DelayPredictor()
+    g.prime(p.delay_points())
+    up = p.up_bytes_per_s or b.options.beta_up
+    down = p.down_bytes_per_s or b.options.beta_down
+    link = LinkState(token_bytes=576 * 4, beta_up=up, beta_down=down, mu=0.0, g=g.coefficients())
+
+    def implied(alpha: float, step: float, head: float, rtt: float) -> int:
+        def round_time(n: int) -> float:
+            rows = n + 1
+            worker = max(0.0, g.coefficients()[0] * rows + g.coefficients()[1])
+            return rows * step + rows * 576 * 4 / up + worker + rows * 576 * 4 / down + head * (1 + alpha * n) + rtt
+
+        return argmax_draft_length(alpha, round_time, 8)
+
+    assert ctl.plan(link) == implied(parts.alpha_chain, parts.step, parts.head_row, parts.rtt)
+    # The same device with a profile that measured near-perfect acceptance and a slow link: a long draft.
+    data = json.loads(profile_path.read_text())
+    data["acceptance"]["alpha"]["chain"] = 0.97
+    data["link"]["rtt_ms"] = 200.0
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps(data))
+    long_plan = _backend(fast).controller.plan(link)
+    assert long_plan == implied(0.97, parts.step, parts.head_row, 0.2) and long_plan > ctl.plan(link)
+    # Without a profile: the warm-up priors.
+    plain = _backend(None).controller
+    assert plain.step is None and plain.rtt is None
+
+
+def test_a_profile_for_another_model_or_split_is_refused(profile_path: Path) -> None:
+    with pytest.raises(ProfileError, match="is for m = 2, not m = 3"):
+        _backend(profile_path, m=3)
+    with pytest.raises(ProfileError, match="is for model smollm2"):
+        _backend(profile_path, model_id="qwen2.5-coder-0.5b-instruct")
+
+
+def test_the_worker_starts_g_from_the_profile(profile_path: Path) -> None:
+    model, _ = load(SMOL)
+    expected = DelayPredictor()
+    expected.prime(load_profile(profile_path).delay_points())
+    engine = Worker(WorkerSettings(model=SMOL, m=2, profile=str(profile_path), device="cpu"), model=model)._build()
+    try:
+        assert engine.info()["g"] == pytest.approx(list(expected.coefficients()))
+        assert engine.info()["g"][0] > 0 or engine.info()["g"][1] > 0
+    finally:
+        engine.stop()
+    with pytest.raises(ProfileError, match="m = 2, not m = 3"):
+        Worker(WorkerSettings(model=SMOL, m=3, profile=str(profile_path), device="cpu"), model=model)._build()
+
+
+def test_arca_verifies_the_profiles_choice(profile_path: Path, tmp_path: Path) -> None:
+    """`arca = true`: the tree the profile's Table I gives the most tokens per second; a chain when a chain wins."""
+    data = json.loads(profile_path.read_text())
+    table = data["acceptance"]["table1"]
+    model, tok = load(SMOL)
+
+    def arca_backend(path: Path | None) -> HATBackend:
+        options = HATOptions("ws://127.0.0.1:1", model_id=SMOL, m=2, profile=path, arca=True, tree_width=8)
+        return HATBackend(options, model=model, tokenizer=tok)
+
+    for row in table["rows"]:  # make the widest tree the fastest shape on this "hardware"
+        row["chain"]["tokens_per_s"] = 1.0
+        row["tree"]["tokens_per_s"] = float(row["width"])
+    widest = max(r["width"] for r in table["rows"])
+    table["trees"][str(widest)] = [[0], [1], [0, 0]][: widest - 1]
+    tree_profile = tmp_path / "tree.json"
+    tree_profile.write_text(json.dumps(data))
+    chosen = arca_backend(tree_profile).tree
+    assert chosen is not None and chosen.width == widest
+    assert {chosen.path(i) for i in range(1, chosen.width)} == {tuple(p) for p in table["trees"][str(widest)]}
+    for row in table["rows"]:  # now a chain wins: no tree, whatever tree_width says
+        row["chain"]["tokens_per_s"] = 100.0
+    chain_profile = tmp_path / "chain.json"
+    chain_profile.write_text(json.dumps(data))
+    assert arca_backend(chain_profile).tree is None
+    with pytest.raises(ValueError, match="arca chooses the verification tree from a profile"):
+        arca_backend(None)
