@@ -19,7 +19,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
         "bench", "hat", "--model", "smollm2-135m-instruct", "--lengths", "96", "160", "--decode-tokens", "6",
         "--table4-prompts", "2", "--table4-tokens", "8", "--sweep-rtt-ms", "0", "40", "--sweep-up-mbps", "5",
         "--sweep-prompt", "160", "--sweep-tokens", "6", "--throughput-devices", "1", "2", "--throughput-tokens", "4",
-        "--tree-widths", "4", "--tree-code-lengths", "96",
+        "--tree-widths", "4", "--tree-code-lengths", "96", "--draft-length-rtt-ms", "0", "--draft-length-tokens", "6",
         "--device-core", "-1", "--worker-core", "-1", "--worker-device", "cpu", "--out", str(out),
     ])  # fmt: skip
     assert code == 0
