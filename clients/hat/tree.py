@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from clients.hat.drafting import Drafter, DraftState
-from policies.trees import DraftTree, ancestor_mask
+from clients.hat.ragged import ancestor_tensor
+from policies.trees import DraftTree
 
 
 @dataclass
@@ -41,7 +42,7 @@ def draft_tree(drafter: Drafter, st: DraftState, token: int, position: int, tree
     """Draft `tree` after `token` at `position`; appends all w nodes to the draft caches (slots position + i)."""
     check_level_ordered(tree)
     w = tree.width
-    ancestors = torch.tensor(ancestor_mask(tree.parents), dtype=torch.bool)
+    ancestors = ancestor_tensor(tree.parents)
     tokens = [token] + [-1] * (w - 1)
     has_children = [False] * w
     for p in tree.parents[1:]:
