@@ -4,12 +4,16 @@ The embedded default (device Qwen2.5-Coder-0.5B, loopback cloud Qwen2.5-Coder-1.
 (deploy/outline_questions.txt) twice each, alternating: sequentially on the cloud (`model = "cloud"`), and with
 `tandem.decoding = "outline"` (the outline on the endpoint DiSCo picks, the points spread over device and cloud).
 Reports per mode the median end-to-end time, TTFT and tokens, the ratio, the fallbacks, and one sample pair.
+By default the device (in the gateway) and the cloud server are pinned to separate cores, one thread each, as a real
+device and a remote cloud never share a CPU; `--no-pin` runs them as the embedded default does (two threads each on
+whatever cores the OS picks).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -61,17 +65,50 @@ def _ask(url: str, question: str, max_tokens: int, outline: bool) -> dict:
     }
 
 
+def pinned(config: str, device_core: int, cloud_core: int) -> str:
+    """The config with the device on one thread and the embedded cloud server on one thread pinned to `cloud_core`
+    (the gateway process itself is pinned to `device_core` by the caller)."""
+    out, section, done = [], "", set()
+    for line in config.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("["):
+            section = stripped.split("]")[0].strip("[")
+            out.append(line)
+            if section == "clouds.cloud.embedded":
+                out.append(f"cpus = [{cloud_core}]")
+                done.add("cpus")
+            continue
+        if section in ("device", "clouds.cloud.embedded") and stripped.startswith("n_threads"):
+            line = "n_threads = 1"
+            done.add(section)
+        out.append(line)
+    if done != {"device", "clouds.cloud.embedded", "cpus"}:
+        raise ValueError(f"cannot pin this config: it lacks {sorted({'device', 'clouds.cloud.embedded'} - done)}")
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench outline", description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=10, help="how many of the questions (in order)")
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--out", default="var/bench/outline.md")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="leave device and cloud unpinned, two threads each (the embedded default)"
+    )
     args = parser.parse_args(argv)
     from app.cli import embedded_default
     from app.launcher import start_gateway, stop_gateway
 
     questions = [q for q in QUESTIONS.read_text().splitlines() if q.strip()][: args.questions]
-    gw = start_gateway(embedded_default().read_text())
+    config = embedded_default().read_text()
+    pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    if pin:
+        device_core, cloud_core = sorted(os.sched_getaffinity(0))[:2]
+        gw = start_gateway(pinned(config, device_core, cloud_core), cpus=[device_core])
+        placement = f"device pinned to core {device_core} and cloud to core {cloud_core}, one thread each"
+    else:
+        gw = start_gateway(config)
+        placement = "device and cloud unpinned, two threads each, sharing the machine's cores"
     rows = []
     try:
         _ask(gw.v1, "Say hi.", 4, outline=False)  # warm-up: both models' first calls
@@ -82,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     used = [(q, s, o) for q, s, o in rows if o["outline"]]
     lines = [
         f"tandem bench outline --questions {len(questions)} --max-tokens {args.max_tokens}  "
-        f"({time.strftime('%Y-%m-%d %H:%M')}, embedded default, device and cloud sharing the machine's cores)",
+        f"({time.strftime('%Y-%m-%d %H:%M')}, embedded default, {placement})",
         "",
         "| mode | end-to-end (median) | TTFT (median) | completion tokens (median) |",
         "|---|---|---|---|",

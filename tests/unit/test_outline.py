@@ -64,3 +64,18 @@ def test_points_go_where_they_finish_first():
     # Equal rates alternate (ties to the first listed); a busy endpoint starts later.
     assert assign(4, 40, {"device": 10.0, "cloud": 10.0}, {}) == ["device", "cloud", "device", "cloud"]
     assert assign(2, 40, {"device": 10.0, "cloud": 10.0}, {"device": 10.0}) == ["cloud", "cloud"]
+
+
+def test_bench_pins_device_and_cloud_to_separate_cores_one_thread_each() -> None:
+    import tomllib
+
+    from app.bench.outline import pinned
+    from app.cli import embedded_default
+
+    cfg = tomllib.loads(pinned(embedded_default().read_text(), 0, 1))
+    assert cfg["device"]["n_threads"] == 1
+    embedded = cfg["clouds"]["cloud"]["embedded"]
+    assert (embedded["n_threads"], embedded["cpus"]) == (1, [1])
+    assert cfg["clouds"]["hat"] == tomllib.loads(embedded_default().read_text())["clouds"]["hat"]
+    with pytest.raises(ValueError, match=r"clouds\.cloud\.embedded"):
+        pinned("[device]\nn_threads = 2\n", 0, 1)
