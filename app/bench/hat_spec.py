@@ -104,17 +104,17 @@ def within(tbt_ms: float, best_ms: float, tolerance: float = TOLERANCE) -> bool:
 
 def summarize_widths(rows: list[dict[str, Any]], modelled: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Speedup over U-shape (rows[0]) and the decomposition per row; the best swept shape (U-shape, chains, trees)
-    and whether ARCA's row is within TOLERANCE of its TBT. `modelled`: the profile's Table I rows by width (their
-    calibrated decomposition, for the shapes the profile modelled)."""
+    and whether ARCA's row (the one marked "arca") is within TOLERANCE of its TBT. `modelled`: the profile's Table I
+    rows by width (their calibrated decomposition, for the shapes the profile modelled)."""
     base = rows[0]
     for r in rows:
         r["speedup"] = base["tbt_ms_median"] / r["tbt_ms_median"]
         r["decomposition"] = decomposition(r["accept_length"], base["ms_per_round"], r["ms_per_round"])
         table = modelled.get(r["width"], {}).get(r["kind"]) if r["kind"] in ("chain", "tree") else None
         r["modelled_speedup"] = None if table is None else table.get("ghidorah_speedup")
-    swept = [r for r in rows if r["kind"] in ("u-shape", "chain", "tree")]
+    swept = [r for r in rows if r["kind"] in ("u-shape", "chain", "tree") and not r.get("arca")]
     best = min(swept, key=lambda r: r["tbt_ms_median"])
-    arca = next(r for r in rows if r["name"].startswith("ARCA"))
+    arca = next(r for r in rows if r.get("arca"))
     return {
         "rows": rows,
         "best_swept": best["name"],
@@ -263,13 +263,14 @@ async def widths(bench: Bench) -> dict[str, Any]:
     a = bench.args
     profile = load_profile(await bench.profile())
     table1 = (profile.raw.get("acceptance") or {}).get("table1")
-    shapes = [*swept_shapes(a.width_chains, a.width_trees, table1), arca_shape(profile)]
+    arca = arca_shape(profile)
+    shapes = [*swept_shapes(a.width_chains, a.width_trees, table1), arca]
     prompts = bench.held_out_prompts(a.table4_prompts)
     rows = []
     for shape in shapes:
         r = await _measure(bench, shape.variant, shape.options, prompts, a.table4_tokens)
-        r.update(name=shape.name, kind=shape.kind, width=shape.width, options={k: str(v) for k, v in
-                 shape.options.items()})  # fmt: skip
+        r.update(name=shape.name, kind=shape.kind, width=shape.width, arca=shape is arca,
+                 options={k: str(v) for k, v in shape.options.items()})  # fmt: skip
         rows.append(r)
         print(f"  widths {shape.name:28s} accept {r['accept_length']:.2f}  TBT {r['tbt_ms_median']:6.1f} ms  "
               f"round {r['ms_per_round']:6.1f} ms  tree rounds {r['tree_rounds']}/{r['rounds']}",
