@@ -63,13 +63,14 @@ class Bench:
         import shlex
         import sys
 
+        from app.profiling.main import default_out
         from clients.hat.profile import load_profile
 
         a = self.args
         if a.profile:
             path = Path(a.profile)
         else:
-            path = ROOT / "var" / "profile" / f"bench-{Path(a.model).name}-m{a.m}.json"
+            path = ROOT / default_out(a.model, a.m, prefix="bench-")
             cmd = [sys.executable, "-m", "app.cli", "profile", "--model", a.model, "--m", str(a.m),
                    "--worker-url", self.url, "--link", a.link, "--threads", "1", "--out", str(path),
                    *(["--quick"] if a.profile_quick else []), *shlex.split(a.profile_args)]  # fmt: skip
