@@ -28,6 +28,10 @@ Sections (`--sections`, all by default):
   device -> link -> worker pipeline (HATOptions.chunking = "dp").
 - trees: chains vs token trees of --tree-widths positions (SD alone), accept length and median TBT on the held-out
   chat prompts and on code-reading prompts of --tree-code-lengths tokens, with U-shape in the same run.
+- widths, eq7, defaults (issue 14's bench spec (b)-(d); app/bench/hat_spec.py, run only when named): a live sweep
+  over verification widths with ARCA's pick and Ghidorah's decomposition; the Eq. 7 controller against fixed draft
+  lengths at several RTTs; Tables 4 and 5 with the profile-driven configuration. They plan from --profile, or from
+  a `tandem profile` run at their start against this bench's worker and link.
 - throughput: 1, 4 and 8 devices (raw protocol clients replaying real shallow states, so the devices' own
   compute does not bound the measurement) decoding concurrently (continuous batching) vs one at a time.
 
@@ -61,6 +65,7 @@ from app.bench.hat_sections import (
     trees,
 )
 from app.bench.hat_setup import TABLE5, U_SHAPE, Bench, RawDevice
+from app.bench.hat_spec import defaults, eq7, report_defaults, report_eq7, report_widths, widths
 
 DEFAULT_LINK = "latency=10ms,up=7.5MB/s,down=12.5MB/s"
 
@@ -136,6 +141,12 @@ def report(results: dict[str, Any]) -> str:
                      for k in ("chat", "code")]  # fmt: skip
             same = all(r[k]["same_as_u_shape"] for k in ("chat", "code"))
             lines.append(f"| {r['shape']} | {cells[0]} | {cells[1]} | {'yes' if same else 'near-tie flips'} |")
+    if "widths" in results:
+        lines += report_widths(results["widths"])
+    if "eq7" in results:
+        lines += report_eq7(results["eq7"])
+    if "defaults" in results:
+        lines += report_defaults(results["defaults"])
     if "throughput" in results:
         lines += ["", "Worker throughput (decode tokens/s)", "", "| devices | batched | one at a time | ratio |",
                   "|---|---|---|---|"]  # fmt: skip
@@ -152,8 +163,12 @@ SECTIONS = {
     "draft_length": draft_length,
     "chunks": chunks,
     "trees": trees,
+    "widths": widths,
+    "eq7": eq7,
+    "defaults": defaults,
     "throughput": throughput,
 }
+SPEC_SECTIONS = ("widths", "eq7", "defaults")  # run only when named: they need a profile and take long
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--m", type=int, default=2)
     p.add_argument("--link", default=DEFAULT_LINK, help="link emulation (clients/hat/link.py syntax)")
-    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    p.add_argument("--sections", nargs="+", choices=list(SECTIONS),
+                   default=[s for s in SECTIONS if s not in SPEC_SECTIONS], help="default: all but " +
+                   ", ".join(SPEC_SECTIONS))  # fmt: skip
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--table4-prompts", type=int, default=8)
@@ -174,6 +191,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-length-tokens", type=int, default=32)
     p.add_argument("--tree-widths", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--tree-code-lengths", type=int, nargs="+", default=[512])
+    p.add_argument("--profile", default=None, help="the profile widths / eq7 / defaults plan with (default: run "
+                   "`tandem profile` against this bench's worker and link first)")  # fmt: skip
+    p.add_argument("--profile-quick", action="store_true", help="that profile run with --quick (a tiny grid)")
+    p.add_argument("--profile-args", default="", help="more `tandem profile` options for that run, one string")
+    p.add_argument("--width-chains", type=int, nargs="+", default=[1, 2, 4, 8], help="chain widths (1 = U-shape)")
+    p.add_argument("--width-trees", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--eq7-rtt-ms", type=float, nargs="+", default=[0, 20, 200])
+    p.add_argument("--eq7-lengths", type=int, nargs="+", default=list(range(1, 9)), help="fixed draft lengths")
+    p.add_argument("--eq7-prompts", type=int, default=3)
+    p.add_argument("--eq7-tokens", type=int, default=32)
+    p.add_argument("--defaults-runs", type=int, default=3, help="Table 4 runs in the defaults section")
     p.add_argument("--throughput-devices", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--throughput-tokens", type=int, default=24)
     p.add_argument("--device-core", type=int, default=0, help="pin this process to the core (-1: no pinning)")

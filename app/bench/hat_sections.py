@@ -13,21 +13,30 @@ import torch
 
 from app.bench.hat_setup import SD_ONLY, SD_PD, TABLE5, U_SHAPE, Bench, RawDevice, Variant, run_request, started
 
+# A configuration of Tables 4 and 5: (its name in the results, the SD / PC / PD variant, further HATOptions).
+Config = tuple[str, Variant, dict[str, Any]]
+
 
 async def table5(bench: Bench) -> list[dict[str, Any]]:
+    return await table5_rows(bench, [(v.name, v, {}) for v in TABLE5])
+
+
+async def table5_rows(bench: Bench, configs: list[Config]) -> list[dict[str, Any]]:
+    """One greedy request per configuration and prompt length, interleaved per length, after one warm-up request;
+    the first configuration is the baseline whose tokens the others are checked against."""
     a = bench.args
-    backends = {v: await started(bench, v) for v in TABLE5}
-    await run_request(backends[U_SHAPE], bench.code_prompt(128), 4)  # warm-up
+    backends = {name: await started(bench, v, **kw) for name, v, kw in configs}
+    await run_request(backends[configs[0][0]], bench.code_prompt(128), 4)  # warm-up
     rows = []
     for length in a.lengths:
         ids = bench.code_prompt(length)
-        for v in TABLE5:
-            r = await run_request(backends[v], ids, a.decode_tokens)
-            r.update(variant=v.name, sd=v.sd, pc=v.pc, pd=v.pd)
+        for name, v, _ in configs:
+            r = await run_request(backends[name], ids, a.decode_tokens)
+            r.update(variant=name, sd=v.sd, pc=v.pc, pd=v.pd)
             rows.append(r)
-            print(f"  table5 {length:5d} {v.name:9s} TTFT {r['ttft_ms']:8.0f} ms  TBT {r['tbt_ms']:6.1f} ms  "
+            print(f"  table5 {length:5d} {name:9s} TTFT {r['ttft_ms']:8.0f} ms  TBT {r['tbt_ms']:6.1f} ms  "
                   f"accept {r['accept_length']:.2f}", file=sys.stderr)  # fmt: skip
-        base = next(r for r in rows if r["prompt_tokens"] == length and r["variant"] == U_SHAPE.name)
+        base = next(r for r in rows if r["prompt_tokens"] == length and r["variant"] == configs[0][0])
         for r in rows:
             if r["prompt_tokens"] == length and r["ids"] != base["ids"]:
                 r["differs_from_u_shape"] = True  # greedy HAT == U-shape up to fp near-ties (reported)
@@ -37,27 +46,33 @@ async def table5(bench: Bench) -> list[dict[str, Any]]:
 
 
 async def table4(bench: Bench) -> dict[str, Any]:
+    out = await table4_rows(bench, [(v.name, v, {}) for v in (U_SHAPE, SD_ONLY)])
+    out["decode_speedup"] = out[U_SHAPE.name]["tbt_ms_median"] / out[SD_ONLY.name]["tbt_ms_median"]
+    return out
+
+
+async def table4_rows(bench: Bench, configs: list[Config]) -> dict[str, Any]:
+    """Each configuration in turn on the held-out prompts: one warm-up request, then every prompt once."""
     from clients.hat.options import HATStats
 
     a = bench.args
     prompts = bench.held_out_prompts(a.table4_prompts)
     out: dict[str, Any] = {}
-    for v in (U_SHAPE, SD_ONLY):
-        b = await started(bench, v)
+    for name, v, kw in configs:
+        b = await started(bench, v, **kw)
         await run_request(b, prompts[0], 4)
         b.stats = HATStats()  # count the measured requests only
         runs = [await run_request(b, ids, a.table4_tokens) for ids in prompts]
-        out[v.name] = {
+        out[name] = {
             "tbt_ms_median": statistics.median(r["tbt_ms"] for r in runs if r["tokens"] > 1),
             "tbt_ms_per_prompt": [round(r["tbt_ms"], 2) for r in runs],
             "tokens": sum(r["tokens"] for r in runs),
             "accept_length": b.stats.round_tokens / max(b.stats.rounds, 1) if v.sd else 1.0,
             "stats": b.stats.summary(),
         }
-        print(f"  table4 {v.name}: {json.dumps({k: out[v.name][k] for k in ('tbt_ms_median', 'accept_length')})}",
+        print(f"  table4 {name}: {json.dumps({k: out[name][k] for k in ('tbt_ms_median', 'accept_length')})}",
               file=sys.stderr)  # fmt: skip
         await b.close()
-    out["decode_speedup"] = out[U_SHAPE.name]["tbt_ms_median"] / out[SD_ONLY.name]["tbt_ms_median"]
     out["prompts"] = len(prompts)
     return out
 

@@ -52,6 +52,40 @@ class Bench:
         self.url = args.worker_url
         self.info: dict[str, Any] = {}
         self.results: dict[str, Any] = {"setup": {}}
+        self._profile: Path | None = None
+
+    async def profile(self) -> Path:
+        """The profile the speculation sections plan with: --profile, else `tandem profile` run once now against this
+        bench's worker, over its link, from this (pinned) process's core — the hardware the sections measure."""
+        if self._profile is not None:
+            return self._profile
+        import asyncio
+        import shlex
+        import sys
+
+        from app.profiling.main import default_out
+        from clients.hat.profile import load_profile
+
+        a = self.args
+        if a.profile:
+            path = Path(a.profile)
+        else:
+            path = ROOT / default_out(a.model, a.m, prefix="bench-")
+            cmd = [sys.executable, "-m", "app.cli", "profile", "--model", a.model, "--m", str(a.m),
+                   "--worker-url", self.url, "--link", a.link, "--threads", "1", "--out", str(path),
+                   *(["--quick"] if a.profile_quick else []), *shlex.split(a.profile_args)]  # fmt: skip
+            print(f"  profile: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL)
+            if await proc.wait() != 0:
+                raise SystemExit(f"tandem profile failed (exit {proc.returncode}): {shlex.join(cmd[1:])}")
+            self.results["profile_seconds"] = round(time.perf_counter() - t0, 1)
+        profile = load_profile(path)  # refuse a profile for another model or m before measuring with it
+        profile.check_model({a.model, self.gguf.name}, a.m)
+        self.results["profile"] = {"path": str(path), "created": profile.raw.get("created"),
+                                   "link": profile.raw.get("link"), "made_in_this_run": not a.profile}  # fmt: skip
+        self._profile = path
+        return path
 
     async def start_worker(self) -> None:
         if self.url:
@@ -79,7 +113,9 @@ class Bench:
         draft_length: str = "eta",
         tree_width: int = 0,
         chunking: str = "eq3",
+        **options: Any,
     ) -> Any:
+        """A device half of variant `v`; `options`: further HATOptions (eta, max_draft, tree_paths, profile, arca)."""
         from clients.hat.device import HATBackend
         from clients.hat.options import HATOptions
 
@@ -97,6 +133,7 @@ class Bench:
             chunk_size=None if v.pc else 1 << 20,  # no chunking = the whole prompt in one frame
             link=self.link if link is None else link,
             round_timeout=600.0,
+            **options,
         )
         return HATBackend(options, model=self.model, tokenizer=self.tok)
 

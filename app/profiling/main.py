@@ -421,13 +421,19 @@ def report(profile: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def default_out(model: str, m: int, prefix: str = "") -> Path:
+    """var/profile/<prefix><model>-m<m>.json: a bundled model's whole name (its dots are no suffix), a GGUF's stem."""
+    name = Path(model).name
+    return Path("var/profile") / f"{prefix}{name.removesuffix('.gguf')}-m{m}.json"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.quick:
         _quick(args)
     if any(x < 1 for x in [*args.rows, *args.widths, *args.contexts]) or args.repeats < 1:
         raise SystemExit("rows, widths, contexts and repeats must be >= 1")
-    out = Path(args.out or f"var/profile/{Path(args.model).stem}-m{args.m}.json")
+    out = Path(args.out or default_out(args.model, args.m))
     profile = run(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from policies import trees
+from policies.drafting import AcceptanceEstimator, DraftLengthController, DraftStopRule
 
 MISS = 1 << 30  # rank of a token the draft cannot propose (outside the reduced draft vocabulary)
 
@@ -204,9 +205,11 @@ class Replay:
     accepted: int = 0
     tie_breaks: int = 0
     histogram: list[int] = field(default_factory=list)
+    per_round: list[int] = field(default_factory=list)  # accepted drafts of each round, in order (not in summary)
 
     def add_round(self, accepted: int) -> None:
         self.rounds += 1
+        self.per_round.append(accepted)
         self.accepted += accepted
         self.tokens += accepted + 1
         if accepted >= len(self.histogram):
@@ -255,8 +258,26 @@ def replay_eta(texts: Sequence[RankedText], eta: float, max_draft: int, include_
     """HAT's eta rule (Eq. 5) replayed, with the live controller's bookkeeping: the accept length and the pooled
     and confident-draft acceptance rates (policies.drafting.DraftLengthController.observe), and the pooled rate of
     fixed chains of max_draft without the stop (what "eq7" measures)."""
-    from policies.drafting import AcceptanceEstimator, DraftLengthController, DraftStopRule
+    out, ctl = replay_eta_rounds(texts, eta, max_draft, include_low)
+    fixed = replay(texts, chain(max_draft))
+    rejections = sum(c for a, c in enumerate(fixed.histogram) if a < max_draft)
+    chain_alpha = fixed.accepted / (fixed.accepted + rejections) if fixed.accepted + rejections else 0.0
+    return {
+        "accept_length": round(out.accept_length, 4),
+        "rounds": out.rounds,
+        "tie_breaks": out.tie_breaks,
+        "alpha": {
+            "chain": round(chain_alpha, 5),
+            "eta": round(ctl.pooled.alpha, 5),
+            "confident": round(ctl.confident.alpha, 5),
+        },
+    }
 
+
+def replay_eta_rounds(
+    texts: Sequence[RankedText], eta: float, max_draft: int, include_low: bool = True
+) -> tuple[Replay, DraftLengthController]:
+    """The eta rule's rounds, one by one (the Replay), and the controller that observed them."""
     rule = DraftStopRule(eta=eta, max_draft=max_draft, include_low_confidence=include_low)
     ctl = DraftLengthController(
         mode="eta",
@@ -290,16 +311,4 @@ def replay_eta(texts: Sequence[RankedText], eta: float, max_draft: int, include_
             ctl.observe(drafted=drafted, accepted=accepted, confident=flags)
             out.add_round(accepted)
             p += accepted + 1
-    fixed = replay(texts, chain(max_draft))
-    rejections = sum(c for a, c in enumerate(fixed.histogram) if a < max_draft)
-    chain_alpha = fixed.accepted / (fixed.accepted + rejections) if fixed.accepted + rejections else 0.0
-    return {
-        "accept_length": round(out.accept_length, 4),
-        "rounds": out.rounds,
-        "tie_breaks": out.tie_breaks,
-        "alpha": {
-            "chain": round(chain_alpha, 5),
-            "eta": round(ctl.pooled.alpha, 5),
-            "confident": round(ctl.confident.alpha, 5),
-        },
-    }
+    return out, ctl

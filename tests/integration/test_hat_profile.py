@@ -1,21 +1,26 @@
 """`tandem profile` end to end on SmolLM2-135M (tiny grid, a real worker subprocess on loopback), and the profile
 read back: the device half's draft-length controller and the worker's g start from it, and a profile for another
-model or m is refused."""
+model or m is refused. And the profile's offline replay of acceptance against live greedy HAT runs."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from app.cli import main as tandem
+from app.profiling import replay as rp
 from app.worker.server import Worker, WorkerSettings
 from clients.hat.device import HATBackend
 from clients.hat.options import HATOptions
 from clients.hat.profile import ProfileError, load_profile
-from policies.drafting import DelayPredictor, LinkState, argmax_draft_length
+from clients.hat.split import split_model
+from policies.drafting import DEFAULT_ETA, DelayPredictor, LinkState, argmax_draft_length
 from tests.integration.hf_fixtures import SMOL, load
+from tests.integration.test_hat import TOKEN, WorkerServer, collect, prompt_ids, token_ids
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -136,3 +141,68 @@ def test_arca_verifies_the_profiles_choice(profile_path: Path, tmp_path: Path) -
     assert arca_backend(chain_profile).tree is None
     with pytest.raises(ValueError, match="arca chooses the verification tree from a profile"):
         arca_backend(None)
+
+
+# --- the offline replay against live runs -------------------------------------------------------------------
+
+
+class RoundRecorder(HATBackend):
+    """A HATBackend that records how many drafts each of its rounds accepted, in order."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.accepted_per_round: list[int] = []
+
+    async def _round(self, *args: Any, **kw: Any) -> Any:
+        before = self.stats.accepted
+        out = await super()._round(*args, **kw)
+        self.accepted_per_round.append(self.stats.accepted - before)
+        return out
+
+
+@pytest.fixture(scope="module")
+def replay_worker() -> Iterator[WorkerServer]:
+    server = WorkerServer(load(SMOL)[0], SMOL, idle_timeout=60).start()
+    yield server
+    server.stop()
+
+
+# SmolLM2 has no trained adapter: its untrained draft model (layer 2's attention) is right on the counting prompt's
+# punctuation (rank 0) and has the repeated word at ranks 3-5, so both prompts accept some drafts.
+REPLAY_PROMPTS = ("Count from one to ten in words.", "Repeat the word yes ten times.")
+REPLAY_TOKENS = 12
+# A depth-1 tree (the top 7 draft tokens): the device verifies a tree only where the round's cap allows the tree's
+# depth, else (the answer's last token) a chain; at depth 1 both verify nothing there, as the replay does.
+STAR = tuple((k,) for k in range(7))
+
+
+async def test_offline_replay_of_acceptance_equals_the_live_runs(replay_worker: WorkerServer) -> None:
+    """Greedy HAT on real weights, round by round: the accepted drafts of every live round equal app/profiling's
+    replay over the same answers, for chains under HAT's eta rule (the default) and for a token tree."""
+    model, tok = load(SMOL)
+    split = split_model(model, 2)
+    configs: dict[str, tuple[dict[str, Any], Any]] = {
+        "eta": ({}, lambda texts: rp.replay_eta_rounds(texts, DEFAULT_ETA, 8)[0]),
+        "tree w=8": ({"tree_paths": STAR}, lambda texts: rp.replay(texts, frozenset(STAR))),
+    }
+    for name, (options, offline) in configs.items():
+        backend = RoundRecorder(
+            HATOptions(replay_worker.ws, model_id=SMOL, auth_token=TOKEN, chunk_size=16, **options),
+            model=model,
+            tokenizer=tok,
+        )
+        await backend.start()
+        texts = []
+        for prompt in REPLAY_PROMPTS:
+            ids = prompt_ids(tok, prompt)
+            got = token_ids(await collect(backend, ids, max_tokens=REPLAY_TOKENS))
+            assert len(got) == REPLAY_TOKENS  # cut by the length limit (RankedText.capped, the default)
+            texts.append(rp.rank_text(split, backend.adapter, ids + got, len(ids), backend._draft_ids))
+        await backend.close()
+        replayed = offline(texts)
+        print(f"{name}: live {backend.accepted_per_round}, replayed {replayed.per_round}")
+        assert replayed.per_round == backend.accepted_per_round, name
+        assert (replayed.rounds, replayed.tokens) == (backend.stats.rounds, backend.stats.round_tokens), name
+        assert replayed.tie_breaks == 0 and replayed.accepted > 0, name  # drafts were accepted: not vacuous
+        if name.startswith("tree"):
+            assert backend.stats.tree_rounds == backend.stats.rounds - len(REPLAY_PROMPTS)  # all but the last

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.profiling import replay as rp
-from app.profiling.main import interp
+from app.profiling.main import default_out, interp
 from clients.hat.profile import SCHEMA, VERSION, ProfileError, load_profile, parse_profile
 from policies.drafting import (
     DelayPredictor,
@@ -205,3 +205,8 @@ def test_an_unreadable_profile_is_an_error(tmp_path: Path) -> None:
     bad.write_text("{")
     with pytest.raises(ProfileError, match="not valid JSON"):
         load_profile(bad)
+
+
+def test_the_default_profile_path_keeps_a_bundled_models_whole_name() -> None:
+    assert default_out("qwen2.5-coder-0.5b-instruct", 2) == Path("var/profile/qwen2.5-coder-0.5b-instruct-m2.json")
+    assert default_out("/models/Foo-1.5B.Q4.gguf", 3, prefix="bench-") == Path("var/profile/bench-Foo-1.5B.Q4-m3.json")
