@@ -10,7 +10,8 @@ HAT's draft model is autoregressive: when a tree node's path matches the target'
 that node is exactly the draft's distribution on the true prefix. So for greedy decoding a round starting at answer
 position t accepts tree node p = (r1, ..., rd) iff the true tokens at t+1..t+d have exactly the draft ranks
 r1..rd — the whole acceptance process is a function of one sequence per answer: the rank of each true token in the
-draft distribution given the true prefix (`RankSequence`, recorded by the profile's offline replay). From it:
+draft distribution given the true prefix (`RankSequence`, recorded by the profile's offline replay; `AnswerRanks`
+adds where a near-tie ends a round and how the answer ended). From it (`tandem profile` uses each one):
 - `path_probabilities`: P(path) = the fraction of start positions whose rank sequence begins with the path —
   conditional on the path by construction (a confident stretch going on is in the data), no independence assumed;
 - `greedy_tree`: Ghidorah's step 4 (add the most probable node next), which is optimal for an
@@ -175,24 +176,52 @@ def is_root_path(parents: Sequence[int], nodes: Sequence[int]) -> bool:
 # --- acceptance from rank sequences ------------------------------------------------------------------------
 
 
-def path_probabilities(sequences: Iterable[RankSequence], max_depth: int, max_rank: int) -> dict[RankPath, float]:
-    """P(a round starting at a random answer position accepts path p), for every path of depth <= max_depth with
-    ranks < max_rank: the fraction of start positions t whose next ranks begin with p.
+@dataclass(frozen=True)
+class AnswerRanks:
+    """One answer as the replay sees it: `ranks` (a RankSequence); `ties`, the indices whose true token is not the
+    target's own argmax in the replay's arithmetic (a near-tie the live run broke the other way: accepting that node
+    ends the round there); `open_end`: the answer stopped at an end token, so its last round may draft the end token
+    itself (a length-capped answer's last round drafts at most up to its last token but one)."""
+
+    ranks: RankSequence
+    ties: frozenset[int] = frozenset()
+    open_end: bool = False
+
+
+Answer = RankSequence | AnswerRanks
+
+
+def _answer(a: Answer) -> AnswerRanks:
+    return a if isinstance(a, AnswerRanks) else AnswerRanks(a)
+
+
+def path_counts(answers: Iterable[Answer], max_depth: int, max_rank: int) -> tuple[Counter[RankPath], int]:
+    """(how many round starts each rank path is the true path's prefix at, the number of starts), for paths of
+    depth <= max_depth with ranks < max_rank.
 
     Every position t with at least one answer token after it is a start (the root is the token at t; its children
-    draft position t + 1). A sequence's end cuts paths short, as the answer's end does in a live round.
+    draft position t + 1). An answer's end cuts paths short, as it does in a live round; so does a tie.
     """
     counts: Counter[RankPath] = Counter()
     starts = 0
-    for seq in sequences:
+    for a in map(_answer, answers):
+        seq = a.ranks
         for t in range(len(seq)):
             starts += 1
             prefix: list[int] = []
-            for r in seq[t : t + max_depth]:
-                if r >= max_rank:
+            for q in range(t, min(t + max_depth, len(seq))):
+                if seq[q] >= max_rank:
                     break
-                prefix.append(r)
+                prefix.append(seq[q])
                 counts[tuple(prefix)] += 1
+                if q in a.ties:
+                    break
+    return counts, starts
+
+
+def path_probabilities(answers: Iterable[Answer], max_depth: int, max_rank: int) -> dict[RankPath, float]:
+    """P(a round starting at a random answer position accepts path p): `path_counts` over the starts."""
+    counts, starts = path_counts(answers, max_depth, max_rank)
     return {p: c / starts for p, c in counts.items()} if starts else {}
 
 
@@ -248,36 +277,51 @@ def greedy_tree(width: int, probabilities: dict[RankPath, float]) -> DraftTree:
     return from_paths(chosen)
 
 
-def replay(tree: DraftTree, sequence: RankSequence) -> list[int]:
+def replay(tree: DraftTree, answer: Answer) -> list[int]:
     """Drafts accepted in each greedy round over one answer (exact: see the module docstring).
 
     A round starting after answer position t accepts the deepest node whose rank path equals the true ranks at
-    t+1.. (the answer's end stops it), then the target contributes one token; the next round starts after that.
+    t+1.. (a tie or the answer's end stops it), then the target contributes one token; the next round starts after
+    that.
     """
+    a = _answer(answer)
+    seq, n = a.ranks, len(a.ranks)
+    limit = n if a.open_end else n - 1  # drafts of a round stop before this index
     children = [tree.children(i) for i in range(tree.width)]
     accepted: list[int] = []
-    t = 0  # index in `sequence` of the first token this round can draft
-    while t < len(sequence):
-        node, a = 0, 0
-        while t + a < len(sequence) and sequence[t + a] in children[node]:
-            node = children[node][sequence[t + a]]
-            a += 1
-        accepted.append(min(a, len(sequence) - t - 1) if t + a >= len(sequence) else a)
-        t += a + 1
+    t = 0  # index in `seq` of the first token this round can draft
+    while t < n:
+        node, k = 0, 0
+        while t + k < limit and seq[t + k] in children[node]:
+            node = children[node][seq[t + k]]
+            k += 1
+            if t + k - 1 in a.ties:
+                break
+        accepted.append(k)
+        t += k + 1
     return accepted
 
 
-def replay_accept_length(tree: DraftTree, sequences: Iterable[RankSequence]) -> float:
-    """Mean tokens per round (accepted drafts + 1) over greedy rounds of every sequence: the live accept length."""
-    rounds = [a for seq in sequences for a in replay(tree, seq)]
+def tie_breaks(answer: Answer, accepted: Sequence[int]) -> int:
+    """How many of `replay`'s rounds ended on a tie."""
+    a, t, n = _answer(answer), 0, 0
+    for k in accepted:
+        n += k > 0 and t + k - 1 in a.ties
+        t += k + 1
+    return n
+
+
+def replay_accept_length(tree: DraftTree, answers: Iterable[Answer]) -> float:
+    """Mean tokens per round (accepted drafts + 1) over greedy rounds of every answer: the live accept length."""
+    rounds = [k for a in answers for k in replay(tree, a)]
     return 1.0 + sum(rounds) / len(rounds) if rounds else 1.0
 
 
-def refine_tree(tree: DraftTree, sequences: Sequence[RankSequence], max_passes: int = 3) -> DraftTree:
+def refine_tree(tree: DraftTree, answers: Sequence[Answer], max_passes: int = 3) -> DraftTree:
     """Ghidorah's step 5: replace a leaf by a frontier node (a missing child of a kept node) whenever the exact
     replay's accept length rises; repeat until a pass changes nothing (at most `max_passes`). Width is kept."""
     best = tree
-    best_len = replay_accept_length(best, sequences)
+    best_len = replay_accept_length(best, answers)
     for _ in range(max_passes):
         improved = False
         paths = {best.path(i) for i in range(1, best.width)}
@@ -287,7 +331,7 @@ def refine_tree(tree: DraftTree, sequences: Sequence[RankSequence], max_passes: 
             frontier = {(*p, r) for p in kept | {()} for r in range(_next_rank(kept, p) + 1)} - paths
             for cand in sorted(frontier, key=lambda p: (len(p), p)):
                 trial = from_paths(kept | {cand})
-                length = replay_accept_length(trial, sequences)
+                length = replay_accept_length(trial, answers)
                 if length > best_len + 1e-12:
                     best, best_len, improved = trial, length, True
                     break

@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=48)
     p.add_argument("--table4-prompts", type=int, default=8)
     p.add_argument("--table4-tokens", type=int, default=64)
+    p.add_argument(
+        "--worker-counts", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 1024],
+        help="components: positions per frame at which the worker's middle is timed",
+    )  # fmt: skip
     p.add_argument("--sweep-rtt-ms", type=float, nargs="+", default=[0, 20, 50, 100, 200])
     p.add_argument("--sweep-up-mbps", type=float, nargs="+", default=[1, 2.5, 5, 10, 40])
     p.add_argument("--sweep-prompt", type=int, default=1024)

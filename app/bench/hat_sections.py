@@ -125,7 +125,7 @@ async def components(bench: Bench) -> dict[str, Any]:
     await b.close()
     await full.close()
     token_bytes = hidden * 4
-    out["worker_ms"] = await worker_compute(bench, [1, 2, 4, 8, 16, 64, 256, 1024])
+    out["worker_ms"] = await worker_compute(bench, bench.args.worker_counts)
     link = bench.link
     for n in (1, 4, 256):
         up = n * token_bytes / link.up_bandwidth if link.up_bandwidth else 0.0

@@ -39,6 +39,7 @@ import torch
 
 from app.profiling import replay as rp
 from clients.hat.profile import SCHEMA, VERSION
+from policies import trees
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
 
@@ -135,7 +136,7 @@ def interp(table: dict[str, float] | dict[int, float], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-def round_ms(profile: dict[str, Any], tree: rp.Tree, accept: float, context: int) -> dict[str, float]:
+def round_ms(profile: dict[str, Any], tree: trees.DraftTree, accept: float, context: int) -> dict[str, float]:
     """Modelled time of one round verifying `tree` (its nodes + the root): draft steps depth by depth (each depth
     one batched step over its nodes, the last depth fed for its shallow states), upload, the worker's middle for
     the positions at the nearest measured context, download, the head over the rows the lazy check needs (the
@@ -143,12 +144,12 @@ def round_ms(profile: dict[str, Any], tree: rp.Tree, accept: float, context: int
     dev, link = profile["device"], profile["link"]
     ctxs = sorted(int(c) for c in profile["worker"]["middle_ms"])
     ctx = min(ctxs, key=lambda c: abs(c - context))
-    width = len(tree) + 1
+    width = tree.width
     a = link["token_bytes"]
     up = 0.0 if not link["up_bytes_per_s"] else 1e3 * width * a / link["up_bytes_per_s"]
     down = 0.0 if not link["down_bytes_per_s"] else 1e3 * width * a / link["down_bytes_per_s"]
     parts = {
-        "draft": sum(interp(dev["draft_step_ms"], r) for r in rp.depth_rows(tree)),
+        "draft": sum(interp(dev["draft_step_ms"], len(level)) for level in tree.levels()),
         "upload": up,
         "worker": interp(profile["worker"]["middle_ms"][str(ctx)], width),
         "download": down,
@@ -168,20 +169,24 @@ def table1(
     top_k: int,
     context: int,
 ) -> dict[str, Any]:
-    """Accept length by width for chains and greedy trees: calibrated (expected from the calibration set's path
+    """Accept length by width for chains and trees: calibrated (expected from the calibration set's path
     counts), replayed exactly on the calibration set and on the transfer set; modelled round time and tokens/s;
     ARCA's width (argmax of calibrated accept length / round time, ties to the smaller); Ghidorah's decomposition
-    speedup(w) = accept(w) * T(1) / T(w)."""
-    counts, starts = rp.path_counts(calib, max(depth, max(widths) - 1), top_k)  # deep enough for every chain
+    speedup(w) = accept(w) * T(1) / T(w). Trees: Ghidorah's steps 4 and 5 — greedy from the path probabilities,
+    then refined by the calibration set's exact replay."""
+    answers = [t.answer() for t in calib]
+    probabilities = trees.path_probabilities(answers, max(depth, max(widths) - 1), top_k)  # deep enough for chains
+    shapes: dict[int, trees.DraftTree] = {}
     rows = []
     for w in widths:
         row: dict[str, Any] = {"width": w}
+        shapes[w] = trees.refine_tree(trees.greedy_tree(w, probabilities), answers)
         for shape in ("chain", "tree"):
-            tree = rp.chain(w - 1) if shape == "chain" else rp.greedy_tree(counts, w - 1, top_k)
-            est = rp.expected_accept(tree, counts, starts)
+            tree = trees.chain(w - 1) if shape == "chain" else shapes[w]
+            est = trees.expected_tokens(tree, probabilities)
             t = round_ms(profile, tree, est, context)
             row[shape] = {
-                "nodes_per_depth": rp.depth_rows(tree)[1:],
+                "nodes_per_depth": [len(level) for level in tree.levels()[1:]],
                 "accept_calibrated": round(est, 4),
                 "accept_replay_calibration": rp.replay(calib, tree).summary()["accept_length"],
                 "accept_replay_transfer": rp.replay(transfer, tree).summary()["accept_length"] if transfer else None,
@@ -198,13 +203,13 @@ def table1(
             r[shape]["ghidorah_speedup"] = round(
                 r[shape]["accept_calibrated"] * base[shape] / r[shape]["round_ms"]["total"], 3
             )
-    trees = {str(r["width"]): sorted(rp.greedy_tree(counts, r["width"] - 1, top_k)) for r in rows}
-    return {"context": context, "rows": rows, "arca_width": choice, "trees": trees}
+    paths = {str(w): sorted(tree.path(i) for i in range(1, tree.width)) for w, tree in shapes.items()}
+    return {"context": context, "rows": rows, "arca_width": choice, "trees": paths}
 
 
 def acceptance(args: argparse.Namespace, texts: dict[str, list[rp.RankedText]], profile: dict[str, Any]) -> dict:
     chat, code = texts["chat"], texts["code"]
-    counts, starts = rp.path_counts(chat, args.depth, args.top_k)
+    counts, starts = trees.path_counts([t.answer() for t in chat], args.depth, args.top_k)
     eta = rp.replay_eta(chat, args.eta, args.max_draft)
     out: dict[str, Any] = {
         "calibration": {
@@ -223,8 +228,8 @@ def acceptance(args: argparse.Namespace, texts: dict[str, list[rp.RankedText]], 
         "eta_rule": {"calibration": eta, "transfer": rp.replay_eta(code, args.eta, args.max_draft) if code else None},
         "chains": {
             str(l_): {
-                "calibration": rp.replay(chat, rp.chain(l_)).summary()["accept_length"],
-                "transfer": rp.replay(code, rp.chain(l_)).summary()["accept_length"] if code else None,
+                "calibration": rp.replay(chat, trees.chain(l_)).summary()["accept_length"],
+                "transfer": rp.replay(code, trees.chain(l_)).summary()["accept_length"] if code else None,
             }
             for l_ in range(0, args.max_draft + 1)
         },

@@ -9,12 +9,10 @@ path above it. With rank_q = the rank of the LLM's token G[q+1] in the draft's t
 the round from p accepts exactly the longest prefix of (rank_p, rank_{p+1}, ...) that is a path of the tree
 (a chain of l drafts is the tree {(0,), (0, 0), ..., (0,)*l}). The rank sequence along G is all the replay needs.
 
-From it:
-- `path_counts`: for every position as a round start, how often each rank path is the true path's prefix (ranks
-  below `top_k`, depth at most `depth`). P(node accepted) = count / starts, without Ghidorah's independence
-  assumption (HAT's adapter is autoregressive: acceptance at depth d depends on the path). A tree's expected
-  accept length is 1 + the sum of its nodes' probabilities, and the best tree of n nodes is the n most frequent
-  paths (counts never grow along a path, so they form a tree): `greedy_tree`.
+From it (the tree arithmetic is policies/trees.py's, on `RankedText.answer()`):
+- path counts: for every position as a round start, how often each rank path is the true path's prefix. P(node
+  accepted) = count / starts, without Ghidorah's independence assumption (HAT's adapter is autoregressive:
+  acceptance at depth d depends on the path); the best tree of n nodes is the n most frequent paths.
 - `rank_cdf`: per depth d, P(rank at depth d <= k | the previous d-1 drafts were right), for chains (every earlier
   rank 0) and for trees (every earlier rank below top_k).
 - `replay`: the exact sequential replay of a fixed tree (or chain), round after round along each text, and of
@@ -69,6 +67,12 @@ class RankedText:
     def tie(self, q: int) -> bool:
         return self.llm_top1[q] != self.ids[q + 1]
 
+    def answer(self) -> trees.AnswerRanks:
+        """The decode rounds' rank sequence (from the first round's start), for policies/trees.py's replay."""
+        start = self.first_round
+        ties = frozenset(q - start for q in range(start, self.end) if self.tie(q))
+        return trees.AnswerRanks(self.ranks[start : self.end], ties, open_end=not self.capped)
+
 
 @torch.inference_mode()
 def rank_text(
@@ -115,23 +119,6 @@ def _starts(texts: Iterable[RankedText]) -> Iterable[tuple[RankedText, int]]:
             yield t, p
 
 
-def path_counts(texts: Sequence[RankedText], depth: int, top_k: int) -> tuple[dict[tuple[int, ...], int], int]:
-    """(count of each rank path as the true path's prefix, number of round starts); see the module docstring."""
-    counts: dict[tuple[int, ...], int] = {}
-    starts = 0
-    for t, p in _starts(texts):
-        starts += 1
-        path: tuple[int, ...] = ()
-        for q in range(p, min(p + depth, t.end)):
-            if t.ranks[q] >= top_k:
-                break
-            path = (*path, t.ranks[q])
-            counts[path] = counts.get(path, 0) + 1
-            if t.tie(q):
-                break
-    return counts, starts
-
-
 def rank_cdf(texts: Sequence[RankedText], depth: int, top_k: int) -> dict[str, Any]:
     """Per depth d: P(rank <= k | previous d-1 drafts right), k < top_k, for chains and trees (see module doc)."""
     out: dict[str, Any] = {}
@@ -155,44 +142,6 @@ def rank_cdf(texts: Sequence[RankedText], depth: int, top_k: int) -> dict[str, A
             rows.append({"depth": d + 1, "samples": n, "p_rank_le": cum})
         out[name] = rows
     return out
-
-
-# --- trees ---------------------------------------------------------------------------------------------
-
-
-Tree = frozenset[tuple[int, ...]]
-
-
-def chain(length: int) -> Tree:
-    """A chain of `length` drafts, each the draft's argmax after the previous one."""
-    return frozenset((0,) * d for d in range(1, length + 1))
-
-
-def is_tree(nodes: Iterable[tuple[int, ...]]) -> bool:
-    """Prefix-closed: every node's parent is a node too (the root, the last accepted token, is implicit)."""
-    s = set(nodes)
-    return all(len(n) >= 1 and (len(n) == 1 or n[:-1] in s) for n in s)
-
-
-def greedy_tree(counts: dict[tuple[int, ...], int], nodes: int, top_k: int) -> Tree:
-    """The `nodes` rank paths most often on the true path, prefix-closed (policies/trees.py greedy_tree: the most
-    probable frontier node first; unseen children, lowest rank and shallowest first, fill a width nothing more
-    probable can)."""
-    total = max(counts.values(), default=1)
-    probabilities = {p: c / total for p, c in counts.items() if all(r < top_k for r in p)}
-    tree = trees.greedy_tree(nodes + 1, probabilities)
-    return frozenset(tree.path(i) for i in range(1, tree.width))
-
-
-def expected_accept(tree: Tree, counts: dict[tuple[int, ...], int], starts: int) -> float:
-    """1 + sum over the tree's nodes of P(node on the true path): the calibrated tokens per round."""
-    return 1.0 + sum(counts.get(n, 0) for n in tree) / max(starts, 1)
-
-
-def depth_rows(tree: Tree) -> list[int]:
-    """Nodes per depth, the root (depth 0, one row) first: the rows of each batched draft step."""
-    deepest = max((len(n) for n in tree), default=0)
-    return [1] + [sum(1 for n in tree if len(n) == d) for d in range(1, deepest + 1)]
 
 
 # --- sequential replay ------------------------------------------------------------------------------------
@@ -230,27 +179,16 @@ class Replay:
         }
 
 
-def replay(texts: Sequence[RankedText], tree: Tree) -> Replay:
-    """Greedy HAT rounds with this tree every round, from each answer's first round to the end of its text.
-
-    A round's drafts stop at the text's draft limit (RankedText.capped: how the live run's last round ended)."""
+def replay(texts: Sequence[RankedText], tree: trees.DraftTree) -> Replay:
+    """Greedy HAT rounds verifying this tree every round, from each answer's first round to the end of its text
+    (policies/trees.py's exact replay)."""
     out = Replay()
     for t in texts:
-        p = t.first_round
-        while p < t.end:
-            path: tuple[int, ...] = ()
-            accepted = 0
-            while p + accepted < t.draft_limit:
-                q = p + accepted
-                path = (*path, t.ranks[q])
-                if path not in tree:
-                    break
-                accepted += 1
-                if t.tie(q):
-                    out.tie_breaks += 1
-                    break
+        answer = t.answer()
+        rounds = trees.replay(tree, answer)
+        for accepted in rounds:
             out.add_round(accepted)
-            p += accepted + 1
+        out.tie_breaks += trees.tie_breaks(answer, rounds)
     return out
 
 
@@ -259,7 +197,7 @@ def replay_eta(texts: Sequence[RankedText], eta: float, max_draft: int, include_
     and confident-draft acceptance rates (policies.drafting.DraftLengthController.observe), and the pooled rate of
     fixed chains of max_draft without the stop (what "eq7" measures)."""
     out, ctl = replay_eta_rounds(texts, eta, max_draft, include_low)
-    fixed = replay(texts, chain(max_draft))
+    fixed = replay(texts, trees.chain(max_draft))
     rejections = sum(c for a, c in enumerate(fixed.histogram) if a < max_draft)
     chain_alpha = fixed.accepted / (fixed.accepted + rejections) if fixed.accepted + rejections else 0.0
     return {

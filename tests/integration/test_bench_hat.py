@@ -17,7 +17,8 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     out = tmp_path / "hat.json"
     code = tandem([
         "bench", "hat", "--model", "smollm2-135m-instruct", "--lengths", "96", "--decode-tokens", "6",
-        "--table4-prompts", "2", "--table4-tokens", "8", "--sweep-rtt-ms", "40", "--sweep-up-mbps", "5",
+        "--table4-prompts", "1", "--table4-tokens", "8", "--worker-counts", "1", "8", "64",
+        "--sweep-rtt-ms", "40", "--sweep-up-mbps", "5",
         "--sweep-prompt", "160", "--sweep-tokens", "6", "--throughput-devices", "1", "2", "--throughput-tokens", "4",
         "--tree-widths", "4", "--tree-code-lengths", "96", "--draft-length-rtt-ms", "0", "--draft-length-tokens", "6",
         "--device-core", "-1", "--worker-core", "-1", "--worker-device", "cpu", "--out", str(out),
@@ -33,7 +34,11 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     t4 = results["table4"]
     assert t4["U-shape"]["accept_length"] == 1.0 and t4["SD"]["accept_length"] >= 1.0 and t4["decode_speedup"] > 0
     comp = results["components"]
-    assert comp["device_ms"]["draft_head_full_vocab"] > 0 and comp["worker_ms"]["middle_1024_tokens"] > 0
+    assert comp["device_ms"]["draft_head_full_vocab"] > 0 and list(comp["worker_ms"]) == [
+        "middle_1_tokens",
+        "middle_8_tokens",
+        "middle_64_tokens",
+    ]
     assert [r["rtt_ms"] for r in results["sweep"]["rtt"]] == [40]
     assert [r["devices"] for r in results["throughput"]["rows"]] == [1, 2]
     assert all(r["batched_tok_s"] > 0 and r["one_at_a_time_tok_s"] > 0 for r in results["throughput"]["rows"])

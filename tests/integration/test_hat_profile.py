@@ -18,6 +18,7 @@ from clients.hat.device import HATBackend
 from clients.hat.options import HATOptions
 from clients.hat.profile import ProfileError, load_profile
 from clients.hat.split import split_model
+from policies import trees
 from policies.drafting import DEFAULT_ETA, DelayPredictor, LinkState, argmax_draft_length
 from tests.integration.hf_fixtures import SMOL, load
 from tests.integration.test_hat import TOKEN, WorkerServer, collect, prompt_ids, token_ids
@@ -183,7 +184,7 @@ async def test_offline_replay_of_acceptance_equals_the_live_runs(replay_worker: 
     split = split_model(model, 2)
     configs: dict[str, tuple[dict[str, Any], Any]] = {
         "eta": ({}, lambda texts: rp.replay_eta_rounds(texts, DEFAULT_ETA, 8)[0]),
-        "tree w=8": ({"tree_paths": STAR}, lambda texts: rp.replay(texts, frozenset(STAR))),
+        "tree w=8": ({"tree_paths": STAR}, lambda texts: rp.replay(texts, trees.from_paths(STAR))),
     }
     for name, (options, offline) in configs.items():
         backend = RoundRecorder(

@@ -12,6 +12,7 @@ import pytest
 from app.profiling import replay as rp
 from app.profiling.main import default_out, interp
 from clients.hat.profile import SCHEMA, VERSION, ProfileError, load_profile, parse_profile
+from policies import trees
 from policies.drafting import (
     DelayPredictor,
     DraftLengthController,
@@ -37,32 +38,38 @@ def test_chain_replay_accepts_the_leading_run_of_top1_ranks() -> None:
     t = _text([0, 0, 1, 0, 3, 0, 0, 0])
     # chain of 2: round at 0 accepts ranks[0..1] = 0,0 (2) -> next start 3: ranks[3]=0, ranks[4]=3 -> 1
     # -> start 5: 0,0 -> 2 -> start 8 = end. Rounds: 3, tokens 8.
-    r = rp.replay([t], rp.chain(2))
+    r = rp.replay([t], trees.chain(2))
     assert (r.rounds, r.accepted, r.tokens) == (3, 5, 8)
-    assert rp.replay([t], rp.chain(0)).accept_length == 1.0  # no drafts: U-shape
+    assert rp.replay([t], trees.chain(0)).accept_length == 1.0  # no drafts: U-shape
 
 
 def test_tree_replay_follows_rank_paths_and_ties_end_a_round() -> None:
     t = _text([1, 2, 0, 0])
-    tree = frozenset({(0,), (1,), (1, 2), (1, 2, 0)})
+    tree = trees.from_paths({(0,), (1,), (1, 2), (1, 2, 0)})
     r = rp.replay([t], tree)
     assert r.histogram[3] == 1  # (1, 2, 0) accepted, then ranks[3] opens the next round
-    tied = rp.replay([_text([0, 0, 0, 0], ties={1})], rp.chain(4))
+    tied = rp.replay([_text([0, 0, 0, 0], ties={1})], trees.chain(4))
     assert tied.tie_breaks == 1 and tied.histogram[2] == 1  # accepted up to the tie, then the text differs
 
 
 def test_greedy_trees_are_valid_and_their_acceptance_does_not_fall_with_width() -> None:
     texts = [_text([0, 1, 0, 0, 2, 0, 1, 1, 0, 0, 0, 3, 0, 1, 0, 0, 5, 0, 0, 1])]
-    counts, starts = rp.path_counts(texts, depth=4, top_k=4)
+    answers = [t.answer() for t in texts]
+    counts, starts = trees.path_counts(answers, max_depth=4, max_rank=4)
     assert counts[(0,)] == sum(1 for r in texts[0].ranks[1:-1] if r == 0)  # each start counts its first rank
+    assert starts == len(texts[0].ranks) - 2
+    probabilities = trees.path_probabilities(answers, max_depth=4, max_rank=4)
     previous = 1.0
     for w in (1, 2, 4, 8, 16, 32):
-        tree = rp.greedy_tree(counts, w - 1, top_k=4)
-        assert len(tree) == w - 1 and rp.is_tree(tree)
-        est = rp.expected_accept(tree, counts, starts)
+        tree = trees.greedy_tree(w, probabilities)  # a DraftTree: validated when built
+        assert tree.width == w
+        est = trees.expected_tokens(tree, probabilities)
         assert est >= previous - 1e-12
         previous = est
-    assert rp.greedy_tree(counts, 1, 4) == frozenset({(0,)})
+        refined = trees.refine_tree(tree, answers)
+        assert refined.width == w
+        assert trees.replay_accept_length(refined, answers) >= trees.replay_accept_length(tree, answers)
+    assert trees.greedy_tree(2, probabilities).path(1) == (0,)
 
 
 def test_rank_cdf_is_conditional_on_the_path() -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from policies.drafting import expected_tokens_per_verification
 from policies.trees import (
+    AnswerRanks,
     DraftTree,
     ancestor_mask,
     chain,
@@ -20,6 +21,7 @@ from policies.trees import (
     refine_tree,
     replay,
     replay_accept_length,
+    tie_breaks,
 )
 
 
@@ -193,3 +195,12 @@ def test_greedy_walk_follows_the_targets_tokens_and_runs_the_head_lazily():
     target[0] = 50  # the root's target drafts nothing: only the root's row is computed
     assert walk_greedy(head_rows, TreeDraft(tree, tokens, torch.zeros(tree.width, 4))) == ([50], [0])
     assert calls == [[0]]
+
+
+def test_replay_ends_a_round_at_a_tie_and_only_an_open_ended_answer_drafts_its_last_token() -> None:
+    assert replay(chain(2), [0, 0]) == [1]  # length-capped: the last round's own token is the answer's last
+    assert replay(chain(2), AnswerRanks([0, 0], open_end=True)) == [2]  # stopped at an end token it drafted
+    tied = AnswerRanks([0, 0, 0, 0, 0], ties=frozenset({1}))
+    rounds = replay(chain(4), tied)
+    assert rounds == [2, 1] and tie_breaks(tied, rounds) == 1  # accepted up to the tie, then a new round
+    assert path_probabilities([tied], max_depth=3, max_rank=1)[(0, 0, 0)] == pytest.approx(1 / 5)  # only from 2
