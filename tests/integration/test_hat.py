@@ -877,17 +877,18 @@ class PlanRecorder(OracleHAT):
         return out
 
 
-@pytest.mark.parametrize("mode", ["eq7+eta", "eq7"])
-async def test_eq7_draft_length_keeps_greedy_exact_and_gets_status_mid_session(smol, reference, mode) -> None:
-    """Draft length from Eq. 7 changes how much is drafted per round, never the output; the worker's mu and g
-    reach the device in STATUS frames while the session runs (tolerance 0: whenever they moved)."""
+@pytest.mark.parametrize(("mode", "transport"), [("eq7+eta", "ws"), ("eq7", "ws"), ("eq7+eta", "http")])
+async def test_eq7_draft_length_keeps_greedy_exact_and_gets_status_mid_session(smol, reference, mode, transport):
+    """Draft length from Eq. 7 changes how much is drafted per round, never the output, over both transports; the
+    worker's mu and g reach the device in STATUS frames while the session runs (tolerance 0: whenever they moved)."""
     model, tok = smol
     ref, gaps = reference
     ids = prompt_ids(tok)
     answer = {len(ids) + i: t for i, t in enumerate(ref)}
     server = WorkerServer(model, SMOL, status_tolerance=0.0).start()
     try:
-        options = HATOptions(server.ws, model_id=SMOL, auth_token=TOKEN, chunk_size=16, draft_length=mode)
+        url = server.ws if transport == "ws" else server.http
+        options = HATOptions(url, model_id=SMOL, auth_token=TOKEN, chunk_size=16, draft_length=mode)
         backend = PlanRecorder(options, model=model, tokenizer=tok, answer=answer)
         await backend.start()
         sent_before = server.engine.stats.status_frames
