@@ -534,7 +534,10 @@ class Orchestrator:
         constrained_role = role_of(self.disco.side(job.cloud, job.policy))
         for a in job.attempts:
             prefilled = a.context_tokens - a.cached_tokens
-            cost = self.disco.cost_of(a.role, job.cloud or a.name, prefilled, a.decode_tokens)
+            # A cloud attempt pays its own cloud's prices (a fault or migration may have moved the answer to a
+            # cloud other than the request's); the device's energy term is the same under every cloud's λ.
+            priced = a.name if a.role == "cloud" else (job.cloud or a.name)
+            cost = self.disco.cost_of(a.role, priced, prefilled, a.decode_tokens)
             total += cost
             self.ledger.record(
                 job.id,
