@@ -35,6 +35,12 @@ class Metrics:
         self.migrations = Counter(
             "tandem_migrations", "Mid-answer migrations", ["source", "target", "reason"], registry=r
         )
+        self.failed_migrations = Counter(
+            "tandem_migrations_failed",
+            "Migrations whose target failed or stayed silent before its first token (the answer stayed put)",
+            ["source", "target", "reason"],
+            registry=r,
+        )
         self.delayed_tokens = Counter(
             "tandem_delayed_tokens", "Tokens delivered after their consumption deadline", registry=r
         )

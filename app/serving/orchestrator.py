@@ -511,6 +511,7 @@ class Orchestrator:
             self._failed(attempt, exc)
             await self._close(attempt)
             record["error"] = str(exc)
+            self.metrics.failed_migrations.labels(source=source.role, target=attempt.role, reason=reason).inc()
             log.warning("request %s: migration %s -> %s failed: %s", job.id, source.name, target, exc)
             return None
         if source.outcome in ("running", "won"):

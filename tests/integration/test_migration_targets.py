@@ -105,6 +105,7 @@ def test_cost_migration_never_targets_a_cloud_that_cannot_continue(cost_gw, upst
     ids=["500", "429", "hang", "closed"],
 )
 def test_a_target_that_fails_first_leaves_the_answer_on_its_source(cost_gw, upstream, failure):
+    failed_before = cost_gw.metric("tandem_migrations_failed_total", source="device", target="cloud", reason="cost")
     upstream.push(failure)
     r = ask(cost_gw, cloud="cloud")
     assert r.json()["choices"][0]["finish_reason"] == "length"
@@ -115,6 +116,8 @@ def test_a_target_that_fails_first_leaves_the_answer_on_its_source(cost_gw, upst
     assert migration["to"] == "cloud" and migration["error"]
     assert outcomes(t) == [("device", "finished"), ("cloud", "failed")]
     assert t["completion_tokens"] == 40 and "error" not in t
+    failed = cost_gw.metric("tandem_migrations_failed_total", source="device", target="cloud", reason="cost")
+    assert failed == failed_before + 1
 
 
 # --- against the real embedded stand-in cloud ----------------------------------------------------------
