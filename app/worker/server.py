@@ -77,6 +77,9 @@ class WorkerSettings(BaseModel):
     # Jupiter's layer partition over per-layer times profiled at start-up; this process is stage 0.
     stages: Annotated[int, Field(ge=1, le=16)] = 1
     stage_threads: list[Annotated[int, Field(ge=1)]] | None = None  # torch threads per stage (None: num_threads)
+    # Memory cap per stage (GiB) for the layer partition: a stage's layers' weights plus their KV reserve for
+    # max_sessions x max_context must fit. None: no cap (on CUDA each stage is still capped by its free GPU memory).
+    stage_memory_gib: list[Annotated[float, Field(gt=0)]] | None = None
     # Stage 0 starts stages 1..P-1 on this host; false: they are started by hand (`--stage-rank s`, across hosts).
     spawn_stages: bool = True
     master_addr: str = "127.0.0.1"  # the stages' rendezvous (stage 0 hosts it)
@@ -91,6 +94,10 @@ class WorkerSettings(BaseModel):
     def _stages(self) -> WorkerSettings:
         if self.stage_threads is not None and len(self.stage_threads) != self.stages:
             raise ValueError(f"stage_threads needs one value per stage ({self.stages}), got {len(self.stage_threads)}")
+        if self.stage_memory_gib is not None and len(self.stage_memory_gib) != self.stages:
+            raise ValueError(
+                f"stage_memory_gib needs one value per stage ({self.stages}), got {len(self.stage_memory_gib)}"
+            )
         if self.stages > 1 and not self.spawn_stages and self.master_port == 0:
             raise ValueError("stages started by hand need a fixed master_port to find stage 0")
         return self
@@ -169,7 +176,7 @@ class Worker:
                 e.hidden_size,
                 e.wire_dtype_name,
                 e.stages,
-                f" with layers {list(e.pipeline.bounds)}" if e.pipeline is not None else "",
+                "" if e.pipeline is None else f" with layers {list(e.pipeline.bounds)} ({_stage_gib(e.pipeline)})",
             )
         except Exception as exc:
             self.startup_error = f"{type(exc).__name__}: {exc}"
@@ -225,6 +232,10 @@ class Worker:
 
     def metrics(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _stage_gib(pipeline: Any) -> str:
+    return "GiB per stage with KV reserve: " + ", ".join(f"{b / 2**30:.2f}" for b in pipeline.stage_memory)
 
 
 class _EngineCollector:

@@ -21,7 +21,8 @@ rows, tokens, hidden size, dtype code, a, b, c, d]; the tensors that follow have
                       hidden size] in the compute dtype, per-stage compute times int64 [P] (ns)
     FAILED            the failing stage's message, uint8 [a]
     CROP / RELEASE    none: a, b = session id, c = positions to keep
-    PROBE             per-layer times int64 [P, L] (ns), a = tokens, b = repetitions, c = L (start-up profile)
+    PROBE             per-layer times int64 [P, L + 2] (ns; then the stage's free device bytes, 0 off CUDA, and a key
+                      naming its device, 0 off CUDA), a = tokens, b = repetitions, c = L (start-up profile)
     ASSIGN            the layer bounds int64 [P, 2], a = min_rows, b = batch_invariant (start-up)
     HEARTBEAT / STOP  none
 
@@ -35,10 +36,12 @@ whole timeout, or whose peer's connection closes, exits.
 Start-up (stage 0 drives it): every stage loads the model; stage 0 times each middle layer on its own hardware
 and threads (`time_layers`), then sends a PROBE down the chain so each stage times the same layers on its own;
 `policies.jupiter.partition_layers` splits the layers min-max over those times with per-stage speeds (a stage with
-twice the threads gets more layers); ASSIGN tells every stage its slice, which it keeps (the other layers are
-dropped). Stage 0 then checks the whole pipeline against the model's own middle layers and profiles τ_s(x | y)
-for every stage from a few passes through it (`profile_chunk_costs`), fitted per stage for Jupiter's sequence
-partition (`SubsequencePlanner`).
+twice the threads gets more layers) within each stage's memory cap (`stage_memory_caps`: `stage_memory_gib`, and
+on CUDA the stage's share of its GPU's free memory; a layer weighs its parameters plus its KV reserve,
+`layer_memory`; no split that fits fails the start-up); ASSIGN tells every stage its slice, which it keeps (the
+other layers are dropped). Stage 0 then checks the whole pipeline against the model's own middle layers and
+profiles τ_s(x | y) for every stage from a few passes through it (`profile_chunk_costs`), fitted per stage for
+Jupiter's sequence partition (`SubsequencePlanner`).
 
 A stage that dies (exits, closes its connection, times out, fails a forward): the pipeline reports a failure
 once; the engine answers every frame in flight with an ERROR, closes every session and refuses new ones, and
@@ -51,10 +54,12 @@ from __future__ import annotations
 
 import datetime
 import enum
+import hashlib
 import logging
 import math
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -72,6 +77,7 @@ from clients.hat.ragged import RaggedMiddle
 from clients.hat.split import LayerStack, SplitKVCache
 from policies.jupiter import (
     ChunkCost,
+    InfeasiblePlan,
     LayerPartition,
     PlanCache,
     SequenceProfile,
@@ -89,6 +95,11 @@ STOP_GRACE = 5.0  # seconds a stage gets to exit after STOP before it is termina
 # receive once they run. A spawned stage that exits before it joins fails the start-up at once anyway.
 JOIN_TIMEOUT = 600.0
 PROBE_ROUNDS = 3  # start-up timing rounds of every layer on every stage (stages in turn)
+PROBE_EXTRA = 2  # PROBE columns after the layer times: free device bytes, device key
+# The share of a GPU's free memory (at start-up, before any stage loads its slice there) the layer partition may
+# fill: the rest is for a pass's activations and workspace and the allocator's fragmentation.
+CUDA_MEMORY_SHARE = 0.9
+GIB = 1 << 30
 
 
 class Cmd(enum.IntEnum):
@@ -200,7 +211,7 @@ class StageLink:
         elif cmd == Cmd.FAILED:
             shapes = [((max(a, 0),), torch.uint8)]
         elif cmd == Cmd.PROBE:
-            shapes = [((self.world, c), torch.int64)]
+            shapes = [((self.world, c + PROBE_EXTRA), torch.int64)]
         elif cmd == Cmd.ASSIGN:
             shapes = [((self.world, 2), torch.int64)]
         elif cmd in (Cmd.HEARTBEAT, Cmd.CROP, Cmd.RELEASE, Cmd.STOP):
@@ -254,13 +265,88 @@ class StageSlice(nn.Module):
         return self.stack.run(hidden, cache)
 
 
-def plan_layers(times: Sequence[Sequence[float]], stages: int) -> LayerPartition:
+def plan_layers(
+    times: Sequence[Sequence[float]],
+    stages: int,
+    *,
+    layer_memory: Sequence[float] | None = None,
+    memory_caps: Sequence[float] | None = None,
+) -> LayerPartition:
     """Jupiter's layer partition from each stage's own timing of every middle layer: stage 0's times are the
-    reference, a stage's speed is stage 0's total over its own (policies.jupiter.partition_layers)."""
+    reference, a stage's speed is stage 0's total over its own (policies.jupiter.partition_layers), each stage's
+    layers within its memory cap (bytes; `layer_memory`: bytes per layer). InfeasiblePlan when no split fits: the
+    message names every stage's cap and the layers' bytes."""
     reference = list(times[0])
     total = sum(reference)
     speeds = [total / max(sum(row), 1e-12) for row in times]
-    return partition_layers(reference, stages, speeds=speeds)
+    try:
+        return partition_layers(reference, stages, speeds=speeds, layer_memory=layer_memory, memory_caps=memory_caps)
+    except InfeasiblePlan as e:
+        if layer_memory is None or memory_caps is None:
+            raise
+        caps = ", ".join(f"stage {s} {_gib(c)}" for s, c in enumerate(memory_caps))
+        raise InfeasiblePlan(
+            f"the {len(reference)} middle layers ({_gib(sum(layer_memory))} in all, {_gib(min(layer_memory))} to "
+            f"{_gib(max(layer_memory))} per layer with its KV reserve) do not fit the stages' memory caps ({caps}): {e}"
+        ) from None
+
+
+def layer_memory(model: nn.Module, start: int, end: int, kv_positions: int) -> list[int]:
+    """Bytes each decoder layer in [start, end) holds on its stage: its parameters (exact) plus a KV reserve of
+    `kv_positions` cached positions (keys and values in the parameters' dtype, the layer's own k/v widths). The
+    reserve is the worst case the worker admits (max_sessions x max_context), so a split that fits cannot run out
+    of memory later because sessions filled their caches; activations are left to the caps' headroom."""
+    layers = _decoder_layers(model)
+    out = []
+    for i in range(start, end):
+        layer = layers[i]
+        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        attn = layer.self_attn
+        kv_width = int(attn.k_proj.out_features) + int(attn.v_proj.out_features)
+        itemsize = attn.k_proj.weight.element_size()
+        out.append(params + kv_positions * kv_width * itemsize)
+    return out
+
+
+def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
+    inner = getattr(model, "model", model)
+    return inner.layers  # type: ignore[return-value]
+
+
+def stage_memory_caps(
+    configured_gib: Sequence[float] | None, free_bytes: Sequence[int], device_keys: Sequence[int]
+) -> list[float] | None:
+    """Each stage's memory cap (bytes) for the layer partition: the configured cap (GiB), and on a GPU at most
+    CUDA_MEMORY_SHARE of the free memory it reported, split evenly between the stages that reported the same device
+    (several stages on one GPU share it). free_bytes[s] = 0: not on CUDA (no device limit). None: no caps at all."""
+    stages = len(free_bytes)
+    sharing: dict[int, int] = {}
+    for key in device_keys:
+        if key:
+            sharing[key] = sharing.get(key, 0) + 1
+    caps = []
+    for s in range(stages):
+        cap = math.inf if configured_gib is None else float(configured_gib[s]) * GIB
+        if free_bytes[s] > 0 and device_keys[s]:
+            cap = min(cap, CUDA_MEMORY_SHARE * free_bytes[s] / sharing[device_keys[s]])
+        caps.append(cap)
+    return None if all(math.isinf(c) for c in caps) else caps
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free bytes, a key naming the device) for PROBE replies: (0, 0) off CUDA. The key is the GPU's UUID hashed to
+    63 bits, so stages on different hosts never collide and stages sharing one GPU report the same key."""
+    if device.type != "cuda":
+        return 0, 0
+    free, _total = torch.cuda.mem_get_info(device)
+    props = torch.cuda.get_device_properties(device)
+    name = str(getattr(props, "uuid", "") or f"{socket.gethostname()}:{device.index}")
+    key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
+    return int(free), key or 1
+
+
+def _gib(n: float) -> str:
+    return "no cap" if math.isinf(n) else f"{n / GIB:.2f} GiB"
 
 
 # --- sequence partition -------------------------------------------------------------------------------------------
@@ -364,6 +450,7 @@ class Pipeline:
         self.dtype_code = _DTYPES.index(dtype)
         self.max_inflight = max_inflight or self.stages
         self.bounds: tuple[tuple[int, int], ...] = ()
+        self.stage_memory: tuple[float, ...] = ()  # bytes per stage the partition counted (weights + KV reserve)
         self.planner: SubsequencePlanner | None = None
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
@@ -642,19 +729,30 @@ def _plan_and_check(
     # Rounds, stage 0 then the others in turn, keeping each layer's least time: load from other work on the
     # machine comes and goes, and one unlucky window must not make a stage look slow (and starve it of layers).
     times: list[list[float]] | None = None
+    layers = n_layers - m
+    free, keys = [0] * world, [0] * world
     for _ in range(PROBE_ROUNDS):
         own = time_layers(model, m, n_layers, reps=3)
-        probe = torch.zeros(world, n_layers - m, dtype=torch.int64)
-        probe[0] = torch.tensor([int(t * 1e9) for t in own])
-        got = pipeline.call([header(Cmd.PROBE, 0, 0, 0, 0, 0, 32, 3, n_layers - m), probe], Cmd.PROBE, timeout)
-        table = [[float(v) / 1e9 for v in row] for row in got]
+        probe = torch.zeros(world, layers + PROBE_EXTRA, dtype=torch.int64)
+        probe[0] = torch.tensor([*(int(t * 1e9) for t in own), *device_memory(device)])
+        got = pipeline.call([header(Cmd.PROBE, 0, 0, 0, 0, 0, 32, 3, layers), probe], Cmd.PROBE, timeout)
+        table = [[float(v) / 1e9 for v in row[:layers]] for row in got]
         times = table if times is None else _least(times, table)
+        free, keys = [int(v) for v in got[:, layers]], [int(v) for v in got[:, layers + 1]]
     assert times is not None
-    part = plan_layers(times, world)
+    caps = stage_memory_caps(settings.stage_memory_gib, free, keys)
+    # the worst case the worker admits: every session at the full context (the engine's own bound on max_context)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    context = min(settings.max_context, int(max_pos)) if max_pos else settings.max_context
+    memory = layer_memory(model, m, n_layers, settings.max_sessions * context)
+    part = plan_layers(times, world, layer_memory=memory, memory_caps=caps)
     bounds = [(s + m, e + m) for s, e in part.bounds]
     pipeline.bounds = tuple(bounds)
-    log.info("layer partition over %d stages: %s (per-stage time %s)", world, bounds,
-             [f"{t * 1e3:.1f} ms" for t in part.stage_times])  # fmt: skip
+    pipeline.stage_memory = part.stage_memory
+    shown = caps or [math.inf] * world
+    log.info("layer partition over %d stages: %s (per-stage time %s; memory with KV reserve %s)", world, bounds,
+             [f"{t * 1e3:.1f} ms" for t in part.stage_times],
+             [f"{_gib(used)} of {_gib(cap)}" for used, cap in zip(part.stage_memory, shown, strict=True)])  # fmt: skip
     limits_rows, invariant = 4, int(settings.batch_invariant)
     assign = torch.tensor(bounds, dtype=torch.int64)
     pipeline.call([header(Cmd.ASSIGN, 0, 0, 0, 0, 0, limits_rows, invariant), assign], Cmd.ASSIGN, timeout)
@@ -839,7 +937,7 @@ class _Stage:
             layers = int(head[8])
             own = time_layers(self.model, self.m, self.m + layers, tokens=int(head[6]), reps=int(head[7]))
             table = tensors[0].clone()
-            table[rank] = torch.tensor([int(t * 1e9) for t in own])
+            table[rank] = torch.tensor([*(int(t * 1e9) for t in own), *device_memory(self.device)])
             self.pass_on([head, table])
         elif cmd == Cmd.ASSIGN:
             assert self.model is not None

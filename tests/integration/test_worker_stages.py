@@ -24,7 +24,9 @@ import pytest
 import torch
 
 from app.worker.engine import Engine
+from app.worker.server import WorkerSettings
 from app.worker.sessions import EngineLimits
+from app.worker.stages import GIB, layer_memory
 from clients.hat import wire
 from clients.hat.split import SplitModel, split_model
 from policies.jupiter import ChunkCost
@@ -54,12 +56,25 @@ def split(smol) -> SplitModel:
     return split_model(smol[0], 2)
 
 
+# Stage 0's memory cap holds its first STAGE0_LAYERS middle layers and half of the next (weights + KV reserve for
+# max_sessions x max_context): the time-balanced split would give it about half of SmolLM2's 28 middle layers.
+STAGE0_LAYERS = 8
+MAX_SESSIONS = 4
+
+
+def stage0_cap(model: Any) -> float:
+    context = min(WorkerSettings().max_context, int(model.config.max_position_embeddings))
+    per_layer = layer_memory(model, 2, 2 + STAGE0_LAYERS + 1, MAX_SESSIONS * context)
+    return sum(per_layer[:-1]) + per_layer[-1] / 2
+
+
 @pytest.fixture(scope="module")
 def staged(smol) -> Iterator[WorkerServer]:
-    """Two stages, one thread each, the device's chunks kept as sent (sequence_partition "off")."""
+    """Two stages, one thread each, the device's chunks kept as sent (sequence_partition "off"), stage 0 capped."""
     server = WorkerServer(
-        smol[0], SMOL, stages=2, stage_threads=[1, 1], sequence_partition="off", max_sessions=4, stage_timeout=60
-    )
+        smol[0], SMOL, stages=2, stage_threads=[1, 1], sequence_partition="off", max_sessions=MAX_SESSIONS,
+        stage_timeout=60, stage_memory_gib=[stage0_cap(smol[0]) / GIB, 100.0],
+    )  # fmt: skip
     server.start()
     pipeline = server.engine.pipeline
     try:
@@ -131,11 +146,16 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
 
 
-def test_two_stages_bit_identical_and_rollback_equals_a_fresh_session(staged, single, shallow) -> None:
+def test_two_stages_bit_identical_and_rollback_equals_a_fresh_session(staged, single, shallow, smol) -> None:
     engine = staged.engine
     assert engine.stages == 2 and len(engine.pipeline.bounds) == 2
     (a0, b0), (a1, b1) = engine.pipeline.bounds
     assert a0 == 2 and b0 == a1 and b1 == 30  # SmolLM2: 30 layers, the device keeps 2
+    # the memory cap binds: stage 0 holds no more than its cap allows, and the partition counted exactly that
+    assert 1 <= b0 - a0 <= STAGE0_LAYERS
+    context = min(WorkerSettings().max_context, int(smol[0].config.max_position_embeddings))
+    counted = sum(layer_memory(smol[0], a0, b0, MAX_SESSIONS * context))
+    assert engine.pipeline.stage_memory[0] == counted <= stage0_cap(smol[0])
     prompt, drafts, other = shallow[:120], shallow[120:124], shallow[124:127]
 
     staged_s, single_s = Frames(engine), Frames(single)

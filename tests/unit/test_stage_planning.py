@@ -3,11 +3,31 @@ sub-sequence plans after a cached context, the refit from observed passes, and t
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from app.worker.stages import HEADER, Cmd, SubsequencePlanner, header, plan_layers, sid_ints
-from policies.jupiter import ChunkCost, SequenceProfile, equal_lengths, plan_makespan, plan_sequence
+from app.worker.stages import (
+    CUDA_MEMORY_SHARE,
+    GIB,
+    HEADER,
+    Cmd,
+    SubsequencePlanner,
+    header,
+    layer_memory,
+    plan_layers,
+    sid_ints,
+    stage_memory_caps,
+)
+from policies.jupiter import (
+    ChunkCost,
+    InfeasiblePlan,
+    SequenceProfile,
+    equal_lengths,
+    plan_makespan,
+    plan_sequence,
+)
 
 
 def test_a_stage_twice_as_fast_gets_twice_the_layers() -> None:
@@ -15,6 +35,39 @@ def test_a_stage_twice_as_fast_gets_twice_the_layers() -> None:
     part = plan_layers([layers, [2.0] * 12], 2)  # stage 1 timed every layer at twice stage 0's time
     assert part.bounds == ((0, 8), (8, 12))
     assert plan_layers([layers, layers], 2).bounds == ((0, 6), (6, 12))
+
+
+def test_a_memory_cap_moves_layers_to_the_other_stage_and_an_impossible_one_names_the_stages() -> None:
+    layers = [1.0] * 12
+    fast = [layers, [2.0] * 12]  # unconstrained: stage 0 takes 8 layers (see above)
+    memory = [1.0 * GIB] * 12
+    capped = plan_layers(fast, 2, layer_memory=memory, memory_caps=[6.5 * GIB, math.inf])
+    assert capped.bounds == ((0, 6), (6, 12))  # stage 0 holds at most 6 layers; the split is still min-max
+    assert capped.stage_memory == (6 * GIB, 6 * GIB)
+    with pytest.raises(InfeasiblePlan) as err:
+        plan_layers(fast, 2, layer_memory=memory, memory_caps=[4 * GIB, 4 * GIB])
+    assert "stage 0 4.00 GiB" in str(err.value) and "stage 1 4.00 GiB" in str(err.value)
+    assert "12.00 GiB in all" in str(err.value)
+
+
+def test_memory_caps_from_the_setting_and_each_stages_free_gpu_memory() -> None:
+    assert stage_memory_caps(None, [0, 0], [0, 0]) is None  # CPU stages, nothing configured: no caps
+    assert stage_memory_caps([2.0, 1.5], [0, 0], [0, 0]) == [2 * GIB, 1.5 * GIB]
+    # stage 0 alone on GPU a; stages 1 and 2 share GPU b (each gets half of it); stage 3 on the CPU
+    free = [10 * GIB, 8 * GIB, 8 * GIB, 0]
+    caps = stage_memory_caps(None, free, [11, 22, 22, 0])
+    assert caps == pytest.approx([CUDA_MEMORY_SHARE * 10 * GIB, CUDA_MEMORY_SHARE * 4 * GIB,
+                                  CUDA_MEMORY_SHARE * 4 * GIB, math.inf])  # fmt: skip
+    both = stage_memory_caps([1.0, 100.0, 100.0, 3.0], free, [11, 22, 22, 0])
+    assert both == pytest.approx([GIB, CUDA_MEMORY_SHARE * 4 * GIB, CUDA_MEMORY_SHARE * 4 * GIB, 3 * GIB])
+
+
+def test_layer_memory_is_the_parameters_plus_the_kv_reserve(tiny) -> None:
+    # tiny: hidden 32, 2 KV heads of width 8 -> keys and values 32 floats per position per layer
+    got = layer_memory(tiny, 1, 3, kv_positions=100)
+    params = sum(p.numel() * 4 for p in tiny.model.layers[1].parameters())
+    assert got == [params + 100 * 32 * 4] * 2
+    assert layer_memory(tiny, 0, 4, kv_positions=0) == [params] * 4
 
 
 def test_a_piece_after_context_is_planned_with_the_context_folded_into_b() -> None:
