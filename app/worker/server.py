@@ -86,9 +86,18 @@ class WorkerSettings(BaseModel):
     master_port: Annotated[int, Field(ge=0, le=65535)] = 0  # 0: a free port (only when stage 0 spawns the stages)
     stage_timeout: Annotated[float, Field(gt=0)] = 300.0  # the longest any stage waits on a peer
     max_inflight: Annotated[int, Field(ge=1)] | None = None  # micro-batches in the pipeline at once (None: P)
+    # Start-up timing rounds of every middle layer on every stage (stages in turn; each layer's least time is kept,
+    # so a burst of other work on the box does not starve a stage of layers). Fewer: a faster start, a noisier split;
+    # 0: no timing, every layer counts the same on every stage (memory caps still apply).
+    stage_probe_rounds: Annotated[int, Field(ge=0, le=10)] = 3
     # How stage 0 re-splits a prefill frame for the pipeline: "dp" = Jupiter's sequence partition over the stages'
     # profiled τ(x | y) (exact flow-shop makespan), "equal" = equal pieces (best count), "off" = as the device sent it.
     sequence_partition: Literal["dp", "equal", "off"] = "dp"
+    # Profile the prefill cost τ(x | y) at start-up (app/worker/prefill_cost.py; devices get it at OPEN and plan
+    # their chunks with it under chunking = "dp"). None: a staged worker does (its sequence partition needs τ at
+    # once), a single-process one does not (several seconds per start on the default model). Either way τ is then
+    # fitted from the lone prefill pieces the worker runs.
+    prefill_profile: bool | None = None
 
     @model_validator(mode="after")
     def _stages(self) -> WorkerSettings:
@@ -220,6 +229,8 @@ class Worker:
         self._model = None
         engine = Engine(middle, s.limits(), model_name=s.model, frame_hook=self.frame_hook)
         engine.start()
+        if s.prefill_profile:
+            engine.call(engine.profile_prefill).result()
         if profile is not None:
             # g starts from the measured middle times (clients/hat/profile.py) rather than the self-check's two cold
             # passes; set on the engine thread, which owns the statistics.

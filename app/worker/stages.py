@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.worker.prefill_cost import Point, PrefillCostFit, fit_stage_costs, profile_points
 from clients.hat.ragged import RaggedMiddle
 from clients.hat.split import LayerStack, SplitKVCache
 from policies.jupiter import (
@@ -82,7 +83,6 @@ from policies.jupiter import (
     PlanCache,
     SequenceProfile,
     equal_lengths,
-    fit_chunk_cost,
     partition_layers,
     plan_makespan,
 )
@@ -94,7 +94,6 @@ STOP_GRACE = 5.0  # seconds a stage gets to exit after STOP before it is termina
 # How long the stages may take to meet (each loads the model first): apart from `stage_timeout`, which bounds every
 # receive once they run. A spawned stage that exits before it joins fails the start-up at once anyway.
 JOIN_TIMEOUT = 600.0
-PROBE_ROUNDS = 3  # start-up timing rounds of every layer on every stage (stages in turn)
 PROBE_EXTRA = 2  # PROBE columns after the layer times: free device bytes, device key
 # The share of a GPU's free memory (at start-up, before any stage loads its slice there) the layer partition may
 # fill: the rest is for a pass's activations and workspace and the allocator's fragmentation.
@@ -226,7 +225,9 @@ class StageLink:
 
 def time_layers(model: nn.Module, start: int, end: int, *, tokens: int = 32, reps: int = 5) -> list[float]:
     """Seconds of each decoder layer in [start, end) on `tokens` new positions (the worker's own forward): the least
-    of `reps` runs, since other work on the machine only ever adds time."""
+    of `reps` runs, since other work on the machine only ever adds time. reps = 0: no timing (zeros)."""
+    if reps < 1:
+        return [0.0] * (end - start)
     hidden = int(model.config.hidden_size)
     out = []
     with torch.inference_mode():
@@ -357,51 +358,42 @@ class SubsequencePlanner:
     """Splits a prefill piece of n tokens after `context` cached ones into sub-sequences for the pipeline.
 
     mode "dp": Jupiter's sequence partition (policies.jupiter.plan_sequence, exact flow-shop makespan) on the
-    per-stage costs τ_s; "equal": equal lengths, the count with the least modelled makespan; "off": one piece.
-    τ_s(x | context + y) = a + (b + c·context)·x + c·x·y + d·x², so a piece after `context` tokens is planned as a
-    prompt from 0 with b shifted; the context is rounded to `context_step` so plans are reused (an LRU per profile).
+    per-stage costs τ_s (`fit`, app/worker/prefill_cost.py: the start-up profile refitted from the lone prefill
+    pieces the worker runs; one piece while τ is undetermined); "equal": equal lengths, the count with the least
+    modelled makespan; "off": one piece. τ_s(x | context + y) = a + (b + c·context)·x + c·x·y + d·x², so a piece after
+    `context` tokens is planned as a prompt from 0 with b shifted; the context is rounded to `context_step` so plans
+    are reused (an LRU per profile, dropped when τ is refitted).
     """
 
-    costs: tuple[ChunkCost, ...]
+    fit: PrefillCostFit
     mode: str = "dp"
     min_len: int = 16
     granularity: int = 16
     context_step: int = 64
     cache: PlanCache = field(default_factory=lambda: PlanCache(256))
-    # (x, y, seconds per stage): the start-up profile (always kept, so the fit stays determined) and the last lone
-    # prefill pieces the worker ran; τ_s is refitted every `refit_every` new points (the old fit's plans dropped)
-    profiled: list = field(default_factory=list)
-    points: deque = field(default_factory=lambda: deque(maxlen=256))
-    refit_every: int = 32
-    _new: int = 0
+    _planned_on: int = 0  # the fit's version the cached plans were made on
+
+    @property
+    def costs(self) -> tuple[ChunkCost, ...] | None:
+        return self.fit.costs
 
     def observe(self, x: int, y: int, seconds: Sequence[float]) -> None:
         """A prefill piece of x tokens after y ran alone through the pipeline: seconds[s] on stage s."""
-        if len(seconds) != len(self.costs) or x < self.min_len:
-            return
-        self.points.append((x, y, list(seconds)))
-        self._new += 1
-        if self._new >= self.refit_every:
-            self._new = 0
-            data = [*self.profiled, *self.points]
-            try:
-                fits = tuple(
-                    _clamped(fit_chunk_cost([(x_, y_, ts[s]) for x_, y_, ts in data], quadratic=True))
-                    for s in range(len(self.costs))
-                )
-            except ValueError:  # the points do not pin τ down (all of one length): keep the current fit
-                return
-            self.costs = fits
-            self.cache = PlanCache(self.cache.maxsize)
+        self.fit.observe(x, y, seconds)
 
     def profile(self, context: int) -> SequenceProfile:
+        if self.fit.costs is None:
+            raise ValueError("τ is not determined yet")
         y0 = self.context_step * round(context / self.context_step)
-        shifted = tuple(ChunkCost(c.a, c.b + c.c * y0, c.c, c.d) for c in self.costs)
+        shifted = tuple(ChunkCost(c.a, c.b + c.c * y0, c.c, c.d) for c in self.fit.costs)
         return SequenceProfile(stages=shifted, min_len=self.min_len, granularity=self.granularity)
 
     def lengths(self, n: int, context: int) -> list[int]:
-        if self.mode == "off" or n < 2 * self.min_len:
+        if self.mode == "off" or n < 2 * self.min_len or self.fit.costs is None:
             return [n]
+        if self._planned_on != self.fit.version:
+            self.cache = PlanCache(self.cache.maxsize)
+            self._planned_on = self.fit.version
         profile = self.profile(context)
         if self.mode == "equal":
             best, best_value = [n], math.inf
@@ -731,14 +723,19 @@ def _plan_and_check(
     times: list[list[float]] | None = None
     layers = n_layers - m
     free, keys = [0] * world, [0] * world
-    for _ in range(PROBE_ROUNDS):
-        own = time_layers(model, m, n_layers, reps=3)
+    # stage_probe_rounds = 0: one PROBE without timing (reps 0), for the stages' free memory only; every layer then
+    # counts the same on every stage
+    for _ in range(max(settings.stage_probe_rounds, 1)):
+        reps = 3 if settings.stage_probe_rounds else 0
+        own = time_layers(model, m, n_layers, reps=reps)
         probe = torch.zeros(world, layers + PROBE_EXTRA, dtype=torch.int64)
         probe[0] = torch.tensor([*(int(t * 1e9) for t in own), *device_memory(device)])
-        got = pipeline.call([header(Cmd.PROBE, 0, 0, 0, 0, 0, 32, 3, layers), probe], Cmd.PROBE, timeout)
+        got = pipeline.call([header(Cmd.PROBE, 0, 0, 0, 0, 0, 32, reps, layers), probe], Cmd.PROBE, timeout)
         table = [[float(v) / 1e9 for v in row[:layers]] for row in got]
         times = table if times is None else _least(times, table)
         free, keys = [int(v) for v in got[:, layers]], [int(v) for v in got[:, layers + 1]]
+    if not settings.stage_probe_rounds:
+        times = [[1.0] * layers for _ in range(world)]
     assert times is not None
     caps = stage_memory_caps(settings.stage_memory_gib, free, keys)
     # the worst case the worker admits: every session at the full context (the engine's own bound on max_context)
@@ -762,6 +759,7 @@ def _plan_and_check(
     mine.to(device)
     ragged = RaggedMiddle(mine.stack, limits_rows, settings.batch_invariant)
     seeds: list[tuple[int, float]] = []
+    hidden = int(model.config.hidden_size)
     with torch.inference_mode():
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(9, int(model.config.hidden_size), generator=gen).to(ragged.device, ragged.dtype)
@@ -779,51 +777,40 @@ def _plan_and_check(
         diff = float((torch.cat(outs) - ref).abs().max()) / max(1.0, float(ref.abs().max()))
         if not diff <= 1e-3:
             raise RuntimeError(f"the {world}-stage pipeline disagrees with the model's layers (relative {diff:.2e})")
-        costs, points = profile_chunk_costs(pipeline, ragged, mine, int(model.config.hidden_size))
+        # the profile unless switched off (prefill_profile None or true): the sequence partition needs τ from the
+        # first prompt; without it τ is fitted from the lone prefill pieces the worker runs
+        points = [] if settings.prefill_profile is False else profile_chunk_costs(pipeline, ragged, mine, hidden)
     seeds += [(x_, sum(ts)) for x_, _y, ts in points if _y == 0]
-    pipeline.planner = SubsequencePlanner(costs, mode=settings.sequence_partition, profiled=list(points))
-    log.info("τ_s(x | y) per stage: %s", costs)
+    fit = PrefillCostFit(world, fit_stage_costs(points, world) if points else None, profiled=points)
+    pipeline.planner = SubsequencePlanner(fit, mode=settings.sequence_partition)
+    log.info("τ_s(x | y) per stage: %s", fit.costs if points else "not profiled (fitted from prefill pieces)")
     return pipeline, mine, seeds
 
 
-def profile_chunk_costs(
-    pipeline: Pipeline,
-    ragged: RaggedMiddle,
-    mine: StageSlice,
-    hidden: int,
-    xs: Sequence[int] = (16, 64, 192),
-    ys: Sequence[int] = (0, 256),
-) -> tuple[tuple[ChunkCost, ...], list[tuple[int, int, list[float]]]]:
-    """τ_s(x | y) per stage, least squares (with the x² term) from passes of x tokens after y through the pipeline.
-    Each point is the least of two passes (the box may be busy). Returns the fits and the points."""
-    points: list[tuple[int, int, list[float]]] = []
+def profile_chunk_costs(pipeline: Pipeline, ragged: RaggedMiddle, mine: StageSlice, hidden: int) -> list[Point]:
+    """The start-up profile of τ_s(x | y) (app/worker/prefill_cost.py): passes of x tokens after y through the
+    pipeline, each stage timing its own part. Returns the points (x, y, seconds per stage)."""
     sid = (b"\xfe" * 8) + os.urandom(8)
     gen = torch.Generator().manual_seed(1)
-    for y in ys:
+
+    def session(y: int) -> Callable[[int], list[float]]:
         cache = mine.new_cache()
         pipeline.release(sid)
         if y:
-            ctx = torch.randn(y, hidden, generator=gen).to(ragged.device, ragged.dtype)
-            _run(pipeline, ragged, cache, sid, ctx)
-        for x in xs:
-            best: list[float] | None = None
-            for _ in range(2):
-                piece = torch.randn(x, hidden, generator=gen).to(ragged.device, ragged.dtype)
-                ts = _run(pipeline, ragged, cache, sid, piece)
-                cache.crop(y)
-                pipeline.crop(sid, y)
-                best = ts if best is None else [min(a, b) for a, b in zip(best, ts, strict=True)]
-            points.append((x, y, best))  # type: ignore[arg-type]
+            _run(pipeline, ragged, cache, sid, torch.randn(y, hidden, generator=gen).to(ragged.device, ragged.dtype))
+
+        def run(x: int) -> list[float]:
+            piece = torch.randn(x, hidden, generator=gen).to(ragged.device, ragged.dtype)
+            ts = _run(pipeline, ragged, cache, sid, piece)
+            cache.crop(y)
+            pipeline.crop(sid, y)
+            return ts
+
+        return run
+
+    points = profile_points(session)
     pipeline.release(sid)
-    costs = tuple(
-        fit_chunk_cost([(x, y, ts[s]) for x, y, ts in points], quadratic=True) for s in range(pipeline.stages)
-    )
-    return tuple(_clamped(c) for c in costs), points
-
-
-def _clamped(c: ChunkCost) -> ChunkCost:
-    """A fit may come out with small negative terms on a noisy box; the planner needs τ non-negative."""
-    return ChunkCost(max(c.a, 0.0), max(c.b, 0.0), max(c.c, 0.0), max(c.d, 0.0))
+    return points
 
 
 def _run(pipeline: Pipeline, ragged: RaggedMiddle, cache: SplitKVCache, sid: bytes, x: torch.Tensor) -> list[float]:

@@ -4,7 +4,8 @@ test_hat.py), stage 1 a real `tandem worker --stage-rank 1` process, gloo over l
 - deep states bit-identical to the single-process worker at the same chunk boundaries, and within 1e-3 relative
   when stage 0 re-splits a prefill frame into Jupiter's sub-sequences;
 - rollback across stages, then re-decoding, equals a fresh session;
-- greedy HAT (the real device half over the WebSocket) equals U-shape token for token;
+- greedy HAT (the real device half over the WebSocket) equals U-shape token for token, on SmolLM2 and once on the
+  default Qwen2.5-Coder-0.5B with its shipped adapter;
 - killing stage 1 mid-answer fails the session with an ERROR, the worker reports not ready, and the gateway
   finishes the answer on the device (last: it breaks the module's worker).
 """
@@ -28,11 +29,12 @@ from app.worker.server import WorkerSettings
 from app.worker.sessions import EngineLimits
 from app.worker.stages import GIB, layer_memory
 from clients.hat import wire
+from clients.hat.adapter import draft_files
 from clients.hat.split import SplitModel, split_model
 from policies.jupiter import ChunkCost
 from tests.conftest import start_gateway, stop_gateway
 from tests.integration.disco_helpers import stream_chunks, trace
-from tests.integration.hf_fixtures import SMOL, chat_prompt, load
+from tests.integration.hf_fixtures import QWEN05, SMOL, chat_prompt, load
 from tests.integration.test_hat import (
     WorkerServer,
     check_against_reference,
@@ -44,6 +46,7 @@ from tests.integration.test_hat import (
 
 Kind = wire.Kind
 N = 16
+QWEN_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +188,9 @@ def test_two_stages_bit_identical_and_rollback_equals_a_fresh_session(staged, si
 def test_prefill_split_into_jupiter_subsequences_matches_within_tolerance(staged, split, shallow) -> None:
     engine = staged.engine
     planner = engine.pipeline.planner
-    saved = planner.mode, planner.costs, planner.cache
+    saved = planner.mode, planner.fit.costs, planner.cache
     # Fixed per-stage costs (1 ms a pass + 1 ms a token) so the plan does not depend on this machine's timing.
-    planner.mode, planner.costs = "dp", (ChunkCost(1e-3, 1e-3), ChunkCost(1e-3, 1e-3))
+    planner.mode, planner.fit.costs = "dp", (ChunkCost(1e-3, 1e-3), ChunkCost(1e-3, 1e-3))
     planner.cache = type(saved[2])(16)
     try:
         lengths = planner.lengths(200, 0)
@@ -218,7 +221,7 @@ def test_prefill_split_into_jupiter_subsequences_matches_within_tolerance(staged
         assert relative(deep, ref) <= 1e-3
         s.close()
     finally:
-        planner.mode, planner.costs, planner.cache = saved
+        planner.mode, planner.fit.costs, planner.cache = saved
 
 
 async def test_greedy_hat_through_two_stages_equals_u_shape(staged, smol) -> None:
@@ -232,6 +235,36 @@ async def test_greedy_hat_through_two_stages_equals_u_shape(staged, smol) -> Non
         assert backend.stats.rounds >= 1
     finally:
         await backend.close()
+    check_against_reference(got, ref, gaps)
+
+
+async def test_qwen_greedy_hat_through_two_stages_equals_u_shape() -> None:
+    """The default pair, Qwen2.5-Coder-0.5B with its shipped adapter and draft vocabulary (so real drafts are
+    accepted and verified across both stages), against plain U-shape. Kept short: 10 tokens, no start-up timing of
+    the layers (an even split) and no τ profile: this test needs neither a balanced split nor sub-sequence plans,
+    and on this box the timing costs ~4 s and the τ profile ~20 s of Qwen passes."""
+    model, tok = load(QWEN05)
+    ids = prompt_ids(tok)
+    adapter, draft_vocab = draft_files(QWEN05, 2)
+    assert adapter is not None and draft_vocab is not None
+    server = WorkerServer(
+        model, QWEN05, stages=2, stage_threads=[1, 1], sequence_partition="off", max_sessions=1, stage_timeout=60,
+        stage_probe_rounds=0, prefill_profile=False,
+    ).start()  # fmt: skip
+    pipeline = server.engine.pipeline
+    try:
+        assert server.engine.pipeline.bounds == ((2, 13), (13, 24))  # Qwen2.5-0.5B: 24 layers, 22 in the middle
+        backend = server.backend(model, tok, QWEN05, adapter_path=adapter, draft_vocab_path=draft_vocab)
+        await backend.start()
+        try:
+            got = token_ids(await collect(backend, ids, max_tokens=QWEN_TOKENS))
+            assert backend.stats.rounds >= 1 and backend.stats.accepted > 0
+        finally:
+            await backend.close()
+    finally:
+        server.stop()
+        assert all(child.poll() is not None for child in pipeline.children), "a stage process was left running"
+    ref, gaps = u_shape_greedy(model, ids, QWEN_TOKENS)
     check_against_reference(got, ref, gaps)
 
 

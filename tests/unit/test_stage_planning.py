@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from app.worker.prefill_cost import PrefillCostFit, fit_stage_costs, profile_points
 from app.worker.stages import (
     CUDA_MEMORY_SHARE,
     GIB,
@@ -72,7 +73,7 @@ def test_layer_memory_is_the_parameters_plus_the_kv_reserve(tiny) -> None:
 
 def test_a_piece_after_context_is_planned_with_the_context_folded_into_b() -> None:
     costs = (ChunkCost(0.01, 1e-3, 2e-6, 1e-6), ChunkCost(0.02, 8e-4, 3e-6))
-    planner = SubsequencePlanner(costs, context_step=64)
+    planner = SubsequencePlanner(PrefillCostFit(2, costs), context_step=64)
     got = planner.lengths(512, 256)
     # the same as planning tokens 256..768 of one prompt: τ_s(x | 256 + y) = τ'_s(x | y) with b' = b + c·256
     direct = plan_sequence(SequenceProfile(stages=planner.profile(256).stages, min_len=16, granularity=16), 512)
@@ -85,27 +86,72 @@ def test_a_piece_after_context_is_planned_with_the_context_folded_into_b() -> No
 
 def test_modes_off_equal_and_short_pieces() -> None:
     costs = (ChunkCost(1e-3, 1e-3), ChunkCost(1e-3, 1e-3))
-    assert SubsequencePlanner(costs, mode="off").lengths(1000, 0) == [1000]
-    assert SubsequencePlanner(costs).lengths(20, 0) == [20]  # shorter than two minimum pieces: not split
-    equal = SubsequencePlanner(costs, mode="equal").lengths(512, 0)
+    fit = PrefillCostFit(2, costs)
+    assert SubsequencePlanner(fit, mode="off").lengths(1000, 0) == [1000]
+    assert SubsequencePlanner(fit).lengths(20, 0) == [20]  # shorter than two minimum pieces: not split
+    assert SubsequencePlanner(PrefillCostFit(2)).lengths(1000, 0) == [1000]  # τ not determined yet: one piece
+    equal = SubsequencePlanner(fit, mode="equal").lengths(512, 0)
     best = min((equal_lengths(512, k, 16) for k in range(1, 33)), key=lambda lengths: plan_makespan(costs, lengths))
     assert equal == best and len(set(equal)) == 1
-    dp = SubsequencePlanner(costs).lengths(512, 0)
+    dp = SubsequencePlanner(fit).lengths(512, 0)
     assert plan_makespan(costs, dp) <= plan_makespan(costs, equal) + 1e-12
 
 
 def test_observed_passes_refit_tau_and_drop_old_plans() -> None:
     true = (ChunkCost(0.005, 2e-3, 1e-6), ChunkCost(0.004, 1e-3, 2e-6))
-    planner = SubsequencePlanner((ChunkCost(1.0, 0.0), ChunkCost(1.0, 0.0)), refit_every=8)
+    planner = SubsequencePlanner(PrefillCostFit(2, (ChunkCost(1.0, 0.0), ChunkCost(1.0, 0.0)), refit_every=8))
     planner.lengths(256, 0)
     assert len(planner.cache) == 1
     planner.observe(8, 0, [1.0, 1.0])  # shorter than min_len: a decode-sized piece is not a prefill sample
-    assert not planner.points
+    assert not planner.fit.points
     for i, (x, y) in enumerate([(16, 0), (64, 0), (128, 64), (32, 256), (96, 128), (48, 32), (160, 0), (80, 300)]):
         planner.observe(x, y, [float(c(x, y)) for c in true])
-        assert len(planner.cache) == (1 if i < 7 else 0)
+        assert planner.fit.version == (0 if i < 7 else 1)
     for got, want in zip(planner.costs, true, strict=True):
         assert got(100, 200) == pytest.approx(want(100, 200), rel=1e-6)
+    old = planner.cache
+    planner.lengths(256, 0)
+    assert planner.cache is not old and planner.cache.misses == 1  # the old fit's plans were dropped, planned anew
+
+
+def test_an_unprofiled_fit_is_determined_by_the_first_points_that_pin_it_down() -> None:
+    true = ChunkCost(0.01, 2e-3, 1e-6, 5e-7)
+    fit = PrefillCostFit(1, refit_every=100)
+    assert fit.wire() is None
+    # one length only, no context: τ is not determined, whatever the count
+    for _ in range(3):
+        assert not fit.observe(64, 0, [float(true(64, 0))])
+    assert fit.costs is None
+    assert not fit.observe(32, 0, [float(true(32, 0))])
+    assert not fit.observe(128, 0, [float(true(128, 0))])  # three lengths but no context yet
+    assert fit.observe(64, 256, [float(true(64, 256))])  # now it is (without waiting for refit_every points)
+    assert fit.version == 1 and fit.costs is not None
+    (wire,) = fit.wire()  # type: ignore[misc]
+    assert wire == pytest.approx([true.a, true.b, true.c, true.d], rel=1e-6)
+    # from then on it refits every refit_every points only
+    assert not fit.observe(96, 32, [float(true(96, 32))])
+
+
+def test_fits_are_clamped_non_negative_and_the_profile_takes_the_least_of_its_runs() -> None:
+    # times falling with x: an unclamped fit would give a negative slope
+    points = [(16, 0, [0.3]), (64, 0, [0.2]), (192, 0, [0.1]), (64, 256, [0.2])]
+    (cost,) = fit_stage_costs(points, 1)  # type: ignore[misc]
+    assert min(cost.a, cost.b, cost.c, cost.d) >= 0.0
+    assert fit_stage_costs(points[:2], 1) is None
+    runs: list[tuple[int, int]] = []
+    noise = iter([0.5, 0.1] * 6)
+
+    def session(y: int):
+        def run(x: int) -> list[float]:
+            runs.append((x, y))
+            return [x * 1e-3 + next(noise)]
+
+        return run
+
+    got = profile_points(session, xs=(16, 64, 192), ys=(0, 256), reps=2)
+    assert [(x, y) for x, y, _ in got] == [(16, 0), (64, 0), (192, 0), (16, 256), (64, 256), (192, 256)]
+    assert [t for _, _, (t,) in got] == pytest.approx([x * 1e-3 + 0.1 for x, _, _ in got])
+    assert len(runs) == 12
 
 
 def test_header_and_session_ids() -> None:
