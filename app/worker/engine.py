@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from app.worker.prefill_cost import PrefillCostFit, fit_stage_costs, profile_points
+from app.worker.prefill_cost import PrefillCostFit, profile_points
 from app.worker.sessions import (
     PROTOCOL,
     EngineError,
@@ -770,11 +770,8 @@ class Engine:
 
             return run
 
-        fit = self.prefill_cost
-        fit.profiled = profile_points(session)
-        fit.costs = fit_stage_costs(fit.profiled, fit.stages)
-        fit.version += 1
-        log.info("prefill cost τ(x | y): %s", fit.costs)
+        self.prefill_cost.set_profile(profile_points(session))
+        log.info("prefill cost τ(x | y): %s", self.prefill_cost.costs)
 
     def _complete(self, batch: list[tuple[Item, int]], outs: list[torch.Tensor], elapsed: float) -> None:
         """Count a finished pass (`elapsed`: its compute time over all stages) and reply for finished frames."""

@@ -10,7 +10,9 @@ Where the points come from: a start-up profile (`[worker] prefill_profile`: a fe
 default for a staged worker, whose sequence partition needs τ from the first prompt, off for a single-process one,
 where it would cost every start several seconds on the default model), and every lone prefill piece the worker runs
 afterwards. Least squares with the x² term (`policies.jupiter.fit_chunk_cost`), refitted every `refit_every` new
-points (at once while τ is still undetermined); the profile's points are always kept, so the fit stays determined.
+points; with neither a profile nor given costs, at every new point until `refit_every` points have been seen (the
+first fit rests on a handful of pieces and should not stand for 32 more). The profile's points are always kept, so
+the fit stays determined.
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ class PrefillCostFit:
     min_len: int = 16  # shorter pieces are decode-sized: their time is mostly the pass's fixed cost
     version: int = 0  # bumped at every refit: plans made on an older fit are stale
     _new: int = 0
+    _learning: bool = False  # no profile and no given costs: the fit rests on the pieces run so far
 
     def __post_init__(self) -> None:
         if self.costs is not None and len(self.costs) != self.stages:
             raise ValueError(f"{len(self.costs)} stage costs for {self.stages} stages")
+        self._learning = self.costs is None and not self.profiled
 
     def observe(self, x: int, y: int, seconds: Sequence[float]) -> bool:
         """A prefill piece of x positions after y ran alone: seconds[s] on stage s. True when τ was refitted."""
@@ -51,7 +55,8 @@ class PrefillCostFit:
             return False
         self.points.append((x, y, [float(s) for s in seconds]))
         self._new += 1
-        if self.costs is not None and self._new < self.refit_every:
+        eager = self._learning and len(self.points) <= self.refit_every
+        if self.costs is not None and self._new < (1 if eager else self.refit_every):
             return False
         fits = fit_stage_costs([*self.profiled, *self.points], self.stages)
         if fits is None:  # the points do not pin τ down yet (all of one length, or no context)
@@ -60,6 +65,14 @@ class PrefillCostFit:
         self.costs = fits
         self.version += 1
         return True
+
+    def set_profile(self, points: list[Point]) -> None:
+        """A start-up profile's points: kept for good, and τ fitted on them (with any pieces seen so far)."""
+        self.profiled = points
+        fits = fit_stage_costs([*points, *self.points], self.stages)
+        if fits is not None:
+            self.costs, self._learning, self._new = fits, False, 0
+            self.version += 1
 
     def wire(self) -> list[list[float]] | None:
         """τ for the OPEN reply: [a, b, c, d] per stage, or None while undetermined."""

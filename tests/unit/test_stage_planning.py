@@ -128,8 +128,21 @@ def test_an_unprofiled_fit_is_determined_by_the_first_points_that_pin_it_down() 
     assert fit.version == 1 and fit.costs is not None
     (wire,) = fit.wire()  # type: ignore[misc]
     assert wire == pytest.approx([true.a, true.b, true.c, true.d], rel=1e-6)
-    # from then on it refits every refit_every points only
-    assert not fit.observe(96, 32, [float(true(96, 32))])
+    # without a profile, every new point refits until refit_every points were seen; then every refit_every points
+    small = PrefillCostFit(1, refit_every=8)
+    grid = [(16, 0), (48, 0), (96, 0), (32, 128), (64, 64), (80, 32), (24, 256), (40, 16), (56, 8), (72, 100)]
+    refits = [small.observe(x, y, [float(true(x, y))]) for x, y in grid]
+    assert refits == [False, False, False, True, True, True, True, True, False, False]
+    # with a profile (a fit that stands on its own), only every refit_every points
+    profiled = PrefillCostFit(1, fit.costs, profiled=[(x, y, [float(true(x, y))]) for x, y in grid[:4]], refit_every=3)
+    assert [profiled.observe(x, y, [float(true(x, y))]) for x, y in grid[4:]] == [
+        False,
+        False,
+        True,
+        False,
+        False,
+        True,
+    ]
 
 
 def test_fits_are_clamped_non_negative_and_the_profile_takes_the_least_of_its_runs() -> None:
