@@ -79,6 +79,7 @@ def _worker(args: argparse.Namespace) -> int:
         "device": args.device,
         "stages": args.stages,
         "stage_threads": [int(t) for t in args.stage_threads.split(",")] if args.stage_threads else None,
+        "stage_memory_gib": [float(g) for g in args.stage_memory_gib.split(",")] if args.stage_memory_gib else None,
         "master_addr": args.master_addr,
         "master_port": args.master_port,
         "sequence_partition": args.sequence_partition,
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the middle layers run (default auto)")
     worker.add_argument("--stages", type=int, help="pipeline stages P: processes the middle layers are split over")
     worker.add_argument("--stage-threads", help="torch threads per stage, comma-separated (e.g. 2,1)")
+    worker.add_argument(
+        "--stage-memory-gib", help="memory cap per stage in GiB for the layer partition, comma-separated (e.g. 2,1.5)"
+    )
     worker.add_argument("--stage-rank", type=int, default=0, help="run only stage s >= 1 of a staged worker")
     worker.add_argument("--master-addr", help="the stages' rendezvous address (stage 0's host)")
     worker.add_argument("--master-port", type=int, help="the stages' rendezvous port")

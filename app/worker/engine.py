@@ -4,7 +4,7 @@ One engine serves many device sessions. Each session owns a KV cache of the midd
 speaks the frame protocol of clients/hat/wire.py:
 
     device -> worker                                  worker -> device
-    OPEN           JSON parameters (no user data)     OPEN           JSON session info (id, limits, g, mu)
+    OPEN           JSON parameters (no user data)     OPEN           JSON session info (id, limits, g, mu, τ)
     PREFILL_CHUNK  shallow states, arg = 1st pos      DEEP_STATE     deep state of the chunk's last position
     DRAFT          shallow states, arg = 1st pos      VERIFY_RESULT  deep states of every drafted position,
                                                                      after a STATUS (mu, g) when those moved by
@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from app.worker.prefill_cost import PrefillCostFit, profile_points
 from app.worker.sessions import (
     PROTOCOL,
     EngineError,
@@ -175,6 +176,13 @@ class Engine:
         self.failed: str | None = None  # why the pipeline broke (the worker is then not ready)
         if pipeline is not None:
             pipeline.on_failure = lambda reason: self._inbox.put(("failed", reason))
+        # τ_s(x | y), the prefill cost per stage (app/worker/prefill_cost.py): told to devices at OPEN; a staged
+        # worker's is its sequence partition's
+        self.prefill_cost = (
+            pipeline.planner.fit
+            if pipeline is not None and pipeline.planner is not None
+            else PrefillCostFit(self.stages)
+        )
 
     # --- lifecycle (any thread) -------------------------------------------------------------------
 
@@ -240,6 +248,8 @@ class Engine:
             # Token trees need every stage to apply tree masks and KEEP; the stages' pipeline carries neither yet.
             "trees": self.pipeline is None,
             "stage_layers": [list(b) for b in self.pipeline.bounds] if self.pipeline is not None else None,
+            # τ_s(x | y) = a + b·x + c·x·y + d·x² per stage (seconds), null until determined: the devices' DP chunks
+            "prefill_tau": self.prefill_cost.wire(),
         }
 
     def count_rejection(self, reason: Reason) -> None:
@@ -702,6 +712,7 @@ class Engine:
             if item.done == int(item.tensor.shape[0]):  # type: ignore[union-attr]
                 self._unqueue(item)  # all its rows ran here: the session's next frame may follow it
         if self.pipeline is None:
+            self._observe_prefill(batch, [elapsed])
             self._complete(batch, outs, elapsed)
             return
         sent = [(item.session.id, item.frame.arg + item.done - n, n) for item, n in batch]  # type: ignore[union-attr]
@@ -722,12 +733,45 @@ class Engine:
             busy[:] = [0.0] * len(stage_seconds)
         for s, seconds in enumerate(stage_seconds):
             busy[s] += seconds
-        planner = self.pipeline.planner  # type: ignore[union-attr]
-        item, n = batch[0]
-        if len(batch) == 1 and planner is not None and item.frame.kind == wire.Kind.PREFILL_CHUNK:  # type: ignore[union-attr]
-            # a lone prefill piece times τ_s(x | y) on every stage: the planner refits from such passes
-            planner.observe(n, item.frame.arg + item.finished, stage_seconds)  # type: ignore[union-attr]
+        self._observe_prefill(batch, stage_seconds)
         self._complete(batch, deep, sum(stage_seconds))
+
+    def _observe_prefill(self, batch: list[tuple[Item, int]], stage_seconds: list[float]) -> None:
+        """A lone prefill piece times τ_s(x | y) on every stage: the fit (and so a staged worker's sequence partition
+        and the τ the devices get) learns from such passes. Called before `_complete`, while `finished` is still the
+        piece's first row."""
+        item, n = batch[0]
+        if len(batch) == 1 and item.frame is not None and item.frame.kind == wire.Kind.PREFILL_CHUNK:
+            self.prefill_cost.observe(n, item.frame.arg + item.finished, stage_seconds)
+
+    def profile_prefill(self) -> None:
+        """The start-up profile of τ(x | y) on this process's layers (engine thread; `[worker] prefill_profile`)."""
+        gen = torch.Generator().manual_seed(1)
+        ragged = self.ragged
+
+        def session(y: int) -> Callable[[int], list[float]]:
+            cache = self.middle.new_cache()
+            with torch.inference_mode():
+                if y:
+                    ragged.forward(
+                        [(torch.randn(y, self.hidden_size, generator=gen).to(ragged.device, ragged.dtype), cache)]
+                    )
+
+            def run(x: int) -> list[float]:
+                piece = torch.randn(x, self.hidden_size, generator=gen).to(ragged.device, ragged.dtype)
+                with torch.inference_mode():
+                    t0 = time.perf_counter()
+                    ragged.forward([(piece, cache)])
+                    if ragged.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    seconds = time.perf_counter() - t0
+                cache.crop(y)
+                return [seconds]
+
+            return run
+
+        self.prefill_cost.set_profile(profile_points(session))
+        log.info("prefill cost τ(x | y): %s", self.prefill_cost.costs)
 
     def _complete(self, batch: list[tuple[Item, int]], outs: list[torch.Tensor], elapsed: float) -> None:
         """Count a finished pass (`elapsed`: its compute time over all stages) and reply for finished frames."""

@@ -77,20 +77,36 @@ class WorkerSettings(BaseModel):
     # Jupiter's layer partition over per-layer times profiled at start-up; this process is stage 0.
     stages: Annotated[int, Field(ge=1, le=16)] = 1
     stage_threads: list[Annotated[int, Field(ge=1)]] | None = None  # torch threads per stage (None: num_threads)
+    # Memory cap per stage (GiB) for the layer partition: a stage's layers' weights plus their KV reserve for
+    # max_sessions x max_context must fit. None: no cap (on CUDA each stage is still capped by its free GPU memory).
+    stage_memory_gib: list[Annotated[float, Field(gt=0)]] | None = None
     # Stage 0 starts stages 1..P-1 on this host; false: they are started by hand (`--stage-rank s`, across hosts).
     spawn_stages: bool = True
     master_addr: str = "127.0.0.1"  # the stages' rendezvous (stage 0 hosts it)
     master_port: Annotated[int, Field(ge=0, le=65535)] = 0  # 0: a free port (only when stage 0 spawns the stages)
     stage_timeout: Annotated[float, Field(gt=0)] = 300.0  # the longest any stage waits on a peer
     max_inflight: Annotated[int, Field(ge=1)] | None = None  # micro-batches in the pipeline at once (None: P)
+    # Start-up timing rounds of every middle layer on every stage (stages in turn; each layer's least time is kept,
+    # so a burst of other work on the box does not starve a stage of layers). Fewer: a faster start, a noisier split;
+    # 0: no timing, every layer counts the same on every stage (memory caps still apply).
+    stage_probe_rounds: Annotated[int, Field(ge=0, le=10)] = 3
     # How stage 0 re-splits a prefill frame for the pipeline: "dp" = Jupiter's sequence partition over the stages'
     # profiled τ(x | y) (exact flow-shop makespan), "equal" = equal pieces (best count), "off" = as the device sent it.
     sequence_partition: Literal["dp", "equal", "off"] = "dp"
+    # Profile the prefill cost τ(x | y) at start-up (app/worker/prefill_cost.py; devices get it at OPEN and plan
+    # their chunks with it under chunking = "dp"). None: a staged worker does (its sequence partition needs τ at
+    # once), a single-process one does not (several seconds per start on the default model). Either way τ is then
+    # fitted from the lone prefill pieces the worker runs.
+    prefill_profile: bool | None = None
 
     @model_validator(mode="after")
     def _stages(self) -> WorkerSettings:
         if self.stage_threads is not None and len(self.stage_threads) != self.stages:
             raise ValueError(f"stage_threads needs one value per stage ({self.stages}), got {len(self.stage_threads)}")
+        if self.stage_memory_gib is not None and len(self.stage_memory_gib) != self.stages:
+            raise ValueError(
+                f"stage_memory_gib needs one value per stage ({self.stages}), got {len(self.stage_memory_gib)}"
+            )
         if self.stages > 1 and not self.spawn_stages and self.master_port == 0:
             raise ValueError("stages started by hand need a fixed master_port to find stage 0")
         return self
@@ -169,7 +185,7 @@ class Worker:
                 e.hidden_size,
                 e.wire_dtype_name,
                 e.stages,
-                f" with layers {list(e.pipeline.bounds)}" if e.pipeline is not None else "",
+                "" if e.pipeline is None else f" with layers {list(e.pipeline.bounds)} ({_stage_gib(e.pipeline)})",
             )
         except Exception as exc:
             self.startup_error = f"{type(exc).__name__}: {exc}"
@@ -213,6 +229,8 @@ class Worker:
         self._model = None
         engine = Engine(middle, s.limits(), model_name=s.model, frame_hook=self.frame_hook)
         engine.start()
+        if s.prefill_profile:
+            engine.call(engine.profile_prefill).result()
         if profile is not None:
             # g starts from the measured middle times (clients/hat/profile.py) rather than the self-check's two cold
             # passes; set on the engine thread, which owns the statistics.
@@ -225,6 +243,10 @@ class Worker:
 
     def metrics(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _stage_gib(pipeline: Any) -> str:
+    return "GiB per stage with KV reserve: " + ", ".join(f"{b / 2**30:.2f}" for b in pipeline.stage_memory)
 
 
 class _EngineCollector:

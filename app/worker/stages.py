@@ -21,7 +21,8 @@ rows, tokens, hidden size, dtype code, a, b, c, d]; the tensors that follow have
                       hidden size] in the compute dtype, per-stage compute times int64 [P] (ns)
     FAILED            the failing stage's message, uint8 [a]
     CROP / RELEASE    none: a, b = session id, c = positions to keep
-    PROBE             per-layer times int64 [P, L] (ns), a = tokens, b = repetitions, c = L (start-up profile)
+    PROBE             per-layer times int64 [P, L + 2] (ns; then the stage's free device bytes, 0 off CUDA, and a key
+                      naming its device, 0 off CUDA), a = tokens, b = repetitions, c = L (start-up profile)
     ASSIGN            the layer bounds int64 [P, 2], a = min_rows, b = batch_invariant (start-up)
     HEARTBEAT / STOP  none
 
@@ -35,10 +36,12 @@ whole timeout, or whose peer's connection closes, exits.
 Start-up (stage 0 drives it): every stage loads the model; stage 0 times each middle layer on its own hardware
 and threads (`time_layers`), then sends a PROBE down the chain so each stage times the same layers on its own;
 `policies.jupiter.partition_layers` splits the layers min-max over those times with per-stage speeds (a stage with
-twice the threads gets more layers); ASSIGN tells every stage its slice, which it keeps (the other layers are
-dropped). Stage 0 then checks the whole pipeline against the model's own middle layers and profiles τ_s(x | y)
-for every stage from a few passes through it (`profile_chunk_costs`), fitted per stage for Jupiter's sequence
-partition (`SubsequencePlanner`).
+twice the threads gets more layers) within each stage's memory cap (`stage_memory_caps`: `stage_memory_gib`, and
+on CUDA the stage's share of its GPU's free memory; a layer weighs its parameters plus its KV reserve,
+`layer_memory`; no split that fits fails the start-up); ASSIGN tells every stage its slice, which it keeps (the
+other layers are dropped). Stage 0 then checks the whole pipeline against the model's own middle layers and
+profiles τ_s(x | y) for every stage from a few passes through it (`profile_chunk_costs`), fitted per stage for
+Jupiter's sequence partition (`SubsequencePlanner`).
 
 A stage that dies (exits, closes its connection, times out, fails a forward): the pipeline reports a failure
 once; the engine answers every frame in flight with an ERROR, closes every session and refuses new ones, and
@@ -51,10 +54,12 @@ from __future__ import annotations
 
 import datetime
 import enum
+import hashlib
 import logging
 import math
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -68,15 +73,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from app.worker.prefill_cost import Point, PrefillCostFit, fit_stage_costs, profile_points
 from clients.hat.ragged import RaggedMiddle
 from clients.hat.split import LayerStack, SplitKVCache
 from policies.jupiter import (
     ChunkCost,
+    InfeasiblePlan,
     LayerPartition,
     PlanCache,
     SequenceProfile,
     equal_lengths,
-    fit_chunk_cost,
     partition_layers,
     plan_makespan,
 )
@@ -88,7 +94,11 @@ STOP_GRACE = 5.0  # seconds a stage gets to exit after STOP before it is termina
 # How long the stages may take to meet (each loads the model first): apart from `stage_timeout`, which bounds every
 # receive once they run. A spawned stage that exits before it joins fails the start-up at once anyway.
 JOIN_TIMEOUT = 600.0
-PROBE_ROUNDS = 3  # start-up timing rounds of every layer on every stage (stages in turn)
+PROBE_EXTRA = 2  # PROBE columns after the layer times: free device bytes, device key
+# The share of a GPU's free memory (at start-up, before any stage loads its slice there) the layer partition may
+# fill: the rest is for a pass's activations and workspace and the allocator's fragmentation.
+CUDA_MEMORY_SHARE = 0.9
+GIB = 1 << 30
 
 
 class Cmd(enum.IntEnum):
@@ -200,7 +210,7 @@ class StageLink:
         elif cmd == Cmd.FAILED:
             shapes = [((max(a, 0),), torch.uint8)]
         elif cmd == Cmd.PROBE:
-            shapes = [((self.world, c), torch.int64)]
+            shapes = [((self.world, c + PROBE_EXTRA), torch.int64)]
         elif cmd == Cmd.ASSIGN:
             shapes = [((self.world, 2), torch.int64)]
         elif cmd in (Cmd.HEARTBEAT, Cmd.CROP, Cmd.RELEASE, Cmd.STOP):
@@ -215,7 +225,9 @@ class StageLink:
 
 def time_layers(model: nn.Module, start: int, end: int, *, tokens: int = 32, reps: int = 5) -> list[float]:
     """Seconds of each decoder layer in [start, end) on `tokens` new positions (the worker's own forward): the least
-    of `reps` runs, since other work on the machine only ever adds time."""
+    of `reps` runs, since other work on the machine only ever adds time. reps = 0: no timing (zeros)."""
+    if reps < 1:
+        return [0.0] * (end - start)
     hidden = int(model.config.hidden_size)
     out = []
     with torch.inference_mode():
@@ -254,13 +266,88 @@ class StageSlice(nn.Module):
         return self.stack.run(hidden, cache)
 
 
-def plan_layers(times: Sequence[Sequence[float]], stages: int) -> LayerPartition:
+def plan_layers(
+    times: Sequence[Sequence[float]],
+    stages: int,
+    *,
+    layer_memory: Sequence[float] | None = None,
+    memory_caps: Sequence[float] | None = None,
+) -> LayerPartition:
     """Jupiter's layer partition from each stage's own timing of every middle layer: stage 0's times are the
-    reference, a stage's speed is stage 0's total over its own (policies.jupiter.partition_layers)."""
+    reference, a stage's speed is stage 0's total over its own (policies.jupiter.partition_layers), each stage's
+    layers within its memory cap (bytes; `layer_memory`: bytes per layer). InfeasiblePlan when no split fits: the
+    message names every stage's cap and the layers' bytes."""
     reference = list(times[0])
     total = sum(reference)
     speeds = [total / max(sum(row), 1e-12) for row in times]
-    return partition_layers(reference, stages, speeds=speeds)
+    try:
+        return partition_layers(reference, stages, speeds=speeds, layer_memory=layer_memory, memory_caps=memory_caps)
+    except InfeasiblePlan as e:
+        if layer_memory is None or memory_caps is None:
+            raise
+        caps = ", ".join(f"stage {s} {_gib(c)}" for s, c in enumerate(memory_caps))
+        raise InfeasiblePlan(
+            f"the {len(reference)} middle layers ({_gib(sum(layer_memory))} in all, {_gib(min(layer_memory))} to "
+            f"{_gib(max(layer_memory))} per layer with its KV reserve) do not fit the stages' memory caps ({caps}): {e}"
+        ) from None
+
+
+def layer_memory(model: nn.Module, start: int, end: int, kv_positions: int) -> list[int]:
+    """Bytes each decoder layer in [start, end) holds on its stage: its parameters (exact) plus a KV reserve of
+    `kv_positions` cached positions (keys and values in the parameters' dtype, the layer's own k/v widths). The
+    reserve is the worst case the worker admits (max_sessions x max_context), so a split that fits cannot run out
+    of memory later because sessions filled their caches; activations are left to the caps' headroom."""
+    layers = _decoder_layers(model)
+    out = []
+    for i in range(start, end):
+        layer = layers[i]
+        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        attn = layer.self_attn
+        kv_width = int(attn.k_proj.out_features) + int(attn.v_proj.out_features)
+        itemsize = attn.k_proj.weight.element_size()
+        out.append(params + kv_positions * kv_width * itemsize)
+    return out
+
+
+def _decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
+    inner = getattr(model, "model", model)
+    return inner.layers  # type: ignore[return-value]
+
+
+def stage_memory_caps(
+    configured_gib: Sequence[float] | None, free_bytes: Sequence[int], device_keys: Sequence[int]
+) -> list[float] | None:
+    """Each stage's memory cap (bytes) for the layer partition: the configured cap (GiB), and on a GPU at most
+    CUDA_MEMORY_SHARE of the free memory it reported, split evenly between the stages that reported the same device
+    (several stages on one GPU share it). free_bytes[s] = 0: not on CUDA (no device limit). None: no caps at all."""
+    stages = len(free_bytes)
+    sharing: dict[int, int] = {}
+    for key in device_keys:
+        if key:
+            sharing[key] = sharing.get(key, 0) + 1
+    caps = []
+    for s in range(stages):
+        cap = math.inf if configured_gib is None else float(configured_gib[s]) * GIB
+        if free_bytes[s] > 0 and device_keys[s]:
+            cap = min(cap, CUDA_MEMORY_SHARE * free_bytes[s] / sharing[device_keys[s]])
+        caps.append(cap)
+    return None if all(math.isinf(c) for c in caps) else caps
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free bytes, a key naming the device) for PROBE replies: (0, 0) off CUDA. The key is the GPU's UUID hashed to
+    63 bits, so stages on different hosts never collide and stages sharing one GPU report the same key."""
+    if device.type != "cuda":
+        return 0, 0
+    free, _total = torch.cuda.mem_get_info(device)
+    props = torch.cuda.get_device_properties(device)
+    name = str(getattr(props, "uuid", "") or f"{socket.gethostname()}:{device.index}")
+    key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
+    return int(free), key or 1
+
+
+def _gib(n: float) -> str:
+    return "no cap" if math.isinf(n) else f"{n / GIB:.2f} GiB"
 
 
 # --- sequence partition -------------------------------------------------------------------------------------------
@@ -271,51 +358,42 @@ class SubsequencePlanner:
     """Splits a prefill piece of n tokens after `context` cached ones into sub-sequences for the pipeline.
 
     mode "dp": Jupiter's sequence partition (policies.jupiter.plan_sequence, exact flow-shop makespan) on the
-    per-stage costs τ_s; "equal": equal lengths, the count with the least modelled makespan; "off": one piece.
-    τ_s(x | context + y) = a + (b + c·context)·x + c·x·y + d·x², so a piece after `context` tokens is planned as a
-    prompt from 0 with b shifted; the context is rounded to `context_step` so plans are reused (an LRU per profile).
+    per-stage costs τ_s (`fit`, app/worker/prefill_cost.py: the start-up profile refitted from the lone prefill
+    pieces the worker runs; one piece while τ is undetermined); "equal": equal lengths, the count with the least
+    modelled makespan; "off": one piece. τ_s(x | context + y) = a + (b + c·context)·x + c·x·y + d·x², so a piece after
+    `context` tokens is planned as a prompt from 0 with b shifted; the context is rounded to `context_step` so plans
+    are reused (an LRU per profile, dropped when τ is refitted).
     """
 
-    costs: tuple[ChunkCost, ...]
+    fit: PrefillCostFit
     mode: str = "dp"
     min_len: int = 16
     granularity: int = 16
     context_step: int = 64
     cache: PlanCache = field(default_factory=lambda: PlanCache(256))
-    # (x, y, seconds per stage): the start-up profile (always kept, so the fit stays determined) and the last lone
-    # prefill pieces the worker ran; τ_s is refitted every `refit_every` new points (the old fit's plans dropped)
-    profiled: list = field(default_factory=list)
-    points: deque = field(default_factory=lambda: deque(maxlen=256))
-    refit_every: int = 32
-    _new: int = 0
+    _planned_on: int = 0  # the fit's version the cached plans were made on
+
+    @property
+    def costs(self) -> tuple[ChunkCost, ...] | None:
+        return self.fit.costs
 
     def observe(self, x: int, y: int, seconds: Sequence[float]) -> None:
         """A prefill piece of x tokens after y ran alone through the pipeline: seconds[s] on stage s."""
-        if len(seconds) != len(self.costs) or x < self.min_len:
-            return
-        self.points.append((x, y, list(seconds)))
-        self._new += 1
-        if self._new >= self.refit_every:
-            self._new = 0
-            data = [*self.profiled, *self.points]
-            try:
-                fits = tuple(
-                    _clamped(fit_chunk_cost([(x_, y_, ts[s]) for x_, y_, ts in data], quadratic=True))
-                    for s in range(len(self.costs))
-                )
-            except ValueError:  # the points do not pin τ down (all of one length): keep the current fit
-                return
-            self.costs = fits
-            self.cache = PlanCache(self.cache.maxsize)
+        self.fit.observe(x, y, seconds)
 
     def profile(self, context: int) -> SequenceProfile:
+        if self.fit.costs is None:
+            raise ValueError("τ is not determined yet")
         y0 = self.context_step * round(context / self.context_step)
-        shifted = tuple(ChunkCost(c.a, c.b + c.c * y0, c.c, c.d) for c in self.costs)
+        shifted = tuple(ChunkCost(c.a, c.b + c.c * y0, c.c, c.d) for c in self.fit.costs)
         return SequenceProfile(stages=shifted, min_len=self.min_len, granularity=self.granularity)
 
     def lengths(self, n: int, context: int) -> list[int]:
-        if self.mode == "off" or n < 2 * self.min_len:
+        if self.mode == "off" or n < 2 * self.min_len or self.fit.costs is None:
             return [n]
+        if self._planned_on != self.fit.version:
+            self.cache = PlanCache(self.cache.maxsize)
+            self._planned_on = self.fit.version
         profile = self.profile(context)
         if self.mode == "equal":
             best, best_value = [n], math.inf
@@ -364,6 +442,7 @@ class Pipeline:
         self.dtype_code = _DTYPES.index(dtype)
         self.max_inflight = max_inflight or self.stages
         self.bounds: tuple[tuple[int, int], ...] = ()
+        self.stage_memory: tuple[float, ...] = ()  # bytes per stage the partition counted (weights + KV reserve)
         self.planner: SubsequencePlanner | None = None
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
@@ -642,19 +721,35 @@ def _plan_and_check(
     # Rounds, stage 0 then the others in turn, keeping each layer's least time: load from other work on the
     # machine comes and goes, and one unlucky window must not make a stage look slow (and starve it of layers).
     times: list[list[float]] | None = None
-    for _ in range(PROBE_ROUNDS):
-        own = time_layers(model, m, n_layers, reps=3)
-        probe = torch.zeros(world, n_layers - m, dtype=torch.int64)
-        probe[0] = torch.tensor([int(t * 1e9) for t in own])
-        got = pipeline.call([header(Cmd.PROBE, 0, 0, 0, 0, 0, 32, 3, n_layers - m), probe], Cmd.PROBE, timeout)
-        table = [[float(v) / 1e9 for v in row] for row in got]
+    layers = n_layers - m
+    free, keys = [0] * world, [0] * world
+    # stage_probe_rounds = 0: one PROBE without timing (reps 0), for the stages' free memory only; every layer then
+    # counts the same on every stage
+    for _ in range(max(settings.stage_probe_rounds, 1)):
+        reps = 3 if settings.stage_probe_rounds else 0
+        own = time_layers(model, m, n_layers, reps=reps)
+        probe = torch.zeros(world, layers + PROBE_EXTRA, dtype=torch.int64)
+        probe[0] = torch.tensor([*(int(t * 1e9) for t in own), *device_memory(device)])
+        got = pipeline.call([header(Cmd.PROBE, 0, 0, 0, 0, 0, 32, reps, layers), probe], Cmd.PROBE, timeout)
+        table = [[float(v) / 1e9 for v in row[:layers]] for row in got]
         times = table if times is None else _least(times, table)
+        free, keys = [int(v) for v in got[:, layers]], [int(v) for v in got[:, layers + 1]]
+    if not settings.stage_probe_rounds:
+        times = [[1.0] * layers for _ in range(world)]
     assert times is not None
-    part = plan_layers(times, world)
+    caps = stage_memory_caps(settings.stage_memory_gib, free, keys)
+    # the worst case the worker admits: every session at the full context (the engine's own bound on max_context)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    context = min(settings.max_context, int(max_pos)) if max_pos else settings.max_context
+    memory = layer_memory(model, m, n_layers, settings.max_sessions * context)
+    part = plan_layers(times, world, layer_memory=memory, memory_caps=caps)
     bounds = [(s + m, e + m) for s, e in part.bounds]
     pipeline.bounds = tuple(bounds)
-    log.info("layer partition over %d stages: %s (per-stage time %s)", world, bounds,
-             [f"{t * 1e3:.1f} ms" for t in part.stage_times])  # fmt: skip
+    pipeline.stage_memory = part.stage_memory
+    shown = caps or [math.inf] * world
+    log.info("layer partition over %d stages: %s (per-stage time %s; memory with KV reserve %s)", world, bounds,
+             [f"{t * 1e3:.1f} ms" for t in part.stage_times],
+             [f"{_gib(used)} of {_gib(cap)}" for used, cap in zip(part.stage_memory, shown, strict=True)])  # fmt: skip
     limits_rows, invariant = 4, int(settings.batch_invariant)
     assign = torch.tensor(bounds, dtype=torch.int64)
     pipeline.call([header(Cmd.ASSIGN, 0, 0, 0, 0, 0, limits_rows, invariant), assign], Cmd.ASSIGN, timeout)
@@ -664,6 +759,7 @@ def _plan_and_check(
     mine.to(device)
     ragged = RaggedMiddle(mine.stack, limits_rows, settings.batch_invariant)
     seeds: list[tuple[int, float]] = []
+    hidden = int(model.config.hidden_size)
     with torch.inference_mode():
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(9, int(model.config.hidden_size), generator=gen).to(ragged.device, ragged.dtype)
@@ -681,51 +777,40 @@ def _plan_and_check(
         diff = float((torch.cat(outs) - ref).abs().max()) / max(1.0, float(ref.abs().max()))
         if not diff <= 1e-3:
             raise RuntimeError(f"the {world}-stage pipeline disagrees with the model's layers (relative {diff:.2e})")
-        costs, points = profile_chunk_costs(pipeline, ragged, mine, int(model.config.hidden_size))
+        # the profile unless switched off (prefill_profile None or true): the sequence partition needs τ from the
+        # first prompt; without it τ is fitted from the lone prefill pieces the worker runs
+        points = [] if settings.prefill_profile is False else profile_chunk_costs(pipeline, ragged, mine, hidden)
     seeds += [(x_, sum(ts)) for x_, _y, ts in points if _y == 0]
-    pipeline.planner = SubsequencePlanner(costs, mode=settings.sequence_partition, profiled=list(points))
-    log.info("τ_s(x | y) per stage: %s", costs)
+    fit = PrefillCostFit(world, fit_stage_costs(points, world) if points else None, profiled=points)
+    pipeline.planner = SubsequencePlanner(fit, mode=settings.sequence_partition)
+    log.info("τ_s(x | y) per stage: %s", fit.costs if points else "not profiled (fitted from prefill pieces)")
     return pipeline, mine, seeds
 
 
-def profile_chunk_costs(
-    pipeline: Pipeline,
-    ragged: RaggedMiddle,
-    mine: StageSlice,
-    hidden: int,
-    xs: Sequence[int] = (16, 64, 192),
-    ys: Sequence[int] = (0, 256),
-) -> tuple[tuple[ChunkCost, ...], list[tuple[int, int, list[float]]]]:
-    """τ_s(x | y) per stage, least squares (with the x² term) from passes of x tokens after y through the pipeline.
-    Each point is the least of two passes (the box may be busy). Returns the fits and the points."""
-    points: list[tuple[int, int, list[float]]] = []
+def profile_chunk_costs(pipeline: Pipeline, ragged: RaggedMiddle, mine: StageSlice, hidden: int) -> list[Point]:
+    """The start-up profile of τ_s(x | y) (app/worker/prefill_cost.py): passes of x tokens after y through the
+    pipeline, each stage timing its own part. Returns the points (x, y, seconds per stage)."""
     sid = (b"\xfe" * 8) + os.urandom(8)
     gen = torch.Generator().manual_seed(1)
-    for y in ys:
+
+    def session(y: int) -> Callable[[int], list[float]]:
         cache = mine.new_cache()
         pipeline.release(sid)
         if y:
-            ctx = torch.randn(y, hidden, generator=gen).to(ragged.device, ragged.dtype)
-            _run(pipeline, ragged, cache, sid, ctx)
-        for x in xs:
-            best: list[float] | None = None
-            for _ in range(2):
-                piece = torch.randn(x, hidden, generator=gen).to(ragged.device, ragged.dtype)
-                ts = _run(pipeline, ragged, cache, sid, piece)
-                cache.crop(y)
-                pipeline.crop(sid, y)
-                best = ts if best is None else [min(a, b) for a, b in zip(best, ts, strict=True)]
-            points.append((x, y, best))  # type: ignore[arg-type]
+            _run(pipeline, ragged, cache, sid, torch.randn(y, hidden, generator=gen).to(ragged.device, ragged.dtype))
+
+        def run(x: int) -> list[float]:
+            piece = torch.randn(x, hidden, generator=gen).to(ragged.device, ragged.dtype)
+            ts = _run(pipeline, ragged, cache, sid, piece)
+            cache.crop(y)
+            pipeline.crop(sid, y)
+            return ts
+
+        return run
+
+    points = profile_points(session)
     pipeline.release(sid)
-    costs = tuple(
-        fit_chunk_cost([(x, y, ts[s]) for x, y, ts in points], quadratic=True) for s in range(pipeline.stages)
-    )
-    return tuple(_clamped(c) for c in costs), points
-
-
-def _clamped(c: ChunkCost) -> ChunkCost:
-    """A fit may come out with small negative terms on a noisy box; the planner needs τ non-negative."""
-    return ChunkCost(max(c.a, 0.0), max(c.b, 0.0), max(c.c, 0.0), max(c.d, 0.0))
+    return points
 
 
 def _run(pipeline: Pipeline, ragged: RaggedMiddle, cache: SplitKVCache, sid: bytes, x: torch.Tensor) -> list[float]:
@@ -839,7 +924,7 @@ class _Stage:
             layers = int(head[8])
             own = time_layers(self.model, self.m, self.m + layers, tokens=int(head[6]), reps=int(head[7]))
             table = tensors[0].clone()
-            table[rank] = torch.tensor([int(t * 1e9) for t in own])
+            table[rank] = torch.tensor([*(int(t * 1e9) for t in own), *device_memory(self.device)])
             self.pass_on([head, table])
         elif cmd == Cmd.ASSIGN:
             assert self.model is not None

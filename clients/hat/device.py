@@ -60,6 +60,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -102,6 +103,26 @@ log = logging.getLogger(__name__)
 
 
 # --- the backend ------------------------------------------------------------------------------------
+
+
+def worker_prefill_cost(info: dict[str, Any]) -> ChunkCost | None:
+    """The worker's prefill cost from its OPEN reply as one stage of the device's plan, or None when it sent none or
+    sent something malformed (then g stands in). `prefill_tau` is [a, b, c, d] per worker stage (seconds, finite,
+    >= 0). A staged worker's stages become one stage here with τ their sum: a conservative model (the stages overlap
+    one chunk's work with the next one's), chosen because planning P + 2 machines exactly per request would cost far
+    more than it could save on the request path."""
+    raw = info.get("prefill_tau")
+    if raw is None:
+        return None
+    ok = isinstance(raw, list) and raw and all(isinstance(row, list) and len(row) == 4 for row in raw)
+    if ok:
+        values = [v for row in raw for v in row]
+        ok = all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in values)
+    if not ok:
+        log.warning("worker sent a malformed prefill_tau (%.200r); planning its chunks with g", raw)
+        return None
+    a, b, c, d = (float(sum(row[i] for row in raw)) for i in range(4))
+    return ChunkCost(a, b, c, d)
 
 
 class HATBackend(NoPrefixCache, HFTokenizerMixin):
@@ -428,14 +449,20 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     def _prefill_bounds(self, length: int, info: dict[str, Any]) -> list[tuple[int, int]]:
         """The prompt's chunks: equal chunks of Eq. 3's size (or the fixed chunk_size), or with `chunking = "dp"`
         Jupiter's sequence partition over the device → link → worker pipeline (policies/jupiter.py): the device's
-        own fitted τ(x | y), the upload at the measured bandwidth, the worker's g as its τ (context-free)."""
+        own fitted τ(x | y), the upload at the measured bandwidth, and the worker's prefill τ(x | y) from its OPEN
+        reply (`prefill_tau`); a worker that sends none (an older one, or one that has not fitted it yet) is
+        modelled by its g as a context-free τ."""
         if self.options.chunking != "dp" or self.options.chunk_size or self._device_tau is None or length < 2:
             return chunk_bounds(split_prompt(length, self._chunk(length, info)))
-        slope, intercept = (float(x) for x in info.get("g", (0.0, 0.0)))
+        worker = worker_prefill_cost(info)
+        if worker is None:
+            slope, intercept = (float(x) for x in info.get("g", (0.0, 0.0)))
+            worker = ChunkCost(a=max(intercept, 0.0), b=max(slope, 0.0))
+        self.stats.last_worker_tau = worker
         plan = plan_device_prefill(
             length,
             self._device_tau,
-            ChunkCost(a=max(intercept, 0.0), b=max(slope, 0.0)),
+            worker,
             token_bytes=self._token_bytes(),
             beta_up=self.beta_up.get(10e6),
             min_len=min(self.options.min_chunk, length),

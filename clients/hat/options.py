@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from clients.hat import wire
 from clients.hat.link import LinkProfile
 from policies.drafting import DEFAULT_ETA
+from policies.jupiter import ChunkCost
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,9 @@ class HATOptions:
         width chosen from replayed acceptance and profiled step times); overrides tree_width / tree_paths.
     chunking: "eq3" = equal chunks of Eq. 3's size; "dp" = Jupiter's sequence partition over the device → link →
         worker pipeline (policies/jupiter.py plan_device_prefill), with the device's own prefill step time fitted
-        at load, the measured upload bandwidth and the worker's g: unequal chunks (the three stages are very
-        unequal, where one chunk size is not optimal). A fixed chunk_size overrides both.
+        at load, the measured upload bandwidth and the worker's prefill τ(x | y) from its OPEN reply (its g when
+        it sends none): unequal chunks (the three stages are very unequal, where one chunk size is not optimal).
+        A fixed chunk_size overrides both.
     chunk_size: fixed prefill chunk; None = Eq. 3 with min_chunk..max_chunk.
     beta_up / beta_down: initial link bandwidth estimates in bytes/s (HAT's devices measure them, e.g. with
         iperf3); the upload estimate is refined from prefill timings. With a LinkProfile the emulated
@@ -131,6 +133,8 @@ class HATStats:
     tree_rounds: int = 0  # rounds that verified a token tree
     last_chunk_size: int = 0
     last_chunks: list[int] = field(default_factory=list)  # the last prefill's chunk lengths
+    # chunking = "dp": the worker stage's τ(x | y) the last plan used (its prefill_tau, or g when it sent none)
+    last_worker_tau: ChunkCost | None = None
 
     def summary(self) -> dict[str, float]:
         r = max(self.rounds, 1)

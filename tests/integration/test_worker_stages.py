@@ -4,7 +4,8 @@ test_hat.py), stage 1 a real `tandem worker --stage-rank 1` process, gloo over l
 - deep states bit-identical to the single-process worker at the same chunk boundaries, and within 1e-3 relative
   when stage 0 re-splits a prefill frame into Jupiter's sub-sequences;
 - rollback across stages, then re-decoding, equals a fresh session;
-- greedy HAT (the real device half over the WebSocket) equals U-shape token for token;
+- greedy HAT (the real device half over the WebSocket) equals U-shape token for token, on SmolLM2 and once on the
+  default Qwen2.5-Coder-0.5B with its shipped adapter;
 - killing stage 1 mid-answer fails the session with an ERROR, the worker reports not ready, and the gateway
   finishes the answer on the device (last: it breaks the module's worker).
 """
@@ -24,13 +25,16 @@ import pytest
 import torch
 
 from app.worker.engine import Engine
+from app.worker.server import WorkerSettings
 from app.worker.sessions import EngineLimits
+from app.worker.stages import GIB, layer_memory
 from clients.hat import wire
+from clients.hat.adapter import draft_files
 from clients.hat.split import SplitModel, split_model
 from policies.jupiter import ChunkCost
 from tests.conftest import start_gateway, stop_gateway
 from tests.integration.disco_helpers import stream_chunks, trace
-from tests.integration.hf_fixtures import SMOL, chat_prompt, load
+from tests.integration.hf_fixtures import QWEN05, SMOL, chat_prompt, load
 from tests.integration.test_hat import (
     WorkerServer,
     check_against_reference,
@@ -42,6 +46,7 @@ from tests.integration.test_hat import (
 
 Kind = wire.Kind
 N = 16
+QWEN_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +59,25 @@ def split(smol) -> SplitModel:
     return split_model(smol[0], 2)
 
 
+# Stage 0's memory cap holds its first STAGE0_LAYERS middle layers and half of the next (weights + KV reserve for
+# max_sessions x max_context): the time-balanced split would give it about half of SmolLM2's 28 middle layers.
+STAGE0_LAYERS = 8
+MAX_SESSIONS = 4
+
+
+def stage0_cap(model: Any) -> float:
+    context = min(WorkerSettings().max_context, int(model.config.max_position_embeddings))
+    per_layer = layer_memory(model, 2, 2 + STAGE0_LAYERS + 1, MAX_SESSIONS * context)
+    return sum(per_layer[:-1]) + per_layer[-1] / 2
+
+
 @pytest.fixture(scope="module")
 def staged(smol) -> Iterator[WorkerServer]:
-    """Two stages, one thread each, the device's chunks kept as sent (sequence_partition "off")."""
+    """Two stages, one thread each, the device's chunks kept as sent (sequence_partition "off"), stage 0 capped."""
     server = WorkerServer(
-        smol[0], SMOL, stages=2, stage_threads=[1, 1], sequence_partition="off", max_sessions=4, stage_timeout=60
-    )
+        smol[0], SMOL, stages=2, stage_threads=[1, 1], sequence_partition="off", max_sessions=MAX_SESSIONS,
+        stage_timeout=60, stage_memory_gib=[stage0_cap(smol[0]) / GIB, 100.0],
+    )  # fmt: skip
     server.start()
     pipeline = server.engine.pipeline
     try:
@@ -131,11 +149,16 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
 
 
-def test_two_stages_bit_identical_and_rollback_equals_a_fresh_session(staged, single, shallow) -> None:
+def test_two_stages_bit_identical_and_rollback_equals_a_fresh_session(staged, single, shallow, smol) -> None:
     engine = staged.engine
     assert engine.stages == 2 and len(engine.pipeline.bounds) == 2
     (a0, b0), (a1, b1) = engine.pipeline.bounds
     assert a0 == 2 and b0 == a1 and b1 == 30  # SmolLM2: 30 layers, the device keeps 2
+    # the memory cap binds: stage 0 holds no more than its cap allows, and the partition counted exactly that
+    assert 1 <= b0 - a0 <= STAGE0_LAYERS
+    context = min(WorkerSettings().max_context, int(smol[0].config.max_position_embeddings))
+    counted = sum(layer_memory(smol[0], a0, b0, MAX_SESSIONS * context))
+    assert engine.pipeline.stage_memory[0] == counted <= stage0_cap(smol[0])
     prompt, drafts, other = shallow[:120], shallow[120:124], shallow[124:127]
 
     staged_s, single_s = Frames(engine), Frames(single)
@@ -165,9 +188,9 @@ def test_two_stages_bit_identical_and_rollback_equals_a_fresh_session(staged, si
 def test_prefill_split_into_jupiter_subsequences_matches_within_tolerance(staged, split, shallow) -> None:
     engine = staged.engine
     planner = engine.pipeline.planner
-    saved = planner.mode, planner.costs, planner.cache
+    saved = planner.mode, planner.fit.costs, planner.cache
     # Fixed per-stage costs (1 ms a pass + 1 ms a token) so the plan does not depend on this machine's timing.
-    planner.mode, planner.costs = "dp", (ChunkCost(1e-3, 1e-3), ChunkCost(1e-3, 1e-3))
+    planner.mode, planner.fit.costs = "dp", (ChunkCost(1e-3, 1e-3), ChunkCost(1e-3, 1e-3))
     planner.cache = type(saved[2])(16)
     try:
         lengths = planner.lengths(200, 0)
@@ -198,7 +221,7 @@ def test_prefill_split_into_jupiter_subsequences_matches_within_tolerance(staged
         assert relative(deep, ref) <= 1e-3
         s.close()
     finally:
-        planner.mode, planner.costs, planner.cache = saved
+        planner.mode, planner.fit.costs, planner.cache = saved
 
 
 async def test_greedy_hat_through_two_stages_equals_u_shape(staged, smol) -> None:
@@ -212,6 +235,36 @@ async def test_greedy_hat_through_two_stages_equals_u_shape(staged, smol) -> Non
         assert backend.stats.rounds >= 1
     finally:
         await backend.close()
+    check_against_reference(got, ref, gaps)
+
+
+async def test_qwen_greedy_hat_through_two_stages_equals_u_shape() -> None:
+    """The default pair, Qwen2.5-Coder-0.5B with its shipped adapter and draft vocabulary (so real drafts are
+    accepted and verified across both stages), against plain U-shape. Kept short: 10 tokens, no start-up timing of
+    the layers (an even split) and no τ profile: this test needs neither a balanced split nor sub-sequence plans,
+    and on this box the timing costs ~4 s and the τ profile ~20 s of Qwen passes."""
+    model, tok = load(QWEN05)
+    ids = prompt_ids(tok)
+    adapter, draft_vocab = draft_files(QWEN05, 2)
+    assert adapter is not None and draft_vocab is not None
+    server = WorkerServer(
+        model, QWEN05, stages=2, stage_threads=[1, 1], sequence_partition="off", max_sessions=1, stage_timeout=60,
+        stage_probe_rounds=0, prefill_profile=False,
+    ).start()  # fmt: skip
+    pipeline = server.engine.pipeline
+    try:
+        assert server.engine.pipeline.bounds == ((2, 13), (13, 24))  # Qwen2.5-0.5B: 24 layers, 22 in the middle
+        backend = server.backend(model, tok, QWEN05, adapter_path=adapter, draft_vocab_path=draft_vocab)
+        await backend.start()
+        try:
+            got = token_ids(await collect(backend, ids, max_tokens=QWEN_TOKENS))
+            assert backend.stats.rounds >= 1 and backend.stats.accepted > 0
+        finally:
+            await backend.close()
+    finally:
+        server.stop()
+        assert all(child.poll() is not None for child in pipeline.children), "a stage process was left running"
+    ref, gaps = u_shape_greedy(model, ids, QWEN_TOKENS)
     check_against_reference(got, ref, gaps)
 
 

@@ -3,11 +3,32 @@ sub-sequence plans after a cached context, the refit from observed passes, and t
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from app.worker.stages import HEADER, Cmd, SubsequencePlanner, header, plan_layers, sid_ints
-from policies.jupiter import ChunkCost, SequenceProfile, equal_lengths, plan_makespan, plan_sequence
+from app.worker.prefill_cost import PrefillCostFit, fit_stage_costs, profile_points
+from app.worker.stages import (
+    CUDA_MEMORY_SHARE,
+    GIB,
+    HEADER,
+    Cmd,
+    SubsequencePlanner,
+    header,
+    layer_memory,
+    plan_layers,
+    sid_ints,
+    stage_memory_caps,
+)
+from policies.jupiter import (
+    ChunkCost,
+    InfeasiblePlan,
+    SequenceProfile,
+    equal_lengths,
+    plan_makespan,
+    plan_sequence,
+)
 
 
 def test_a_stage_twice_as_fast_gets_twice_the_layers() -> None:
@@ -17,9 +38,42 @@ def test_a_stage_twice_as_fast_gets_twice_the_layers() -> None:
     assert plan_layers([layers, layers], 2).bounds == ((0, 6), (6, 12))
 
 
+def test_a_memory_cap_moves_layers_to_the_other_stage_and_an_impossible_one_names_the_stages() -> None:
+    layers = [1.0] * 12
+    fast = [layers, [2.0] * 12]  # unconstrained: stage 0 takes 8 layers (see above)
+    memory = [1.0 * GIB] * 12
+    capped = plan_layers(fast, 2, layer_memory=memory, memory_caps=[6.5 * GIB, math.inf])
+    assert capped.bounds == ((0, 6), (6, 12))  # stage 0 holds at most 6 layers; the split is still min-max
+    assert capped.stage_memory == (6 * GIB, 6 * GIB)
+    with pytest.raises(InfeasiblePlan) as err:
+        plan_layers(fast, 2, layer_memory=memory, memory_caps=[4 * GIB, 4 * GIB])
+    assert "stage 0 4.00 GiB" in str(err.value) and "stage 1 4.00 GiB" in str(err.value)
+    assert "12.00 GiB in all" in str(err.value)
+
+
+def test_memory_caps_from_the_setting_and_each_stages_free_gpu_memory() -> None:
+    assert stage_memory_caps(None, [0, 0], [0, 0]) is None  # CPU stages, nothing configured: no caps
+    assert stage_memory_caps([2.0, 1.5], [0, 0], [0, 0]) == [2 * GIB, 1.5 * GIB]
+    # stage 0 alone on GPU a; stages 1 and 2 share GPU b (each gets half of it); stage 3 on the CPU
+    free = [10 * GIB, 8 * GIB, 8 * GIB, 0]
+    caps = stage_memory_caps(None, free, [11, 22, 22, 0])
+    assert caps == pytest.approx([CUDA_MEMORY_SHARE * 10 * GIB, CUDA_MEMORY_SHARE * 4 * GIB,
+                                  CUDA_MEMORY_SHARE * 4 * GIB, math.inf])  # fmt: skip
+    both = stage_memory_caps([1.0, 100.0, 100.0, 3.0], free, [11, 22, 22, 0])
+    assert both == pytest.approx([GIB, CUDA_MEMORY_SHARE * 4 * GIB, CUDA_MEMORY_SHARE * 4 * GIB, 3 * GIB])
+
+
+def test_layer_memory_is_the_parameters_plus_the_kv_reserve(tiny) -> None:
+    # tiny: hidden 32, 2 KV heads of width 8 -> keys and values 32 floats per position per layer
+    got = layer_memory(tiny, 1, 3, kv_positions=100)
+    params = sum(p.numel() * 4 for p in tiny.model.layers[1].parameters())
+    assert got == [params + 100 * 32 * 4] * 2
+    assert layer_memory(tiny, 0, 4, kv_positions=0) == [params] * 4
+
+
 def test_a_piece_after_context_is_planned_with_the_context_folded_into_b() -> None:
     costs = (ChunkCost(0.01, 1e-3, 2e-6, 1e-6), ChunkCost(0.02, 8e-4, 3e-6))
-    planner = SubsequencePlanner(costs, context_step=64)
+    planner = SubsequencePlanner(PrefillCostFit(2, costs), context_step=64)
     got = planner.lengths(512, 256)
     # the same as planning tokens 256..768 of one prompt: τ_s(x | 256 + y) = τ'_s(x | y) with b' = b + c·256
     direct = plan_sequence(SequenceProfile(stages=planner.profile(256).stages, min_len=16, granularity=16), 512)
@@ -32,27 +86,85 @@ def test_a_piece_after_context_is_planned_with_the_context_folded_into_b() -> No
 
 def test_modes_off_equal_and_short_pieces() -> None:
     costs = (ChunkCost(1e-3, 1e-3), ChunkCost(1e-3, 1e-3))
-    assert SubsequencePlanner(costs, mode="off").lengths(1000, 0) == [1000]
-    assert SubsequencePlanner(costs).lengths(20, 0) == [20]  # shorter than two minimum pieces: not split
-    equal = SubsequencePlanner(costs, mode="equal").lengths(512, 0)
+    fit = PrefillCostFit(2, costs)
+    assert SubsequencePlanner(fit, mode="off").lengths(1000, 0) == [1000]
+    assert SubsequencePlanner(fit).lengths(20, 0) == [20]  # shorter than two minimum pieces: not split
+    assert SubsequencePlanner(PrefillCostFit(2)).lengths(1000, 0) == [1000]  # τ not determined yet: one piece
+    equal = SubsequencePlanner(fit, mode="equal").lengths(512, 0)
     best = min((equal_lengths(512, k, 16) for k in range(1, 33)), key=lambda lengths: plan_makespan(costs, lengths))
     assert equal == best and len(set(equal)) == 1
-    dp = SubsequencePlanner(costs).lengths(512, 0)
+    dp = SubsequencePlanner(fit).lengths(512, 0)
     assert plan_makespan(costs, dp) <= plan_makespan(costs, equal) + 1e-12
 
 
 def test_observed_passes_refit_tau_and_drop_old_plans() -> None:
     true = (ChunkCost(0.005, 2e-3, 1e-6), ChunkCost(0.004, 1e-3, 2e-6))
-    planner = SubsequencePlanner((ChunkCost(1.0, 0.0), ChunkCost(1.0, 0.0)), refit_every=8)
+    planner = SubsequencePlanner(PrefillCostFit(2, (ChunkCost(1.0, 0.0), ChunkCost(1.0, 0.0)), refit_every=8))
     planner.lengths(256, 0)
     assert len(planner.cache) == 1
     planner.observe(8, 0, [1.0, 1.0])  # shorter than min_len: a decode-sized piece is not a prefill sample
-    assert not planner.points
+    assert not planner.fit.points
     for i, (x, y) in enumerate([(16, 0), (64, 0), (128, 64), (32, 256), (96, 128), (48, 32), (160, 0), (80, 300)]):
         planner.observe(x, y, [float(c(x, y)) for c in true])
-        assert len(planner.cache) == (1 if i < 7 else 0)
+        assert planner.fit.version == (0 if i < 7 else 1)
     for got, want in zip(planner.costs, true, strict=True):
         assert got(100, 200) == pytest.approx(want(100, 200), rel=1e-6)
+    old = planner.cache
+    planner.lengths(256, 0)
+    assert planner.cache is not old and planner.cache.misses == 1  # the old fit's plans were dropped, planned anew
+
+
+def test_an_unprofiled_fit_is_determined_by_the_first_points_that_pin_it_down() -> None:
+    true = ChunkCost(0.01, 2e-3, 1e-6, 5e-7)
+    fit = PrefillCostFit(1, refit_every=100)
+    assert fit.wire() is None
+    # one length only, no context: τ is not determined, whatever the count
+    for _ in range(3):
+        assert not fit.observe(64, 0, [float(true(64, 0))])
+    assert fit.costs is None
+    assert not fit.observe(32, 0, [float(true(32, 0))])
+    assert not fit.observe(128, 0, [float(true(128, 0))])  # three lengths but no context yet
+    assert fit.observe(64, 256, [float(true(64, 256))])  # now it is (without waiting for refit_every points)
+    assert fit.version == 1 and fit.costs is not None
+    (wire,) = fit.wire()  # type: ignore[misc]
+    assert wire == pytest.approx([true.a, true.b, true.c, true.d], rel=1e-6)
+    # without a profile, every new point refits until refit_every points were seen; then every refit_every points
+    small = PrefillCostFit(1, refit_every=8)
+    grid = [(16, 0), (48, 0), (96, 0), (32, 128), (64, 64), (80, 32), (24, 256), (40, 16), (56, 8), (72, 100)]
+    refits = [small.observe(x, y, [float(true(x, y))]) for x, y in grid]
+    assert refits == [False, False, False, True, True, True, True, True, False, False]
+    # with a profile (a fit that stands on its own), only every refit_every points
+    profiled = PrefillCostFit(1, fit.costs, profiled=[(x, y, [float(true(x, y))]) for x, y in grid[:4]], refit_every=3)
+    assert [profiled.observe(x, y, [float(true(x, y))]) for x, y in grid[4:]] == [
+        False,
+        False,
+        True,
+        False,
+        False,
+        True,
+    ]
+
+
+def test_fits_are_clamped_non_negative_and_the_profile_takes_the_least_of_its_runs() -> None:
+    # times falling with x: an unclamped fit would give a negative slope
+    points = [(16, 0, [0.3]), (64, 0, [0.2]), (192, 0, [0.1]), (64, 256, [0.2])]
+    (cost,) = fit_stage_costs(points, 1)  # type: ignore[misc]
+    assert min(cost.a, cost.b, cost.c, cost.d) >= 0.0
+    assert fit_stage_costs(points[:2], 1) is None
+    runs: list[tuple[int, int]] = []
+    noise = iter([0.5, 0.1] * 6)
+
+    def session(y: int):
+        def run(x: int) -> list[float]:
+            runs.append((x, y))
+            return [x * 1e-3 + next(noise)]
+
+        return run
+
+    got = profile_points(session, xs=(16, 64, 192), ys=(0, 256), reps=2)
+    assert [(x, y) for x, y, _ in got] == [(16, 0), (64, 0), (192, 0), (16, 256), (64, 256), (192, 256)]
+    assert [t for _, _, (t,) in got] == pytest.approx([x * 1e-3 + 0.1 for x, _, _ in got])
+    assert len(runs) == 12
 
 
 def test_header_and_session_ids() -> None:

@@ -1,0 +1,113 @@
+"""The worker's prefill cost τ_s(x | y): seconds for x new positions after y cached ones, per pipeline stage.
+
+One fit serves two readers: a staged worker's sequence partition (app/worker/stages.py, `SubsequencePlanner`) and
+the devices, which get it in every OPEN reply (`prefill_tau`, one [a, b, c, d] per stage: plain numbers) and plan
+their own prefill chunks with it (`chunking = "dp"`, clients/hat/device.py). g, the decode-delay line the worker also
+sends, is fitted on whatever passes ran (mostly a few positions) and has no context term, so it misprices prefill
+chunks; τ is fitted only on lone prefill pieces, with the context and in-piece attention terms.
+
+Where the points come from: a start-up profile (`[worker] prefill_profile`: a few passes on a small grid; on by
+default for a staged worker, whose sequence partition needs τ from the first prompt, off for a single-process one,
+where it would cost every start several seconds on the default model), and every lone prefill piece the worker runs
+afterwards. Least squares with the x² term (`policies.jupiter.fit_chunk_cost`), refitted every `refit_every` new
+points; with neither a profile nor given costs, at every new point until `refit_every` points have been seen (the
+first fit rests on a handful of pieces and should not stand for 32 more). The profile's points are always kept, so
+the fit stays determined.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from policies.jupiter import ChunkCost, fit_chunk_cost
+
+# The start-up profile's grid: three piece lengths (the x² term needs three) after no context and after 256 positions
+PROFILE_XS = (16, 64, 192)
+PROFILE_YS = (0, 256)
+
+Point = tuple[int, int, list[float]]  # (x, y, seconds per stage)
+
+
+@dataclass
+class PrefillCostFit:
+    """τ_s(x | y) per stage (`costs`, None until the points determine it) and the points it is fitted on."""
+
+    stages: int
+    costs: tuple[ChunkCost, ...] | None = None
+    profiled: list[Point] = field(default_factory=list)  # the start-up profile (always kept)
+    points: deque[Point] = field(default_factory=lambda: deque(maxlen=256))  # the last lone prefill pieces
+    refit_every: int = 32
+    min_len: int = 16  # shorter pieces are decode-sized: their time is mostly the pass's fixed cost
+    version: int = 0  # bumped at every refit: plans made on an older fit are stale
+    _new: int = 0
+    _learning: bool = False  # no profile and no given costs: the fit rests on the pieces run so far
+
+    def __post_init__(self) -> None:
+        if self.costs is not None and len(self.costs) != self.stages:
+            raise ValueError(f"{len(self.costs)} stage costs for {self.stages} stages")
+        self._learning = self.costs is None and not self.profiled
+
+    def observe(self, x: int, y: int, seconds: Sequence[float]) -> bool:
+        """A prefill piece of x positions after y ran alone: seconds[s] on stage s. True when τ was refitted."""
+        if len(seconds) != self.stages or x < self.min_len:
+            return False
+        self.points.append((x, y, [float(s) for s in seconds]))
+        self._new += 1
+        eager = self._learning and len(self.points) <= self.refit_every
+        if self.costs is not None and self._new < (1 if eager else self.refit_every):
+            return False
+        fits = fit_stage_costs([*self.profiled, *self.points], self.stages)
+        if fits is None:  # the points do not pin τ down yet (all of one length, or no context)
+            return False
+        self._new = 0
+        self.costs = fits
+        self.version += 1
+        return True
+
+    def set_profile(self, points: list[Point]) -> None:
+        """A start-up profile's points: kept for good, and τ fitted on them (with any pieces seen so far)."""
+        self.profiled = points
+        fits = fit_stage_costs([*points, *self.points], self.stages)
+        if fits is not None:
+            self.costs, self._learning, self._new = fits, False, 0
+            self.version += 1
+
+    def wire(self) -> list[list[float]] | None:
+        """τ for the OPEN reply: [a, b, c, d] per stage, or None while undetermined."""
+        if self.costs is None:
+            return None
+        return [[c.a, c.b, c.c, c.d] for c in self.costs]
+
+
+def fit_stage_costs(points: Sequence[Point], stages: int) -> tuple[ChunkCost, ...] | None:
+    """τ_s per stage by least squares with the x² term, clamped non-negative; None if the points do not determine
+    it. A fit may come out with small negative terms on a noisy box; the planners need τ non-negative."""
+    try:
+        fits = [fit_chunk_cost([(x, y, ts[s]) for x, y, ts in points], quadratic=True) for s in range(stages)]
+    except ValueError:
+        return None
+    return tuple(ChunkCost(max(c.a, 0.0), max(c.b, 0.0), max(c.c, 0.0), max(c.d, 0.0)) for c in fits)
+
+
+def profile_points(
+    session: Callable[[int], Callable[[int], list[float]]],
+    xs: Sequence[int] = PROFILE_XS,
+    ys: Sequence[int] = PROFILE_YS,
+    reps: int = 2,
+) -> list[Point]:
+    """The start-up profile: for each context y, `session(y)` sets up a session holding y positions and returns
+    `run(x)`, which times a piece of x positions after them on every stage and crops the session back to y. Each
+    point is the least of `reps` runs (other work on the box only ever adds time)."""
+    points: list[Point] = []
+    for y in ys:
+        run = session(y)
+        for x in xs:
+            best: list[float] | None = None
+            for _ in range(reps):
+                ts = run(x)
+                best = ts if best is None else [min(a, b) for a, b in zip(best, ts, strict=True)]
+            assert best is not None
+            points.append((x, y, best))
+    return points

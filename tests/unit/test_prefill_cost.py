@@ -1,0 +1,101 @@
+"""The worker's prefill cost τ(x | y) travelling to the device: the engine fits it (start-up profile or its own lone
+prefill pieces) and reports it at OPEN; the device half reads it (validated plain numbers) and plans its DP chunks
+with it instead of g. Tiny random Llama (conftest's `tiny`), no sockets."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from app.worker.engine import Engine
+from app.worker.sessions import EngineLimits
+from clients.hat import wire
+from clients.hat.device import HATBackend, worker_prefill_cost
+from clients.hat.options import HATOptions
+from clients.hat.split import split_model
+from policies.jupiter import ChunkCost, plan_device_prefill
+
+Kind = wire.Kind
+H = 32  # the tiny model's hidden size
+
+
+@pytest.fixture
+def engine(tiny: LlamaForCausalLM) -> Iterator[Engine]:
+    e = Engine(split_model(tiny, 2).middle, EngineLimits(max_sessions=2, max_context=512), model_name="tiny")
+    e.start()
+    yield e
+    e.stop()
+
+
+def opened(engine: Engine):
+    params = {"hidden_size": H, "num_layers": 4, "m": 2, "dtype": "float32"}
+    session, reply = engine.open(wire.encode_text(Kind.OPEN, bytes(16), 0, json.dumps(params)))
+    return session, json.loads(wire.decode_frame(reply).text())
+
+
+def test_the_engine_fits_tau_from_its_own_lone_prefill_pieces_and_reports_it_at_open(engine: Engine) -> None:
+    session, info = opened(engine)
+    assert info["prefill_tau"] is None  # nothing measured yet: devices fall back to g
+    seq, position = 0, 0
+    # four lone prefill frames of different lengths after growing contexts: enough to pin a + b·x + c·x·y + d·x²
+    for x in (16, 32, 24, 20):
+        seq += 1
+        frame = wire.encode_tensor(Kind.PREFILL_CHUNK, session.id, seq, torch.randn(x, H), arg=position)
+        (reply,) = [wire.decode_frame(b) for b in engine.submit(session, frame).result(timeout=10)]
+        assert reply.kind == Kind.DEEP_STATE
+        position += x
+    assert engine.prefill_cost.version == 1 and len(engine.prefill_cost.points) == 4
+    _, info = opened(engine)  # a new session is told the fit
+    (row,) = info["prefill_tau"]
+    assert len(row) == 4 and all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in row)
+    assert row == [engine.prefill_cost.costs[0].a, engine.prefill_cost.costs[0].b,  # type: ignore[index]
+                   engine.prefill_cost.costs[0].c, engine.prefill_cost.costs[0].d]  # type: ignore[index]  # fmt: skip
+
+
+def test_the_start_up_profile_determines_tau_before_any_session(engine: Engine) -> None:
+    engine.call(engine.profile_prefill).result(timeout=60)
+    fit = engine.prefill_cost
+    assert [(x, y) for x, y, _ in fit.profiled] == [(16, 0), (64, 0), (192, 0), (16, 256), (64, 256), (192, 256)]
+    _, info = opened(engine)
+    (row,) = info["prefill_tau"]
+    cost = ChunkCost(*row)
+    assert cost(192, 0) > 0 and all(v >= 0 for v in row)
+
+
+def test_the_device_reads_tau_as_one_stage_and_refuses_malformed_values() -> None:
+    one = {"prefill_tau": [[0.1, 2e-3, 1e-6, 5e-7]]}
+    assert worker_prefill_cost(one) == ChunkCost(0.1, 2e-3, 1e-6, 5e-7)
+    two = {"prefill_tau": [[0.1, 2e-3, 1e-6, 0.0], [0.2, 1e-3, 0.0, 5e-7]]}  # a staged worker: the stages' sum
+    summed = worker_prefill_cost(two)
+    assert summed is not None and summed(100, 50) == pytest.approx(ChunkCost(0.3, 3e-3, 1e-6, 5e-7)(100, 50))
+    assert worker_prefill_cost({}) is None and worker_prefill_cost({"prefill_tau": None}) is None
+    for bad in ([], [[0.1, 0.2, 0.3]], [[0.1, -1.0, 0.0, 0.0]], [[0.1, "x", 0.0, 0.0]], [[0.1, math.nan, 0, 0]],
+                [[True, 0.0, 0.0, 0.0]], "0.1,0.2", [0.1, 0.2, 0.3, 0.4]):  # fmt: skip
+        assert worker_prefill_cost({"prefill_tau": bad}) is None, bad
+
+
+def test_dp_chunks_are_planned_with_the_workers_tau_when_it_sends_one(tiny: LlamaForCausalLM) -> None:
+    backend = HATBackend(
+        HATOptions("ws://127.0.0.1:1", model_id="tiny", chunking="dp", chunk_size=None, beta_up=5e6),
+        model=tiny,
+        tokenizer=object(),
+    )
+    backend.hidden_size = H  # what loading the device half would set
+    backend._device_tau = ChunkCost(0.002, 1e-4)
+    base = {"g": [1e-4, 0.01], "mu": 1.0, "max_frame_bytes": 1 << 20}
+    worker = ChunkCost(0.05, 1e-3, 2e-6, 1e-6)  # a pass's fixed cost and attention g knows nothing of
+    with_tau = backend._prefill_bounds(1024, {**base, "prefill_tau": [[worker.a, worker.b, worker.c, worker.d]]})
+    assert backend.stats.last_worker_tau == worker
+    want = plan_device_prefill(
+        1024, backend._device_tau, worker, token_bytes=H * 4, beta_up=5e6, min_len=16, granularity=16,
+        max_len=(1 << 20) // (H * 4),
+    )  # fmt: skip
+    assert with_tau == want.bounds
+    without = backend._prefill_bounds(1024, base)  # an older worker: g as a context-free τ
+    assert backend.stats.last_worker_tau == ChunkCost(0.01, 1e-4)
+    assert without != with_tau
