@@ -221,15 +221,27 @@ class ChunkCost:
         return self.a + self.b * x + self.c * x * y + self.d * x * x
 
 
-def fit_chunk_cost(points: Iterable[tuple[float, float, float]], *, quadratic: bool = False) -> ChunkCost:
+def fit_chunk_cost(
+    points: Iterable[tuple[float, float, float]], *, quadratic: bool = False, tied: bool = False
+) -> ChunkCost:
     """Least-squares fit of τ(x | y) = a + b·x + c·x·y (+ d·x² with quadratic=True) to profiled (x, y, s) points.
 
-    Needs points that pin every coefficient down (distinct x; some y > 0 for c; three distinct x for d).
+    tied=True: d = c/2 (causal attention inside a sub-sequence, x²/2 pairs, at the context's per-pair cost), one
+    coefficient fewer, so points of few distinct lengths still separate the fixed cost from the rest; the attention
+    total is then the same for every split of a prompt. Needs points that pin every coefficient down (distinct x;
+    some y > 0 for c; three distinct x for d).
     """
     pts = np.array([(float(x), float(y), float(t)) for x, y, t in points], dtype=float)
     if pts.size == 0:
         raise ValueError("fitting τ(x | y) needs profile points")
     x, y, t = pts[:, 0], pts[:, 1], pts[:, 2]
+    if tied:
+        cols = [np.ones_like(x), x, x * y + x * x / 2]
+        a = np.stack(cols, axis=1)
+        if np.linalg.matrix_rank(a) < a.shape[1]:
+            raise ValueError("profile points do not determine τ(x | y): vary x and include y > 0")
+        (fa, fb, fc), *_ = np.linalg.lstsq(a, t, rcond=None)
+        return ChunkCost(float(fa), float(fb), float(fc), float(fc) / 2)
     cols = [np.ones_like(x), x, x * y] + ([x * x] if quadratic else [])
     a = np.stack(cols, axis=1)
     if np.linalg.matrix_rank(a) < a.shape[1]:

@@ -11,7 +11,9 @@ default for a staged worker, whose sequence partition needs τ from the first pr
 where it would cost every start several seconds on the default model), and every lone prefill piece the worker runs
 afterwards. Least squares with the x² term (`policies.jupiter.fit_chunk_cost`), refitted every `refit_every` new
 points; with neither a profile nor given costs, at every new point until `refit_every` points have been seen (the
-first fit rests on a handful of pieces and should not stand for 32 more). The profile's points are always kept, so
+first fit rests on a handful of pieces and should not stand for 32 more), and with d tied to c/2: the devices'
+pieces come in a few lengths only, which leave a, c and d apart undetermined (measured: a 2k-token DP plan of
+32-token chunks from such a fit). The profile's points are always kept, so
 the fit stays determined.
 """
 
@@ -58,7 +60,8 @@ class PrefillCostFit:
         eager = self._learning and len(self.points) <= self.refit_every
         if self.costs is not None and self._new < (1 if eager else self.refit_every):
             return False
-        fits = fit_stage_costs([*self.profiled, *self.points], self.stages)
+        # unprofiled: pieces of a few lengths only (the devices' chunk sizes), which cannot separate d from a and c
+        fits = fit_stage_costs([*self.profiled, *self.points], self.stages, tied=self._learning)
         if fits is None:  # the points do not pin τ down yet (all of one length, or no context)
             return False
         self._new = 0
@@ -81,11 +84,13 @@ class PrefillCostFit:
         return [[c.a, c.b, c.c, c.d] for c in self.costs]
 
 
-def fit_stage_costs(points: Sequence[Point], stages: int) -> tuple[ChunkCost, ...] | None:
-    """τ_s per stage by least squares with the x² term, clamped non-negative; None if the points do not determine
-    it. A fit may come out with small negative terms on a noisy box; the planners need τ non-negative."""
+def fit_stage_costs(points: Sequence[Point], stages: int, *, tied: bool = False) -> tuple[ChunkCost, ...] | None:
+    """τ_s per stage by least squares with the x² term (tied: d = c/2), clamped non-negative; None if the points do
+    not determine it. A fit may come out with small negative terms on a noisy box; the planners need τ non-negative."""
     try:
-        fits = [fit_chunk_cost([(x, y, ts[s]) for x, y, ts in points], quadratic=True) for s in range(stages)]
+        fits = [
+            fit_chunk_cost([(x, y, ts[s]) for x, y, ts in points], quadratic=True, tied=tied) for s in range(stages)
+        ]
     except ValueError:
         return None
     return tuple(ChunkCost(max(c.a, 0.0), max(c.b, 0.0), max(c.c, 0.0), max(c.d, 0.0)) for c in fits)

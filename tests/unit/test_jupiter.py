@@ -354,3 +354,12 @@ def test_device_prefill_latency_only_shifts_the_makespan() -> None:
     plan_device_prefill(600, DEVICE, GPU_WORKER, cache=cache, **kw)
     plan_device_prefill(600, DEVICE, GPU_WORKER, cache=cache, **kw)
     assert (cache.hits, cache.misses) == (1, 1)
+
+
+def test_the_tied_fit_recovers_a_causal_cost_from_few_lengths() -> None:
+    true = ChunkCost(0.2, 1e-2, 8e-6, 4e-6)  # d = c/2
+    points = [(x, y, float(true(x, y))) for x, y in [(160, 0), (160, 160), (160, 320), (64, 480), (128, 0)]]
+    got = fit_chunk_cost(points, tied=True)
+    assert [got.a, got.b, got.c, got.d] == pytest.approx([true.a, true.b, true.c, true.d], rel=1e-6)
+    with pytest.raises(ValueError):
+        fit_chunk_cost([(160, 0, 1.0), (160, 160, 2.0)], tied=True)  # one length: a and b not separable

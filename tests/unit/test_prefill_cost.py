@@ -42,14 +42,14 @@ def test_the_engine_fits_tau_from_its_own_lone_prefill_pieces_and_reports_it_at_
     session, info = opened(engine)
     assert info["prefill_tau"] is None  # nothing measured yet: devices fall back to g
     seq, position = 0, 0
-    # four lone prefill frames of different lengths after growing contexts: enough to pin a + b·x + c·x·y + d·x²
+    # four lone prefill frames of different lengths after growing contexts: enough to pin τ (d tied to c/2)
     for x in (16, 32, 24, 20):
         seq += 1
         frame = wire.encode_tensor(Kind.PREFILL_CHUNK, session.id, seq, torch.randn(x, H), arg=position)
         (reply,) = [wire.decode_frame(b) for b in engine.submit(session, frame).result(timeout=10)]
         assert reply.kind == Kind.DEEP_STATE
         position += x
-    assert engine.prefill_cost.version == 1 and len(engine.prefill_cost.points) == 4
+    assert engine.prefill_cost.version >= 1 and len(engine.prefill_cost.points) == 4
     _, info = opened(engine)  # a new session is told the fit
     (row,) = info["prefill_tau"]
     assert len(row) == 4 and all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in row)

@@ -115,16 +115,16 @@ def test_observed_passes_refit_tau_and_drop_old_plans() -> None:
 
 
 def test_an_unprofiled_fit_is_determined_by_the_first_points_that_pin_it_down() -> None:
+    # unprofiled, τ is fitted with d tied to c/2 (a piece's own causal attention at the context's per-pair cost)
     true = ChunkCost(0.01, 2e-3, 1e-6, 5e-7)
     fit = PrefillCostFit(1, refit_every=100)
     assert fit.wire() is None
-    # one length only, no context: τ is not determined, whatever the count
+    # one length only: τ is not determined, whatever the count
     for _ in range(3):
         assert not fit.observe(64, 0, [float(true(64, 0))])
     assert fit.costs is None
     assert not fit.observe(32, 0, [float(true(32, 0))])
-    assert not fit.observe(128, 0, [float(true(128, 0))])  # three lengths but no context yet
-    assert fit.observe(64, 256, [float(true(64, 256))])  # now it is (without waiting for refit_every points)
+    assert fit.observe(128, 256, [float(true(128, 256))])  # now it is (without waiting for refit_every points)
     assert fit.version == 1 and fit.costs is not None
     (wire,) = fit.wire()  # type: ignore[misc]
     assert wire == pytest.approx([true.a, true.b, true.c, true.d], rel=1e-6)
@@ -132,7 +132,7 @@ def test_an_unprofiled_fit_is_determined_by_the_first_points_that_pin_it_down() 
     small = PrefillCostFit(1, refit_every=8)
     grid = [(16, 0), (48, 0), (96, 0), (32, 128), (64, 64), (80, 32), (24, 256), (40, 16), (56, 8), (72, 100)]
     refits = [small.observe(x, y, [float(true(x, y))]) for x, y in grid]
-    assert refits == [False, False, False, True, True, True, True, True, False, False]
+    assert refits == [False, False, True, True, True, True, True, True, False, False]
     # with a profile (a fit that stands on its own), only every refit_every points
     profiled = PrefillCostFit(1, fit.costs, profiled=[(x, y, [float(true(x, y))]) for x, y in grid[:4]], refit_every=3)
     assert [profiled.observe(x, y, [float(true(x, y))]) for x, y in grid[4:]] == [
