@@ -195,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     middle = split_model(model, args.m).middle
     single = Engine(middle, WorkerSettings(model=args.model, m=args.m).limits(), model_name=args.model)
     single.start()
-    settings = WorkerSettings(model=args.model, m=args.m, stages=2, stage_threads=[1, 1], sequence_partition="off")
+    settings = WorkerSettings(
+        model=args.model, m=args.m, stages=2, stage_threads=[1, 1], sequence_partition="off",
+        stage_probe_rounds=1 if args.quick else 3,  # --quick checks the run, not the balance of the split
+    )  # fmt: skip
     try:
         staged = Worker(settings, model)._build()
     except BaseException:

@@ -44,8 +44,9 @@ def test_split_equals_full_one_shot_and_chunked(name: str) -> None:
     assert compare_with_full(model, split, ids) <= 1e-4
 
     ref = full_forward(model, ids)
-    for chunk in (1, 5, 16):
-        part = ids[:, :24] if chunk == 1 else ids  # token-by-token is slow on the bigger model: a prefix suffices
+    # Token by token on SmolLM2 only: on Qwen the HAT greedy tests decode through the split one token at a time.
+    for chunk in (1, 5, 16) if name == SMOL else (5, 16):
+        part = ids[:, :24] if chunk == 1 else ids  # token-by-token: a prefix suffices
         got = split.session().prefill(part, chunk)
         assert float((got - _hf_chunked(model, part, chunk)).abs().max()) <= 1e-4, chunk
         assert float((got - ref[:, : part.shape[1]]).abs().max()) <= 3e-3, chunk
