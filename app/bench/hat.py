@@ -64,10 +64,8 @@ from app.bench.hat_sections import (
     throughput,
     trees,
 )
-from app.bench.hat_setup import TABLE5, U_SHAPE, Bench, RawDevice
+from app.bench.hat_setup import TABLE5, U_SHAPE, Bench, RawDevice, add_bench_options
 from app.bench.hat_spec import defaults, eq7, report_defaults, report_eq7, report_widths, widths
-
-DEFAULT_LINK = "latency=10ms,up=7.5MB/s,down=12.5MB/s"
 
 
 def report(results: dict[str, Any]) -> str:
@@ -173,9 +171,7 @@ SPEC_SECTIONS = ("widths", "eq7", "defaults")  # run only when named: they need 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench hat", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--m", type=int, default=2)
-    p.add_argument("--link", default=DEFAULT_LINK, help="link emulation (clients/hat/link.py syntax)")
+    add_bench_options(p)
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS),
                    default=[s for s in SECTIONS if s not in SPEC_SECTIONS], help="default: all but " +
                    ", ".join(SPEC_SECTIONS))  # fmt: skip
@@ -208,11 +204,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--defaults-runs", type=int, default=3, help="Table 4 runs in the defaults section")
     p.add_argument("--throughput-devices", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--throughput-tokens", type=int, default=24)
-    p.add_argument("--device-core", type=int, default=0, help="pin this process to the core (-1: no pinning)")
-    p.add_argument("--worker-core", type=int, default=1, help="pin the worker to the core (-1: no pinning)")
-    p.add_argument("--worker-threads", type=int, default=1)
-    p.add_argument("--worker-device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--worker-url", default=None, help="use a running worker (ws://host:port) instead of starting one")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p
 

@@ -12,6 +12,9 @@ from typing import Any
 import torch
 
 from app.bench.hat_setup import SD_ONLY, SD_PD, TABLE5, U_SHAPE, Bench, RawDevice, Variant, run_request, started
+from app.profiling.measure import median_ms
+
+REPEATS = 7  # timed calls per device component (after one untimed)
 
 # A configuration of Tables 4 and 5: (its name in the results, the SD / PC / PD variant, further HATOptions).
 Config = tuple[str, Variant, dict[str, Any]]
@@ -77,16 +80,6 @@ async def table4_rows(bench: Bench, configs: list[Config]) -> dict[str, Any]:
     return out
 
 
-def _timeit(fn: Any, repeat: int = 7) -> float:
-    fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(samples)
-
-
 async def components(bench: Bench) -> dict[str, Any]:
     b = await started(bench, SD_ONLY)
     full = await started(bench, SD_ONLY, full_vocab=True)
@@ -102,11 +95,11 @@ async def components(bench: Bench) -> dict[str, Any]:
             b._input(torch.tensor([[ids[256]]]), cache, positions=256)
             cache.crop(256)
 
-        dev["input_submodel_1_token"] = _timeit(input_one)
-        dev["input_submodel_256_tokens"] = _timeit(lambda: b._input(torch.tensor([ids[:256]]), None, positions=0), 3)
+        dev["input_submodel_1_token"] = median_ms(input_one, REPEATS)
+        dev["input_submodel_256_tokens"] = median_ms(lambda: b._input(torch.tensor([ids[:256]]), None, positions=0), 3)
         feats = torch.randn(1, hidden)
-        dev["draft_head_reduced_vocab"] = _timeit(lambda: b._draft_logits(feats, 0))
-        dev["draft_head_full_vocab"] = _timeit(lambda: full._draft_logits(feats, 0))
+        dev["draft_head_reduced_vocab"] = median_ms(lambda: b._draft_logits(feats, 0), REPEATS)
+        dev["draft_head_full_vocab"] = median_ms(lambda: full._draft_logits(feats, 0), REPEATS)
         acache = b.adapter.new_cache()
         shallow = b._input(torch.tensor([ids[:256]]), None, positions=0)
         b.adapter(shallow, acache, positions=0)
@@ -115,13 +108,13 @@ async def components(bench: Bench) -> dict[str, Any]:
             b.adapter(shallow[:, :1], acache, positions=256)
             acache.crop(256)
 
-        dev["adapter_1_token"] = _timeit(adapter_one)
+        dev["adapter_1_token"] = median_ms(adapter_one, REPEATS)
         body = dev["input_submodel_1_token"] + dev["adapter_1_token"]
         dev["draft_step_reduced_vocab"] = body + dev["draft_head_reduced_vocab"]
         dev["draft_step_full_vocab"] = body + dev["draft_head_full_vocab"]
         for rows in (1, 4):
             deep = torch.randn(rows, hidden)
-            dev[f"lm_head_{rows}_rows"] = _timeit(lambda deep=deep: b._output(deep))
+            dev[f"lm_head_{rows}_rows"] = median_ms(lambda deep=deep: b._output(deep), REPEATS)
     await b.close()
     await full.close()
     token_bytes = hidden * 4

@@ -15,6 +15,21 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
+DEFAULT_LINK = "latency=10ms,up=7.5MB/s,down=12.5MB/s"  # the HAT benches' link: 20 ms RTT, 7.5 / 12.5 MB/s
+
+
+def add_bench_options(p: argparse.ArgumentParser) -> None:
+    """The options every `Bench` reads: the model and split, the link, where the device half and the worker run."""
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--m", type=int, default=2)
+    p.add_argument("--link", default=DEFAULT_LINK, help="link emulation (clients/hat/link.py syntax)")
+    p.add_argument("--device-core", type=int, default=0, help="pin this process to the core (-1: no pinning)")
+    p.add_argument("--worker-core", type=int, default=1, help="pin the worker to the core (-1: no pinning)")
+    p.add_argument("--worker-threads", type=int, default=1)
+    p.add_argument("--worker-device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--worker-url", default=None, help="use a running worker (ws://host:port) instead of starting one")
+
+
 _CODE_FILES = ("app/serving/orchestrator.py", "app/worker/engine.py", "clients/hat/device.py", "policies/dispatch.py")
 
 

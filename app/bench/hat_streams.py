@@ -32,28 +32,21 @@ from typing import Any
 
 import torch
 
+from app.bench.hat_setup import add_bench_options
 from app.bench.output import publish
 
-DEFAULT_LINK = "latency=10ms,up=7.5MB/s,down=12.5MB/s"
 MODES = ("solo", "one group", "Alg. 1", "2 groups")
 DEFAULT_OUT = Path("var/bench/hat-streams/report.md")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench hat-streams", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--m", type=int, default=2)
-    p.add_argument("--link", default=DEFAULT_LINK, help="link emulation (clients/hat/link.py syntax)")
+    add_bench_options(p)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--tokens", type=int, default=32, help="tokens decoded per stream")
     p.add_argument("--reps", type=int, default=2, help="measured runs per cell (median reported)")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens per stream of each cell's warm-up run")
     p.add_argument("--quick", action="store_true", help="a smoke run: K = 1 and 2, 4 tokens, one rep, no warm-up")
-    p.add_argument("--device-core", type=int, default=0, help="pin this process to the core (-1: no pinning)")
-    p.add_argument("--worker-core", type=int, default=1, help="pin the worker to the core (-1: no pinning)")
-    p.add_argument("--worker-threads", type=int, default=1)
-    p.add_argument("--worker-device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--worker-url", default=None, help="use a running worker (ws://host:port) instead of starting one")
     p.add_argument("--json", default=None, help="also write the raw results as JSON here")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p

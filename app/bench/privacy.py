@@ -48,10 +48,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from app.bench.hat_setup import DEFAULT_LINK
 from app.bench.output import publish
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (held-out text)
-DEFAULT_LINK = "latency=10ms,up=7.5MB/s,down=12.5MB/s"
 
 
 # --- attack math ------------------------------------------------------------------------------------

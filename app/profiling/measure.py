@@ -30,7 +30,8 @@ import torch
 from policies.estimate import DEFAULT_HISTORY_WEIGHT
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of `fn` over `repeats` calls after `warmup` untimed ones, in milliseconds."""
     for _ in range(warmup):
         fn()
     times = []
@@ -38,7 +39,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return round(1e3 * statistics.median(times), 4)
+    return 1e3 * statistics.median(times)
 
 
 @torch.inference_mode()
@@ -50,6 +51,10 @@ def device_times(backend: Any, rows: Sequence[int], context: int, repeats: int) 
     backend.adapter(backend._input(ids[:, :context], in_cache, positions=0), ad_cache, positions=0)
     draft: dict[str, float] = {}
     head: dict[str, float] = {}
+
+    def ms(fn: Callable[[], Any]) -> float:
+        return round(median_ms(fn, repeats, warmup=2), 4)
+
     for r in rows:
         tok = ids[:, context:].expand(r, 1).contiguous()
 
@@ -58,10 +63,10 @@ def device_times(backend: Any, rows: Sequence[int], context: int, repeats: int) 
             feats = backend.adapter(backend._input(tok, ic, positions=context), ac, positions=context)
             torch.softmax(backend._draft_logits(feats[:, -1], context), -1).max(-1)
 
-        fork_only = _median_ms(lambda r=r: (in_cache.fork(r, context), ad_cache.fork(r, context)), repeats)
-        draft[str(r)] = round(max(_median_ms(step, repeats) - fork_only, 1e-4), 4)
+        fork_only = ms(lambda r=r: (in_cache.fork(r, context), ad_cache.fork(r, context)))
+        draft[str(r)] = round(max(ms(step) - fork_only, 1e-4), 4)
         deep = torch.randn(r, backend.hidden_size, generator=gen)
-        head[str(r)] = _median_ms(lambda deep=deep: backend._output(deep).float().argmax(-1), repeats)
+        head[str(r)] = ms(lambda deep=deep: backend._output(deep).float().argmax(-1))
     return {"context": context, "draft_step_ms": draft, "head_ms": head}
 
 

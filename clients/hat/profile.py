@@ -109,16 +109,21 @@ def _positive(value: Any, dotted: str, path: str, allow_zero: bool = False) -> f
     return float(value)
 
 
+def _count_key(key: str, dotted: str, what: str, path: str) -> int:
+    """A JSON object key that names a count ("512" -> 512)."""
+    try:
+        return int(key)
+    except ValueError:
+        raise ProfileError(f"profile {path}: field '{dotted}' has a {what} {key!r} that is not a count") from None
+
+
 def _table(value: Any, dotted: str, path: str) -> dict[int, float]:
     """{"1": ms, "2": ms, ...} -> {1: ms, ...}: positive integer keys, positive times, at least one entry."""
     if not isinstance(value, dict) or not value:
         raise ProfileError(f"profile {path}: field '{dotted}' must be a non-empty object of count -> milliseconds")
     out = {}
     for k, v in value.items():
-        try:
-            n = int(k)
-        except ValueError:
-            raise ProfileError(f"profile {path}: field '{dotted}' has a key {k!r} that is not a count") from None
+        n = _count_key(k, dotted, "key", path)
         if n < 1:
             raise ProfileError(f"profile {path}: field '{dotted}' has a key {k!r} below 1")
         out[n] = _positive(v, f"{dotted}.{k}", path)
@@ -155,13 +160,7 @@ def parse_profile(data: Any, path: str = "<profile>") -> HATProfile:
         raise ProfileError(f"profile {path}: field 'worker.middle_ms' must be a non-empty object of context -> table")
     middle = {}
     for ctx, table in middle_raw.items():
-        try:
-            c = int(ctx)
-        except ValueError:
-            raise ProfileError(
-                f"profile {path}: field 'worker.middle_ms' has a context {ctx!r} that is not a count"
-            ) from None
-        middle[c] = _table(table, f"worker.middle_ms.{ctx}", path)
+        middle[_count_key(ctx, "worker.middle_ms", "context", path)] = _table(table, f"worker.middle_ms.{ctx}", path)
     up, down = (_field(data, f"link.{k}", path) for k in ("up_bytes_per_s", "down_bytes_per_s"))
     alpha = _field(data, "acceptance.alpha", path)
     if not isinstance(alpha, dict):
