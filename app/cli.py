@@ -84,6 +84,7 @@ def _worker(args: argparse.Namespace) -> int:
         "master_port": args.master_port,
         "sequence_partition": args.sequence_partition,
         "profile": args.profile,
+        "prefill_profile": args.prefill_profile,
     }
     if args.stage_rank:  # a stage started by hand on another host: stage 0 does not spawn it
         overrides["spawn_stages"] = False
@@ -186,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--master-port", type=int, help="the stages' rendezvous port")
     worker.add_argument("--sequence-partition", choices=["dp", "equal", "off"], help="prefill sub-sequences")
     worker.add_argument("--profile", help="a `tandem profile` JSON: g starts from its measured middle times")
+    worker.add_argument(
+        "--prefill-profile",
+        action=argparse.BooleanOptionalAction,
+        help="profile the prefill cost tau at start-up (default: staged workers only)",
+    )
     worker.set_defaults(func=_worker)
 
     prof = sub.add_parser("profile", help="measure this device and a HAT worker (see --help)", add_help=False)

@@ -194,6 +194,8 @@ class EmbeddedWorkerSettings(_Strict):
     num_threads: Annotated[int, Field(ge=1)] | None = None
     cpus: list[int] | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"  # where the worker computes (see app/worker/server.py)
+    # Profile the prefill cost tau at start-up ([worker] prefill_profile); None = the worker's default.
+    prefill_profile: bool | None = None
     startup_timeout: Annotated[float, Field(gt=0)] = 300.0
 
 

@@ -139,6 +139,8 @@ class EmbeddedWorker(_ManagedProcess):
             cmd += ["--threads", str(self.settings.num_threads)]
         if self.profile:
             cmd += ["--profile", self.profile]
+        if self.settings.prefill_profile is not None:
+            cmd.append("--prefill-profile" if self.settings.prefill_profile else "--no-prefill-profile")
         return cmd
 
     def environment(self) -> dict[str, str] | None:

@@ -110,7 +110,12 @@ class Bench:
 
         cpus = [self.args.worker_core] if self.args.worker_core >= 0 else None
         a = self.args
-        settings = EmbeddedWorkerSettings(num_threads=a.worker_threads, cpus=cpus, device=a.worker_device)
+        # The DP chunk plan prices the worker's prefill with its tau; profiled at start it is measured, not fitted
+        # from the few lone pieces one bench run sends.
+        profile_tau = True if "chunks" in getattr(a, "sections", ()) else None  # bench hat-streams has no sections
+        settings = EmbeddedWorkerSettings(
+            num_threads=a.worker_threads, cpus=cpus, device=a.worker_device, prefill_profile=profile_tau
+        )
         self.worker = EmbeddedWorker(settings, self.args.model, self.args.m, None)
         self.worker.start()
         await self.worker.wait_ready()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from app.cli import embedded_default
@@ -94,3 +96,22 @@ def test_hat_profile_setting_reaches_the_embedded_worker(tmp_path):
     assert cmd[cmd.index("--profile") + 1] == "var/p.json"
     assert "--profile" not in EmbeddedWorker(cloud.embedded, cloud.model, cloud.m, None).command()
     assert load_settings(write(tmp_path, "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'")).clouds["h"].profile == ""
+
+
+@pytest.mark.parametrize(("setting", "flag"), [("true", "--prefill-profile"), ("false", "--no-prefill-profile")])
+def test_prefill_profile_setting_reaches_the_embedded_worker(tmp_path, monkeypatch, setting, flag):
+    import app.worker.server
+    from app.cli import main
+    from app.config import EmbeddedWorkerSettings
+    from app.embedded import EmbeddedWorker
+
+    text = f"[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'\n[clouds.h.embedded]\nprefill_profile = {setting}"
+    cloud = load_settings(write(tmp_path, text)).clouds["h"]
+    cmd = EmbeddedWorker(cloud.embedded, cloud.model, cloud.m, None).command()
+    assert flag in cmd and cmd[:3] == [sys.executable, "-m", "app.cli"]
+    started = []
+    monkeypatch.setattr(app.worker.server, "serve_worker", started.append)
+    assert main(cmd[3:]) == 0  # the worker's own command line, parsed as `tandem worker` parses it
+    assert started[0].prefill_profile is (setting == "true")
+    unset = EmbeddedWorker(EmbeddedWorkerSettings(), cloud.model, cloud.m, None).command()
+    assert not any("prefill-profile" in arg for arg in unset)  # the worker's default: staged workers only
