@@ -28,6 +28,8 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-threads", type=int, default=1)
     p.add_argument("--worker-device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--worker-url", default=None, help="use a running worker (ws://host:port) instead of starting one")
+    p.add_argument("--adapter", default="", help="draft adapter (safetensors; default: the shipped one)")
+    p.add_argument("--draft-vocab", default="", help='its reduced draft vocabulary (JSON; "full": none)')
 
 
 _CODE_FILES = ("app/serving/orchestrator.py", "app/worker/engine.py", "clients/hat/device.py", "policies/dispatch.py")
@@ -62,7 +64,7 @@ class Bench:
         self.gguf = resolve_model(args.model)
         self.model, self.tok = load_hf_model(self.gguf)
         self.model.eval()
-        self.adapter, self.draft_vocab = draft_files(args.model, args.m)
+        self.adapter, self.draft_vocab = draft_files(args.model, args.m, args.adapter, args.draft_vocab)
         self.worker: Any = None
         self.url = args.worker_url
         self.info: dict[str, Any] = {}

@@ -253,7 +253,7 @@ def _ship(args: argparse.Namespace, out: Path, argv: Sequence[str], wall_s: floa
         p = out / name
         if p.exists():
             info[name.removesuffix(".json")] = json.loads(p.read_text())
-    if "report" in info:
+    if info.get("report", {}).get("variants"):  # (a side-by-side-only report has its numbers under side_by_side)
         rep = info["report"]
         eta = rep["eta"]
         info["held_out"] = {
