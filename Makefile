@@ -4,9 +4,6 @@
 # assembled, sha256-verified, cached in ~/.cache/tandem/models).
 
 PYTHON ?= python3.11
-# Test processes: whole test files go to each (pytest-xdist --dist loadfile), so a file's model-loading fixtures
-# load once. Two fit the 2-core, 24 GiB machines CI runs on; TEST_WORKERS=0 runs the suite in one process.
-TEST_WORKERS ?= 2
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
@@ -32,7 +29,7 @@ serve: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

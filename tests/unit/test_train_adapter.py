@@ -326,8 +326,12 @@ def test_shipped_adapter_loads_for_qwen_0_5b() -> None:
     assert p.dtype == torch.float32 and p.shape == (896, 896) and bool(torch.isfinite(p).all())
     assert adapter.block.self_attn.k_proj.weight.shape == (128, 896)
     info = json.loads(path.with_suffix(".json").read_text())
-    held = info["held_out"]
-    assert held["trained"]["top1_response"] > held["untrained"]["top1_response"]
+    # Shipped by issue 14's rule: it beats the adapter it replaced on held-out chat and code-reading answers.
+    assert set(info["report"]["side_by_side"]) == {"chat", "code"}
+    for held in info["report"]["side_by_side"].values():
+        new, old = held["trained"], held["baseline"]
+        assert new["top1_response"] > old["top1_response"]
+        assert new["accept_length_send_low"] > old["accept_length_send_low"]
     assert info["command"].startswith("tandem train-adapter")
 
 
