@@ -154,6 +154,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.bench.outline import main
     elif args.what == "jupiter":
         from app.bench.jupiter import main
+    elif args.what == "reproducible":
+        from app.bench.reproducible import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -222,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "privacy",
             "outline",
             "jupiter",
+            "reproducible",
         ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -60,7 +60,8 @@ class GatewaySettings(_Strict):
     privacy: Literal["device", "split", "any"] = "any"
     # Outline-based parallel decoding unless a request says otherwise (policies/outline.py).
     decoding: Literal["outline", "auto", "sequential"] = "sequential"
-    # Keys for PUT /v1/budget; when empty, budget changes need a gateway API key (if any).
+    # Keys that may change the budget (PUT / DELETE /v1/budget). Whenever the gateway has any key, only these may;
+    # a gateway with no key at all (loopback, one user) lets anyone.
     admin_keys: list[SecretStr] = []
     # Where budget settings changed over HTTP are kept across restarts.
     state_file: str = "~/.local/state/tandem/budget.json"
@@ -122,6 +123,11 @@ class DeviceSettings(_Strict):
     model: str = "qwen2.5-coder-0.5b-instruct"
     n_ctx: Annotated[int, Field(gt=0)] = 4096
     n_threads: Annotated[int, Field(gt=0)] = 2
+    # The same input (prompt + delivered prefix) gives the same greedy answer whatever the KV cache holds: the input
+    # is evaluated in fixed chunks from position 0, reusing only whole chunks (clients/llamacpp.py). Costs up to one
+    # chunk of re-evaluation on a repeated prompt; off, the longest cached prefix is reused. The torch backend keeps
+    # no cache and always evaluates this way.
+    reproducible: bool = False
 
 
 class EmbeddedServerSettings(_Strict):

@@ -15,6 +15,16 @@ preempted one stalls them all (BENCHMARKS.md, device decode speed).
 Continuation from a delivered prefix is native: the prompt token IDs plus the
 prefix token IDs are fed to `generate`, which also reuses the KV cache for the
 longest common prefix with the previous request.
+
+Two evaluation paths (`reproducible`). Greedy output is bit-identical only along the same computation path: the
+logits of a prompt evaluated in one batch, taken from the KV cache plus one new token, or evaluated in other
+batches differ in their last bits, and where two tokens are nearly tied the answer forks (which way depends on the
+CPU's kernels). The fast path (the default) reuses the longest cached prefix and evaluates the rest in one batch.
+The reproducible path evaluates the input (prompt + delivered prefix) in fixed chunks of `CANONICAL_CHUNK` tokens
+from position 0 and then one token at a time, reusing only whole chunks that the cache holds from that same
+path: the same input gives the same greedy answer whatever the cache held and however the request arrived (fresh,
+repeated, or as a migration onto the device). Its price is re-evaluating up to one chunk of a repeated prompt
+(BENCHMARKS.md, "Reproducible device path").
 """
 
 from __future__ import annotations
@@ -38,6 +48,10 @@ log = logging.getLogger(__name__)
 
 _END = object()
 
+# Tokens per evaluation batch on the reproducible path. Small enough that a repeated prompt re-evaluates little
+# (at most this many tokens), large enough that a long prompt is still evaluated in efficient batches.
+CANONICAL_CHUNK = 32
+
 
 class LlamaCppBackend:
     can_continue = True
@@ -45,7 +59,15 @@ class LlamaCppBackend:
     structured_output = "grammar"  # clients/grammar.py, in the sampling loop
     accepts_token_ids = True  # the device model's own vocabulary
 
-    def __init__(self, name: str, model_path: Path, model_id: str, n_ctx: int = 4096, n_threads: int = 2):
+    def __init__(
+        self,
+        name: str,
+        model_path: Path,
+        model_id: str,
+        n_ctx: int = 4096,
+        n_threads: int = 2,
+        reproducible: bool = False,
+    ):
         self.name = name
         self.model_id = model_id
         self.model_path = Path(model_path)
@@ -59,6 +81,9 @@ class LlamaCppBackend:
         self.tokens_generated = 0
         self.evaluations = 0  # generate calls started: the KV cache can only have changed if this moved
         self._pieces: dict[int, bytes] = {}  # token id -> its bytes (logprobs), filled on the model thread
+        self.reproducible = reproducible
+        # Reproducible path: the KV cache's leading positions that were evaluated as whole canonical chunks.
+        self._canonical_end = 0
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -133,18 +158,48 @@ class LlamaCppBackend:
         return len(self.tokenize(text)), True
 
     def cached_prefix(self, ids) -> int:
-        """How many leading tokens of `ids` llama.cpp would take from its KV cache (it reuses the longest
-        common prefix with the last sequence it evaluated, and always evaluates at least the last token)."""
+        """How many leading tokens of `ids` will be taken from the KV cache instead of evaluated: the longest common
+        prefix with the last sequence evaluated (llama.cpp always evaluates at least the last token), or on the
+        reproducible path the whole canonical chunks of it. Exact when read on the model thread."""
         llm = self._llm
         if llm is None:
             return 0
-        held = llm.input_ids[: llm.n_tokens].tolist()  # a snapshot: exact when read on the model thread
+        if self.reproducible:
+            return self._reusable_chunks(ids)
+        held = llm.input_ids[: llm.n_tokens].tolist()  # a snapshot
         n = 0
         for a, b in zip(held, ids[:-1], strict=False):
             if a != b:
                 break
             n += 1
         return n
+
+    def _reusable_chunks(self, ids) -> int:
+        """Reproducible path: the cached positions a request for `ids` may keep — whole canonical chunks whose
+        tokens match, short of the chunk holding the last token (which is evaluated again, as a fresh request
+        would)."""
+        last_start = _last_chunk_start(len(ids))
+        end = min(self._canonical_end, self._llm.n_tokens, last_start)
+        held = self._llm.input_ids[:end].tolist()
+        n = 0
+        for a, b in zip(held, ids, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n - n % CANONICAL_CHUNK
+
+    def _evaluate_canonically(self, ids: list[int]) -> list[int]:
+        """Reproducible path: bring the KV cache to the start of the last canonical chunk of `ids`, chunk by chunk
+        from the last reusable one; returns that last chunk, for `generate` to evaluate in one batch."""
+        llm = self._llm
+        keep = self._reusable_chunks(ids)
+        self._canonical_end = keep
+        llm.n_tokens = keep  # the next eval drops every cached position from here on
+        last_start = _last_chunk_start(len(ids))
+        for start in range(keep, last_start, CANONICAL_CHUNK):
+            llm.eval(ids[start : start + CANONICAL_CHUNK])
+            self._canonical_end = start + CANONICAL_CHUNK
+        return ids[last_start:]
 
     # -- generation --------------------------------------------------------------------------
     def _input_ids(self, request: GenerationRequest) -> tuple[list[int], list[int]]:
@@ -276,15 +331,21 @@ class LlamaCppBackend:
         cached: int | None = self.cached_prefix(ids)
         self.evaluations += 1
         processors, captured, adjuster = self._logits_processors(request, mask)
+        if self.reproducible:
+            tail = self._evaluate_canonically(list(ids))
+            whole_tail = len(tail) == CANONICAL_CHUNK  # once evaluated, the last chunk is a canonical one too
         for token in llm.generate(
-            ids,
+            tail if self.reproducible else ids,
             temp=0.0 if greedy else request.temperature,
             top_p=1.0 if greedy else request.top_p,
             top_k=0,
             min_p=0.0,
             repeat_penalty=1.0,
+            reset=not self.reproducible,
             logits_processor=processors,
         ):
+            if self.reproducible and cached is not None and whole_tail:
+                self._canonical_end = len(ids)
             if cancel.is_set():
                 return
             if self._is_eog(token):
@@ -314,3 +375,9 @@ class LlamaCppBackend:
             taken.acquire()  # the next token is computed once the reader has this one (lockstep)
             if cancel.is_set():
                 return
+
+
+def _last_chunk_start(n: int) -> int:
+    """Where the last canonical chunk of an n-token input starts (it holds the last token, which is evaluated for
+    the logits the first pick needs)."""
+    return (n - 1) // CANONICAL_CHUNK * CANONICAL_CHUNK

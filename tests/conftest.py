@@ -35,6 +35,7 @@ EMBEDDED_CONFIG = """
 [gateway]
 policy = "device"
 [device]
+reproducible = true   # greedy text is compared across requests: one evaluation path
 model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
 [clouds.cloud]
@@ -134,6 +135,7 @@ def fallback_gateway() -> Iterator[GatewayProcess]:
 policy = "cloud"
 fallback = true
 [device]
+reproducible = true   # greedy text is compared across requests: one evaluation path
 model = "smollm2-135m-instruct"
 n_ctx = 2048
 [clouds.cloud]

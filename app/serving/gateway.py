@@ -70,7 +70,9 @@ def _device_backend(settings: Settings) -> Backend:
         return TorchBackend(name=dev.name, gguf_path=path, model_id=model_id)
     from clients.llamacpp import LlamaCppBackend
 
-    return LlamaCppBackend(dev.name, path, model_id, n_ctx=dev.n_ctx, n_threads=dev.n_threads)
+    return LlamaCppBackend(
+        dev.name, path, model_id, n_ctx=dev.n_ctx, n_threads=dev.n_threads, reproducible=dev.reproducible
+    )
 
 
 def _upstream_options(cloud: CloudSettings) -> UpstreamOptions:

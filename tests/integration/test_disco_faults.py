@@ -33,6 +33,7 @@ policy = "cloud"
 stall_timeout = 5.0
 state_file = "{state}"
 [device]
+reproducible = true   # greedy text is compared across requests: one evaluation path
 model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
 [disco]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from app.launcher import free_port, start_gateway, stop_gateway
-from tests.integration.disco_helpers import independent_continuation, stream_chunks, trace
+from tests.integration.disco_helpers import evict_cache, independent_continuation, stream_chunks, trace
 
 ADMIN = {"authorization": "Bearer admin-secret"}
 MESSAGES = [{"role": "user", "content": "Write a short Python function that reverses a string."}]
@@ -154,6 +154,9 @@ def test_cost_driven_migration_is_byte_exact(disco_gateway, policy, patch, sourc
     # A slow reader (0.5 tok/s) so the buffer B = r_c * t_m fills even when this shared machine makes
     # the source slower than a human reader (then DiSCo rightly never starts a migration).
     knobs(disco_gateway, policy=policy, migration=True, consumption_rate=0.5, **patch)
+    # The fast path (no `reproducible`): the target's path is the same as independent_continuation's only from the
+    # same cache state, so both start from an evicted one.
+    evict_cache(disco_gateway, target)
     rid, pieces, finish = stream_chunks(disco_gateway, MESSAGES, max_tokens=16)
     t = trace(disco_gateway, rid)
     assert finish in ("stop", "length")

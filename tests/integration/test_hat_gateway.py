@@ -25,6 +25,7 @@ policy = "device"
 cloud = "hat"
 admin_keys = ["admin"]
 [device]
+reproducible = true   # greedy text is compared across requests: one evaluation path
 model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
 [disco]
@@ -100,7 +101,11 @@ def test_sdk_json_schema_through_hat(hat_gateway):
 
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        # Bounded, so the answer always fits max_tokens (an unbounded number can run on until it is cut).
+        "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z ]{1,16}$"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
         "required": ["name", "age"],
         "additionalProperties": False,
     }

@@ -12,7 +12,7 @@ import asyncio
 from itertools import pairwise
 
 from clients.base import GenerationRequest
-from clients.llamacpp import LlamaCppBackend
+from clients.llamacpp import CANONICAL_CHUNK, LlamaCppBackend
 from deploy.models import model_path
 
 
@@ -79,6 +79,65 @@ def test_tokens_come_in_lockstep_in_order_and_stop_at_once_on_close() -> None:
                 await asyncio.sleep(0.01)
             assert backend.active == 0  # the thread is free again
             assert backend.tokens_generated - before == 2  # and computed no token after the close
+        finally:
+            await backend.close()
+
+    asyncio.run(run())
+
+
+def _answer(events) -> list[tuple[int | None, float | None]]:
+    """Each token with its raw log probability: equal floats mean the same logits, not just the same argmax."""
+    return [(e.token_id, e.logprobs[0].logprob if e.logprobs else None) for e in events]
+
+
+def test_reproducible_path_gives_the_same_answer_whatever_the_cache_holds() -> None:
+    """On the reproducible path an input is evaluated in the same chunks from position 0 however it arrives, so the
+    logits — not only the picks — are bit-identical: cold, repeated, after another prompt sharing its start, and as
+    a continuation (prompt + delivered prefix) against the same tokens sent as a fresh prompt."""
+
+    async def run() -> None:
+        backend = LlamaCppBackend(
+            "device", model_path("qwen2.5-coder-0.5b-instruct"), "qwen", n_ctx=512, n_threads=1, reproducible=True
+        )
+        await backend.start()
+        try:
+            system = {
+                "role": "system",
+                "content": "You are a patient teacher. Explain things step by step, with one short example for "
+                "each step, in plain words a newcomer to programming understands, and end with a one-line summary.",
+            }
+            question = {"role": "user", "content": "Explain how a hash map works, and why lookups are fast on average."}
+            chat = backend.render_chat([system, question])
+            prompt = tuple(backend.tokenize_prompt(chat))
+            assert len(prompt) > 2 * CANONICAL_CHUNK, len(prompt)
+
+            def ask(ids, prefix=None, max_tokens=12):
+                request = GenerationRequest(
+                    "", prompt_ids=ids, prefix_ids=prefix, max_tokens=max_tokens, temperature=0.0, logprobs=0
+                )
+                return _collect(backend, request)
+
+            cold = await ask(prompt)
+            assert cold[0].cached_tokens == 0
+            repeated = await ask(prompt)
+            # Whole chunks are kept; the chunk holding the last token is evaluated again, as on a cold cache.
+            assert repeated[0].cached_tokens == (len(prompt) - 1) // CANONICAL_CHUNK * CANONICAL_CHUNK > 0
+            assert _answer(repeated) == _answer(cold)
+
+            other = backend.render_chat([system, {"role": "user", "content": "Name three colours."}])
+            await ask(tuple(backend.tokenize_prompt(other)), max_tokens=3)  # the cache now holds another prompt
+            again = await ask(prompt)
+            assert 0 < again[0].cached_tokens < repeated[0].cached_tokens  # only the shared system prompt's chunks
+            assert again[0].cached_tokens % CANONICAL_CHUNK == 0
+            assert _answer(again) == _answer(cold)
+
+            # A continuation is the same input as the prompt with the delivered tokens appended.
+            delivered = tuple(e.token_id for e in cold[:5])
+            predicted = backend.cached_prefix([*prompt, *delivered])
+            continued = await ask(prompt, prefix=delivered, max_tokens=6)
+            assert continued[0].cached_tokens == predicted
+            fresh = await ask(prompt + delivered, max_tokens=6)
+            assert _answer(continued) == _answer(fresh)
         finally:
             await backend.close()
 

@@ -16,7 +16,13 @@ import httpx
 import pytest
 
 from app.launcher import GatewayProcess, free_port, start_gateway, stop_gateway
-from tests.integration.disco_helpers import embedded_server_pid, independent_continuation, signal_process, trace
+from tests.integration.disco_helpers import (
+    embedded_server_pid,
+    evict_cache,
+    independent_continuation,
+    signal_process,
+    trace,
+)
 from tests.integration.scripted_upstream import PIECES, Answer, ScriptedUpstream
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a cat who learns to sail."}]
@@ -51,6 +57,7 @@ def cost_gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
 policy = "device"
 stall_timeout = 5
 [device]
+reproducible = true   # greedy text is compared across requests: one evaluation path
 model = "smollm2-135m-instruct"
 n_ctx = 2048
 [disco]
@@ -131,6 +138,7 @@ def real_gw() -> Iterator[GatewayProcess]:
 policy = "device"
 stall_timeout = 10     # the patience for a migration target's first token: the 1.5B prefills on shared cores
 [device]
+reproducible = true   # greedy text is compared across requests: one evaluation path
 model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
 [disco]
@@ -155,6 +163,7 @@ price = {CHEAP_CLOUD}
 
 
 def test_real_cloud_cost_migration_continues_exactly(real_gw):
+    evict_cache(real_gw, "cloud")  # the cloud's path is then the one independent_continuation takes
     r = ask(real_gw, cloud="cloud", max_tokens=24)
     t = trace(real_gw, r.headers["x-request-id"])
     (migration,) = t["migrations"]

@@ -268,7 +268,7 @@ def test_a_streamed_function_call_has_its_events(fallback_gateway):
 def test_text_format_json_schema(fallback_gateway):
     schema = {
         "type": "object",
-        "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
+        "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,16}$"}, "sunny": {"type": "boolean"}},
         "required": ["city", "sunny"],
         "additionalProperties": False,
     }

@@ -32,6 +32,7 @@ def gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
 policy = "device"
 fallback = false
 [device]
+reproducible = true   # greedy text is compared across requests: one evaluation path
 model = "{SMOL}"
 n_ctx = 2048
 [disco]

@@ -43,12 +43,14 @@ CITY = {
     "json_schema": {
         "name": "city",
         "strict": True,
+        # Bounded, so every answer fits the tests' max_tokens whatever the model writes (at most 16 + 16 + 8
+        # characters of values, each at least one token): an unbounded number can run on until max_tokens cuts it.
         "schema": {
             "type": "object",
             "properties": {
-                "name": {"type": "string"},
-                "country": {"type": "string"},
-                "population": {"type": "integer"},
+                "name": {"type": "string", "pattern": "^[A-Za-z ]{1,16}$"},
+                "country": {"type": "string", "pattern": "^[A-Za-z ]{1,16}$"},
+                "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
             },
             "required": ["name", "country", "population"],
             "additionalProperties": False,
@@ -257,6 +259,7 @@ profile_device = false
 side = "server"   # with a budget of 1, DiSCo-S races every prompt (tandem.policy = "disco-s")
 budget = 1.0
 [device]
+reproducible = true   # greedy text is compared across requests: one evaluation path
 model = "smollm2-135m-instruct"
 n_ctx = 2048
 [clouds.chat]

@@ -258,7 +258,11 @@ async def test_grammar_constrained_json_and_continuation(smollm: tuple[Any, Any]
     _, tok = smollm
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        # Bounded, so the answer always fits max_tokens (an unbounded number can run on until it is cut).
+        "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z ]{1,16}$"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
         "required": ["name", "age"],
         "additionalProperties": False,
     }

@@ -35,6 +35,7 @@ policy = "cloud"
 fallback = true
 stall_timeout = 6
 [device]
+reproducible = true   # greedy text is compared across requests: one evaluation path
 model = "{SMOL}"
 n_ctx = 2048
 [disco]
