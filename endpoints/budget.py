@@ -4,16 +4,18 @@ Why the handlers hold no state and do no arithmetic: dispatch, booking and this
 API all read the same `Ledger`, so what an operator sets here is what the next
 request is dispatched under, and what GET shows is what was booked.
 
-Auth: changing the budget is an operator action, so when admin keys are
-configured (`gateway.admin_keys`) only they are accepted — an ordinary API key
-must not be able to lift the budget it is spending against. With no admin key
-configured the endpoints behave like the rest of
-/v1: a valid gateway API key if any are configured, else open (a loopback-only
-single-user gateway). Keys are compared in constant time against every key.
+Auth: changing the budget is an operator action, and an ordinary API key must
+not be able to lift the budget it is spending against. So PUT and DELETE need an
+admin key (`gateway.admin_keys`) whenever the gateway has any key at all: a valid
+API key gets a 403 saying so, a missing or wrong key a 401. Only a keyless gateway
+(loopback, single user) lets anyone change it. GET needs an admin key when admin
+keys are configured, else a gateway API key if any are configured, else nothing.
+Keys are compared in constant time against every key.
 
 PUT is a partial update (only the fields sent change; prices merge per backend),
 answered with the new snapshot, or 400 in the OpenAI error envelope whose
-`param` names the offending field.
+`param` names the offending field. DELETE goes back to the config's settings
+(the state file is deleted), answered with the snapshot.
 """
 
 from __future__ import annotations
@@ -29,26 +31,52 @@ from endpoints.auth import bearer, matches_any, secret
 from endpoints.errors import ApiError
 
 
-async def require_admin_key(request: Request) -> None:
-    """Admin keys if configured, else the gateway's API keys if configured, else open."""
+async def require_reader_key(request: Request) -> None:
+    """GET: admin keys if configured, else the gateway's API keys if configured, else open."""
     gw_settings = request.app.state.gateway.settings.gateway
-    admin = list(getattr(gw_settings, "admin_keys", None) or [])
-    keys = admin or list(getattr(gw_settings, "api_keys", None) or [])
+    admin = list(gw_settings.admin_keys)
+    keys = admin or list(gw_settings.api_keys)
     if not keys:
         return
     given = bearer(request.headers.get("authorization"))
     if matches_any(given, (secret(key) for key in keys)):
         return
     what = "admin key" if admin else "API key"
+    raise _unauthorized(what, given)
+
+
+async def require_admin_key(request: Request) -> None:
+    """PUT and DELETE: an admin key whenever the gateway has any key; open only on a keyless gateway."""
+    gw_settings = request.app.state.gateway.settings.gateway
+    admin, api = list(gw_settings.admin_keys), list(gw_settings.api_keys)
+    if not admin and not api:
+        return
+    given = bearer(request.headers.get("authorization"))
+    admin_match = matches_any(given, (secret(key) for key in admin))
+    api_match = matches_any(given, (secret(key) for key in api))
+    if admin_match:
+        return
+    if api_match:
+        how = "" if admin else " This gateway has none: set gateway.admin_keys."
+        raise ApiError(
+            403,
+            f"Changing the budget needs an admin key; an API key may only spend against it.{how}",
+            code="admin_key_required",
+            type="permission_error",
+        )
+    raise _unauthorized("admin key", given)
+
+
+def _unauthorized(what: str, given: bytes) -> ApiError:
     message = f"Missing {what}: send 'Authorization: Bearer <key>'." if not given else f"Incorrect {what} provided."
-    raise ApiError(401, message, code="invalid_api_key", type="authentication_error")
+    return ApiError(401, message, code="invalid_api_key", type="authentication_error")
 
 
 def _ledger(request: Request) -> Ledger:
     return request.app.state.gateway.ledger
 
 
-router = APIRouter(prefix="/v1", tags=["budget"], dependencies=[Depends(require_admin_key)])
+router = APIRouter(prefix="/v1", tags=["budget"])
 
 
 def _snapshot(request: Request) -> dict[str, Any]:
@@ -58,7 +86,7 @@ def _snapshot(request: Request) -> dict[str, Any]:
     return {**_ledger(request).snapshot(), "effective_side": disco.side(), "dispatch": disco.describe()}
 
 
-@router.get("/budget")
+@router.get("/budget", dependencies=[Depends(require_reader_key)])
 async def get_budget(request: Request) -> dict[str, Any]:
     return _snapshot(request)
 
@@ -70,7 +98,18 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-@router.put("/budget")
+@router.delete("/budget", dependencies=[Depends(require_admin_key)])
+async def reset_budget(request: Request) -> dict[str, Any]:
+    try:
+        _ledger(request).reset()
+    except LedgerStateError as exc:
+        raise ApiError(500, f"The budget was not reset: {exc}", code="state_write_failed", retry=True) from None
+    except Exception as exc:
+        raise ApiError(500, f"The budget was reset but applying it failed: {exc}", code="apply_failed") from exc
+    return _snapshot(request)
+
+
+@router.put("/budget", dependencies=[Depends(require_admin_key)])
 async def put_budget(request: Request) -> dict[str, Any]:
     ledger = _ledger(request)
     raw = await request.body()

@@ -10,7 +10,10 @@ through `record`; the HTTP API is a thin view over `snapshot()` and `update()`.
 Persistence: settings survive a restart. Each update is written as JSON to a temp file in the state file's
 directory, fsync'd and `os.replace`d over the old file, so a crash leaves either the old or the new settings,
 never half of each. A file that cannot be read back is an error naming the file: silently falling back to
-defaults would quietly lift a budget the operator set.
+defaults would quietly lift a budget the operator set. A state file wins over the config at start-up, and says so
+(a warning naming every field where it differs, `settings_source` in the snapshot): an operator who edits the
+config or sets TANDEM_GATEWAY__POLICY must be told why it has no effect. `reset()` (DELETE /v1/budget, or
+`tandem serve --reset-budget` before start) deletes the file and goes back to the config.
 
 Spend is kept in memory only (per-endpoint totals since start, plus a rolling window of the last N requests for
 the realised budget ratio). Persisting it would put an fsync on every request; long-run spend belongs in metrics.
@@ -107,6 +110,7 @@ class Ledger:
         self._lock = threading.Lock()  # bookkeeping: settings swap, spend, window
         self._update_lock = threading.Lock()  # serialises update() including its file write
         self._settings = defaults if defaults is not None else BudgetSettings()
+        self._defaults = self._settings
         if primary_cloud is None and self._settings.prices:
             primary_cloud = next(iter(self._settings.prices))
         if primary_cloud is not None and primary_cloud not in self._settings.prices:
@@ -120,8 +124,11 @@ class Ledger:
         self._recent: OrderedDict[str, _WindowEntry] = OrderedDict()
         self._win_input = 0
         self._win_constrained = 0
+        self.settings_source = "config"
         if self.state_file is not None and self.state_file.exists():
             self._settings = self._load(self.state_file, self._settings)
+            self.settings_source = f"state file {self.state_file}"
+            _say_what_overrides(self.state_file, self._settings, self._defaults)
 
     @classmethod
     def from_settings(cls, settings: Any, **kwargs: Any) -> Ledger:
@@ -169,17 +176,41 @@ class Ledger:
             with self._lock:
                 self._settings = new
                 self._version += 1
+                self.settings_source = (
+                    f"state file {self.state_file}" if self.state_file is not None else "PUT /v1/budget (not persisted)"
+                )
             log.info("budget settings updated: %s", new.to_dict())
-            first_error: Exception | None = None
-            for callback in list(self._listeners):
-                try:
-                    callback()
-                except Exception as exc:
-                    log.exception("budget change listener failed")
-                    first_error = first_error or exc
-            if first_error is not None:
-                raise first_error
+            self._tell_listeners()
             return new
+
+    def reset(self) -> BudgetSettings:
+        """Back to the config's settings: the state file is deleted, the listeners told (as after an update)."""
+        with self._update_lock:
+            if self.state_file is not None:
+                try:
+                    self.state_file.unlink(missing_ok=True)
+                except OSError as exc:
+                    raise LedgerStateError(f"cannot delete budget state file {self.state_file}: {exc}") from exc
+            with self._lock:
+                changed = self._settings != self._defaults
+                self._settings = self._defaults
+                self.settings_source = "config"
+                self._version += changed
+            log.info("budget settings reset to the config's: %s", self._defaults.to_dict())
+            if changed:
+                self._tell_listeners()
+            return self._defaults
+
+    def _tell_listeners(self) -> None:
+        first_error: Exception | None = None
+        for callback in list(self._listeners):
+            try:
+                callback()
+            except Exception as exc:
+                log.exception("budget change listener failed")
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
 
     @staticmethod
     def _load(path: Path, defaults: BudgetSettings) -> BudgetSettings:
@@ -202,7 +233,6 @@ class Ledger:
             settings = apply_patch(defaults, data["settings"], unknown_backends="drop")
         except BudgetValidationError as exc:
             raise LedgerStateError(f"budget state file {path} is invalid at {exc.field}: {exc.message}") from None
-        log.info("budget settings loaded from %s (they take precedence over the config's defaults)", path)
         return settings
 
     @staticmethod
@@ -320,6 +350,7 @@ class Ledger:
             version = self._version
         return {
             **settings.to_dict(),
+            "settings_source": self.settings_source,
             "primary_cloud": self.primary_cloud,
             "known_policies": list(POLICY_NAMES),
             "units": dict(UNITS),
@@ -353,3 +384,18 @@ def write_atomic(path: Path, data: bytes) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _say_what_overrides(path: Path, loaded: BudgetSettings, config: BudgetSettings) -> None:
+    """Start-up's word on which source won: every field where the state file overrides the config."""
+    ours, theirs = loaded.to_dict(), config.to_dict()
+    differ = [f"{k} = {ours[k]!r} (config: {theirs[k]!r})" for k in ours if ours[k] != theirs.get(k)]
+    if not differ:
+        log.info("budget settings: the state file %s matches the config", path)
+        return
+    log.warning(
+        "budget settings from %s, set over PUT /v1/budget, override the config: %s. "
+        "DELETE /v1/budget or `tandem serve --reset-budget` goes back to the config.",
+        path,
+        "; ".join(differ),
+    )

@@ -170,7 +170,7 @@ def test_listener_failure_is_500_saying_it_was_saved():
 # ------------------------------------------------------------------ auth
 
 
-@pytest.mark.parametrize("method", ["get", "put"])
+@pytest.mark.parametrize("method", ["get", "put", "delete"])
 def test_admin_key_required_when_configured(method):
     client = TestClient(make_app(new_ledger(), admin_keys=["other-admin", ADMIN], api_keys=["user-key"]))
     kwargs = {"json": {"budget": 0.3}} if method == "put" else {}
@@ -178,8 +178,12 @@ def test_admin_key_required_when_configured(method):
     err = assert_envelope(call("/v1/budget", **kwargs), 401, None, "invalid_api_key")
     assert err["type"] == "authentication_error" and "Missing admin key" in err["message"]
     assert_envelope(call("/v1/budget", headers=auth("wrong"), **kwargs), 401, None, "invalid_api_key")
-    # an ordinary API key must not be able to change the budget it spends against
-    assert_envelope(call("/v1/budget", headers=auth("user-key"), **kwargs), 401, None, "invalid_api_key")
+    # an ordinary API key must not be able to change the budget it spends against (nor read it, with admin keys)
+    if method == "get":
+        assert_envelope(call("/v1/budget", headers=auth("user-key")), 401, None, "invalid_api_key")
+    else:
+        err = assert_envelope(call("/v1/budget", headers=auth("user-key"), **kwargs), 403, None, "admin_key_required")
+        assert err["type"] == "permission_error" and "needs an admin key" in err["message"]
     assert_envelope(call("/v1/budget", headers={"Authorization": ADMIN}, **kwargs), 401, None, "invalid_api_key")
     assert call("/v1/budget", headers=auth(ADMIN), **kwargs).status_code == 200
     assert call("/v1/budget", headers=auth("other-admin"), **kwargs).status_code == 200
@@ -191,24 +195,25 @@ def test_auth_runs_before_the_body_is_judged():
     assert_envelope(resp, 401, None, "invalid_api_key")
 
 
-def test_falls_back_to_api_keys_without_admin_keys():
+def test_api_keys_read_but_never_change_the_budget_without_admin_keys():
     client = TestClient(make_app(new_ledger(), api_keys=["user-key"]))
     err = assert_envelope(client.get("/v1/budget"), 401, None, "invalid_api_key")
     assert "API key" in err["message"]
     assert_envelope(client.get("/v1/budget", headers=auth("nope")), 401, None, "invalid_api_key")
     assert client.get("/v1/budget", headers=auth("user-key")).status_code == 200
+    # Changing it needs an admin key whenever the gateway has keys: there is none here, and the error says so.
+    err = assert_envelope(client.put("/v1/budget", json={"budget": 1.0}), 401, None, "invalid_api_key")
+    assert "Missing admin key" in err["message"]
+    for call in (client.put, client.delete):
+        kwargs = {"json": {"budget": 1.0}} if call == client.put else {}
+        err = assert_envelope(call("/v1/budget", headers=auth("user-key"), **kwargs), 403, None, "admin_key_required")
+        assert "gateway.admin_keys" in err["message"]
+    assert client.get("/v1/budget", headers=auth("user-key")).json()["budget"] == 0.5  # nothing changed
 
 
 def test_open_without_any_keys(client):
     assert client.get("/v1/budget").status_code == 200
     assert client.put("/v1/budget", json={"budget": 0.1}).status_code == 200
-
-
-def test_settings_without_admin_keys_field_are_tolerated():
-    """Until the config grows `admin_keys`, the router must behave like the rest of /v1."""
-    app = make_app(new_ledger())
-    app.state.gateway.settings.gateway = SimpleNamespace(api_keys=[])
-    assert TestClient(app).get("/v1/budget").status_code == 200
 
 
 def test_every_key_is_compared_in_constant_time(monkeypatch):
@@ -241,6 +246,20 @@ def test_settings_survive_recreating_the_app(tmp_path):
     got = second.get("/v1/budget", headers=auth(ADMIN)).json()
     assert (got["budget"], got["policy"], got["exchange_rate"]) == (0.15, "disco-d", 5.0)
     assert got["effective_side"] == "device"
+
+
+def test_delete_goes_back_to_the_config_and_forgets_the_state_file(tmp_path):
+    path = tmp_path / "budget.json"
+    client = TestClient(make_app(new_ledger(path), admin_keys=[ADMIN]))
+    assert client.get("/v1/budget", headers=auth(ADMIN)).json()["settings_source"] == "config"
+    changed = client.put("/v1/budget", json={"budget": 0.9, "policy": "cloud"}, headers=auth(ADMIN)).json()
+    assert changed["settings_source"] == f"state file {path}" and path.exists()
+    restarted = TestClient(make_app(new_ledger(path), admin_keys=[ADMIN]))
+    assert restarted.get("/v1/budget", headers=auth(ADMIN)).json()["settings_source"] == f"state file {path}"
+    reset = restarted.delete("/v1/budget", headers=auth(ADMIN)).json()
+    assert (reset["budget"], reset["policy"], reset["settings_source"]) == (0.5, "disco", "config")
+    assert not path.exists()
+    assert TestClient(make_app(new_ledger(path))).get("/v1/budget").json()["budget"] == 0.5  # after a restart too
 
 
 async def test_works_over_httpx_asgi_transport():

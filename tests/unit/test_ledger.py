@@ -356,6 +356,7 @@ def test_snapshot_keys_and_json(ledger):
         "consumption_rate",
         "migration",
         "prices",
+        "settings_source",
         "primary_cloud",
         "known_policies",
         "units",
@@ -492,3 +493,17 @@ def test_an_answer_moved_to_another_cloud_is_booked_at_that_clouds_prices() -> N
     expected = disco.cost("big").server_cost(110, 20) + disco.cost("cloud").device_cost(100, 10)
     assert job.cost == pytest.approx(expected)
     assert disco.cost("big").server_cost(110, 20) > 4 * disco.cost("cloud").server_cost(110, 20)  # it matters
+
+
+def test_a_state_file_that_overrides_the_config_says_so_at_start(tmp_path, caplog):
+    path = tmp_path / "budget.json"
+    config = BudgetSettings(policy="cloud", budget=0.5, prices={"cloud": Price(0.15, 0.6)})
+    Ledger(path, config).update({"policy": "disco", "budget": 0.2})
+    with caplog.at_level("WARNING", logger="app.serving.ledger"):
+        restarted = Ledger(path, config)
+    assert restarted.settings.policy == "disco" and restarted.settings_source == f"state file {path}"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "policy = 'disco' (config: 'server-only')" in warning and "budget = 0.2 (config: 0.5)" in warning
+    assert "DELETE /v1/budget" in warning and "--reset-budget" in warning
+    restarted.reset()
+    assert restarted.settings == config and restarted.settings_source == "config" and not path.exists()
