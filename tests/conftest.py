@@ -92,6 +92,7 @@ def silent_server() -> Iterator[SilentServer]:
 
 
 API_KEY = "test-key-7f3a"
+ADMIN_KEY = "admin-key-91c2"
 
 
 @pytest.fixture(scope="session")
@@ -106,6 +107,7 @@ policy = "cloud"
 cloud = "cloud"
 fallback = false
 api_keys = ["{API_KEY}", "second-key"]
+admin_keys = ["{ADMIN_KEY}"]
 request_read_timeout = 1
 [device]
 model = "smollm2-135m-instruct"

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import API_KEY
+from tests.conftest import ADMIN_KEY, API_KEY
 from tests.integration.test_errors import assert_envelope
 
 AUTH = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
@@ -56,9 +56,10 @@ def test_empty_completion_prompt_is_a_400(faulty_gateway):
 
 
 def test_deeply_nested_budget_update(faulty_gateway):
-    r = httpx.put(faulty_gateway.v1 + "/budget", content=b"[" * 100_000, headers=AUTH, timeout=30)
+    admin = {**AUTH, "authorization": f"Bearer {ADMIN_KEY}"}
+    r = httpx.put(faulty_gateway.v1 + "/budget", content=b"[" * 100_000, headers=admin, timeout=30)
     assert_envelope(r, 400, None, "nested too deeply")
-    assert httpx.get(faulty_gateway.v1 + "/budget", headers=AUTH).json()["budget"] == 0.5  # nothing stored
+    assert httpx.get(faulty_gateway.v1 + "/budget", headers=admin).json()["budget"] == 0.5  # nothing stored
 
 
 def test_oversize_bodies_are_refused_before_they_are_read(faulty_gateway):

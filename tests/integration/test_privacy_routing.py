@@ -17,7 +17,7 @@ import pytest
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
 from tests.integration.scripted_upstream import Answer, ScriptedUpstream
 
-OPEN_KEY, DEVICE_KEY = "open-key", "device-only-key"
+OPEN_KEY, DEVICE_KEY, ADMIN_KEY = "open-key", "device-only-key", "admin-key"
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a cat who learns to sail."}]
 
 
@@ -28,6 +28,7 @@ def gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
 policy = "device"
 stall_timeout = 5
 api_keys = ["{OPEN_KEY}", {{ key = "{DEVICE_KEY}", privacy = "device" }}]
+admin_keys = ["{ADMIN_KEY}"]
 [device]
 model = "smollm2-135m-instruct"
 n_ctx = 2048
@@ -88,7 +89,7 @@ def test_device_level_never_reaches_the_cloud(gw, upstream, policy):
 
 def test_device_level_is_never_raced(gw, upstream):
     # DiSCo-S, server-constrained, b = 1: every prompt races both endpoints — except this one.
-    auth = {"authorization": f"Bearer {OPEN_KEY}"}
+    auth = {"authorization": f"Bearer {ADMIN_KEY}"}  # changing the budget needs an admin key
     before = httpx.get(gw.v1 + "/budget", headers=auth, timeout=10).json()
     patch = {"policy": "disco-s", "constrained_side": "server", "budget": 1.0, "migration": False}
     assert httpx.put(gw.v1 + "/budget", json=patch, headers=auth, timeout=10).status_code == 200
