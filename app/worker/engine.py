@@ -41,7 +41,7 @@ layers at start-up (`self_check`), so an unsupported layer layout fails loudly i
 Threading: all model calls run on one dedicated engine thread under torch.inference_mode(); the event loop only
 validates frames and hands them over (`submit` returns a concurrent Future of the reply frames).
 
-Stages (`tandem worker --stages P`, app/worker/stages.py): `middle` is then stage 0's slice of the layers. A pass
+Stages (`tandem worker --stages P`, app/worker/pipeline.py): `middle` is then stage 0's slice of the layers. A pass
 runs here, then goes down the pipeline (`Pipeline.submit`); its deep states come back to the engine thread as an
 inbox message and the replies go out then. A frame's rows are `done` once stage 0 ran them (the session's next frame
 may follow at once: a prompt's chunks flow through the stages one behind the other) and `finished` once they came
@@ -89,7 +89,7 @@ from policies.trees import is_root_path
 from policies.worker_batching import plan_groups, split_sizes, subchunk_tokens
 
 if TYPE_CHECKING:
-    from app.worker.stages import Pipeline
+    from app.worker.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.started = False
-        # A staged worker (app/worker/stages.py): `middle` is stage 0's slice and the pipeline runs the rest.
+        # A staged worker (app/worker/pipeline.py): `middle` is stage 0's slice and the pipeline runs the rest.
         self.pipeline = pipeline
         self.failed: str | None = None  # why the pipeline broke (the worker is then not ready)
         if pipeline is not None:
