@@ -98,7 +98,7 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"error: invalid worker configuration: {fields}", file=sys.stderr)
         return 2
     if args.stage_rank:
-        from app.worker.stages import serve_stage
+        from app.worker.remote_stage import serve_stage
 
         if not 0 < args.stage_rank < settings.stages:
             print(f"error: --stage-rank must be in 1..{settings.stages - 1}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""`tandem bench jupiter`: prefill and decode on the staged worker (app/worker/stages.py) against one process.
+"""`tandem bench jupiter`: prefill and decode on the staged worker (app/worker/pipeline.py) against one process.
 
 Configurations, all on the real engine (app/worker/engine.py) in this process (stage 0) and, for the staged ones,
 one real stage process (gloo over loopback):

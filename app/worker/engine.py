@@ -28,27 +28,21 @@ ERROR naming the limit, never another session: max sessions (503 on OPEN), max c
 per-session idle timeout (408, session dropped), frame size (413), kind/dtype/shape against the model (400),
 non-finite values (400), positions and sequence numbers (409).
 
-Batching (continuous, "ragged"): every tick the engine thread takes the next tensor frame of every session that
-has one pending and runs a group of them through the middle layers in ONE forward pass. `batching = "greedy"`: all of
-them, up to max_batch_tokens. `batching = "planned"` (default): prefill frames longer than a budget derived from the
-fitted delay predictor g are cut into consecutive sub-chunks (exact with the KV cache), the pending pieces are sorted
-shortest first and grouped by policies/worker_batching.plan_groups (least mean completion time under g), and only
-the first group runs; the rest are re-planned next tick with whatever arrived meanwhile. A verification round so
-waits behind at most the one pass already running. Passes are ragged (clients/hat/ragged.py: packed rows, attention
-per session, each row's result independent of its neighbours). That forward is checked against the model's own
-layers at start-up (`self_check`), so an unsupported layer layout fails loudly instead of computing garbage.
+Batching (continuous, "ragged"): every tick the engine thread asks its scheduler (app/worker/scheduler.py: planned
+or greedy) for the next pass's pieces and runs them through the middle layers in ONE forward pass. Passes are ragged
+(clients/hat/ragged.py: packed rows, attention per session, each row's result independent of its neighbours). That
+forward is checked against the model's own layers at start-up (`self_check`), so an unsupported layer layout fails
+loudly instead of computing garbage.
 
 Threading: all model calls run on one dedicated engine thread under torch.inference_mode(); the event loop only
 validates frames and hands them over (`submit` returns a concurrent Future of the reply frames).
 
-Stages (`tandem worker --stages P`, app/worker/stages.py): `middle` is then stage 0's slice of the layers. A pass
+Stages (`tandem worker --stages P`, app/worker/pipeline.py): `middle` is then stage 0's slice of the layers. A pass
 runs here, then goes down the pipeline (`Pipeline.submit`); its deep states come back to the engine thread as an
 inbox message and the replies go out then. A frame's rows are `done` once stage 0 ran them (the session's next frame
 may follow at once: a prompt's chunks flow through the stages one behind the other) and `finished` once they came
-back. At most `max_inflight` passes are in flight; ROLLBACK and CLOSE follow the same chain (crop / release). In
-planned batching, stage 0 cuts each prefill frame at the ends of its Jupiter plan (policies/jupiter.py's sequence
-partition over the stages' τ_s) so a lone long prompt keeps every stage busy. A broken pipeline fails every session
-with an ERROR (503) and refuses new ones.
+back. At most `max_inflight` passes are in flight; ROLLBACK and CLOSE follow the same chain (crop / release). A
+broken pipeline fails every session with an ERROR (503) and refuses new ones.
 """
 
 from __future__ import annotations
@@ -60,15 +54,16 @@ import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from app.worker.prefill_cost import PrefillCostFit, profile_points
+from app.worker.calibration import check_ragged_forward, profile_prefill
+from app.worker.prefill_cost import PrefillCostFit
+from app.worker.scheduler import Scheduler
 from app.worker.sessions import (
     PROTOCOL,
     EngineError,
@@ -77,52 +72,17 @@ from app.worker.sessions import (
     Reason,
     Session,
     check_frame,
-    check_positions,
     parse_open,
 )
+from app.worker.stats import EngineStats
 from clients.hat import wire
 from clients.hat.ragged import RaggedMiddle
 from clients.hat.split import MiddleSubmodel
-from policies.drafting import DelayPredictor
-from policies.estimate import MovingAverage
-from policies.trees import is_root_path
-from policies.worker_batching import plan_groups, split_sizes, subchunk_tokens
 
 if TYPE_CHECKING:
-    from app.worker.stages import Pipeline
+    from app.worker.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
-
-# --- the engine ------------------------------------------------------------------------------------
-
-
-@dataclass
-class EngineStats:
-    """Counters and HAT state monitoring (Eqs. 1-2). Written on the engine thread, read anywhere."""
-
-    mu: MovingAverage = field(default_factory=MovingAverage)  # batched tokens per forward
-    eta: MovingAverage = field(default_factory=MovingAverage)  # compute delay per forward (s)
-    g: DelayPredictor = field(default_factory=DelayPredictor)  # predicted delay of a batch of x tokens
-    forwards: int = 0
-    batched_forwards: int = 0  # forwards that carried >= 2 sessions
-    max_rows: int = 0
-    last_rows: int = 0
-    tokens: int = 0
-    frames: dict[str, int] = field(default_factory=dict)
-    rejected: dict[str, int] = field(default_factory=dict)
-    sessions_opened: int = 0
-    sessions_expired: int = 0
-    # Planned batching (policies/worker_batching.py)
-    planned_passes: int = 0  # passes chosen by the planner
-    planned_groups: int = 0  # groups in those plans (1 = everything pending ran together)
-    deferred_frames: int = 0  # times a pending frame was left for a later pass
-    forced_frames: int = 0  # times a frame went in because it had been left out max_defer times
-    split_frames: int = 0  # prefill frames split into sub-chunks
-    subchunk_passes: int = 0  # sub-chunks run (pieces of split frames)
-    subchunk_budget: int = 0  # the current sub-chunk size from g (tokens)
-    status_frames: int = 0  # STATUS frames sent mid-session (mu and g moved since the device was told)
-    stage_seconds: list[float] = field(default_factory=list)  # staged worker: compute seconds so far, per stage
-
 
 FrameHook = Callable[[bytes | None, bytes], None]
 
@@ -167,15 +127,22 @@ class Engine:
         self._stats_lock = threading.Lock()
         self._pending_lock = threading.Lock()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._ready: OrderedDict[bytes, Session] = OrderedDict()  # engine thread: sessions with queued frames
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.started = False
-        # A staged worker (app/worker/stages.py): `middle` is stage 0's slice and the pipeline runs the rest.
+        # A staged worker (app/worker/pipeline.py): `middle` is stage 0's slice and the pipeline runs the rest.
         self.pipeline = pipeline
         self.failed: str | None = None  # why the pipeline broke (the worker is then not ready)
         if pipeline is not None:
             pipeline.on_failure = lambda reason: self._inbox.put(("failed", reason))
+        self.scheduler = Scheduler(
+            self.limits,
+            self.stats,
+            self.max_context,
+            control=self._control,
+            refuse=self._refuse,
+            planner=None if pipeline is None else pipeline.planner,
+        )
         # τ_s(x | y), the prefill cost per stage (app/worker/prefill_cost.py): told to devices at OPEN; a staged
         # worker's is its sequence partition's
         self.prefill_cost = (
@@ -317,18 +284,10 @@ class Engine:
         if seq is None:  # not even a header: no seq to account for
             _resolve(fut, [self._error(session.id, 0, err)])  # type: ignore[arg-type]
             return fut
-        if seq < session.expected_seq or seq in session.held:
-            used = f"frame seq {seq} was already used; next expected {session.expected_seq}"
-            dup = EngineError(409, Reason.SEQ, used)
+        seq_err = session.seq_error(seq, self.limits.max_reorder)
+        if seq_err is not None:
             self.count_rejection(Reason.SEQ)
-            _resolve(fut, [self._error(session.id, seq, dup)])
-            return fut
-        if seq - session.expected_seq > self.limits.max_reorder:
-            far = EngineError(
-                409, Reason.SEQ, f"frame seq {seq} is too far ahead of the next expected {session.expected_seq}"
-            )
-            self.count_rejection(Reason.SEQ)
-            _resolve(fut, [self._error(session.id, seq, far)])
+            _resolve(fut, [self._error(session.id, seq, seq_err)])
             return fut
         if err is None and frame is not None and frame.kind == wire.Kind.CLOSE:
             # Applied at once, wherever it falls in the sequence: a close must not wait behind a gap.
@@ -343,14 +302,7 @@ class Engine:
         else:
             assert frame is not None
             self.stats.frames[frame.kind.name] = self.stats.frames.get(frame.kind.name, 0) + 1
-        session.held[seq] = Item(session, seq, frame, tensor, fut)
-        released: list[Item] = []
-        while session.expected_seq in session.held:
-            item = session.held.pop(session.expected_seq)
-            session.expected_seq += 1
-            if item.frame is not None:
-                released.append(item)
-        for item in released:
+        for item in session.hold(Item(session, seq, frame, tensor, fut)):
             self._inbox.put(("frame", item))
         return fut
 
@@ -388,7 +340,7 @@ class Engine:
         tick = max(0.01, min(0.5, self.limits.idle_timeout / 4))
         while not self._stopping:
             try:
-                idle = not self._ready or self._pipeline_full()
+                idle = not self.scheduler.pending or self._pipeline_full()
                 item = self._inbox.get(timeout=tick) if idle else self._inbox.get_nowait()
                 self._take(item)
                 while True:
@@ -401,7 +353,7 @@ class Engine:
             if self._pipeline_full():
                 continue  # every stage has work: wait for a micro-batch to come back
             try:
-                batch = self._collect()
+                batch = self.scheduler.next_pass(*self.stats.g.coefficients(), len(self._sessions))
                 if batch:
                     self._forward(batch)
             except Exception:  # never let the engine thread die
@@ -423,8 +375,7 @@ class Engine:
             if item.session.closed or item.session.id not in self._sessions:
                 _resolve(item.future, [])
                 return
-            item.session.queue.append(item)
-            self._ready[item.session.id] = item.session
+            self.scheduler.add(item)
         elif kind == "close":
             self._drop(obj)
         elif kind == "call":
@@ -444,7 +395,7 @@ class Engine:
             _resolve(item.future, [])
         session.queue.clear()
         session.cache.reset()
-        self._ready.pop(session.id, None)
+        self.scheduler.discard(session)
         if self.pipeline is not None:
             self.pipeline.release(session.id)
 
@@ -476,212 +427,32 @@ class Engine:
                 with contextlib.suppress(Exception):
                     session.on_expire(f"{Reason.IDLE.value}: session idle for more than {limit:g} s; closed", 408)
 
-    def _collect(self) -> list[tuple[Item, int]]:
-        """Apply control frames, then choose this pass's (frame, rows) pieces by the configured batching."""
-        if self.limits.batching == "planned":
-            return self._collect_planned()
-        return [(item, int(item.tensor.shape[0])) for item in self._collect_greedy()]  # type: ignore[union-attr]
-
-    def _collect_planned(self) -> list[tuple[Item, int]]:
-        """One candidate piece per session (a sub-chunk for a long prefill frame); run the plan's first group."""
-        slope, intercept = self.stats.g.coefficients()
-        limits = self.limits
-        budget = subchunk_tokens(
-            slope,
-            intercept,
-            overhead=limits.subchunk_overhead,
-            min_tokens=limits.min_subchunk,
-            max_tokens=limits.max_batch_tokens,
-        )
-        self.stats.subchunk_budget = budget
-        pieces: list[tuple[Item, int]] = []
-        for sid in list(self._ready):
-            session = self._ready.get(sid)
-            if session is None:
-                continue
-            item = self._next_tensor_frame(session)
-            if item is not None:
-                rows = remaining = int(item.tensor.shape[0]) - item.done  # type: ignore[union-attr]
-                prefill = item.frame.kind == wire.Kind.PREFILL_CHUNK
-                if prefill and self.pipeline is not None and self.pipeline.planner is not None:
-                    rows = self._next_subsequence(item)
-                # Split only when another session could be waiting behind it: alone, a device gains nothing from
-                # sub-chunks and would pay their passes' fixed cost (up to `subchunk_overhead` of its TTFT).
-                if prefill and rows > budget and len(self._sessions) > 1:
-                    rows = split_sizes(rows, budget)[0]
-                pieces.append((item, rows))
-            if not session.queue:
-                self._ready.pop(sid, None)
-        if not pieces:
-            return []
-        forced = [i for i, (item, _) in enumerate(pieces) if item.deferred >= limits.max_defer]
-        groups = plan_groups(
-            [rows for _, rows in pieces], slope, intercept, max_tokens=limits.max_batch_tokens, forced=forced
-        )
-        first = set(groups[0])
-        st = self.stats
-        st.planned_passes += 1
-        st.planned_groups += len(groups)
-        st.forced_frames += len(forced)
-        batch: list[tuple[Item, int]] = []
-        for i, (item, rows) in enumerate(pieces):
-            if i not in first:
-                item.deferred += 1
-                st.deferred_frames += 1
-                continue
-            item.deferred = 0
-            remaining = int(item.tensor.shape[0]) - item.done  # type: ignore[union-attr]
-            if rows < remaining or item.done:
-                st.subchunk_passes += 1
-                st.split_frames += rows < remaining and item.done == 0
-            batch.append((item, rows))
-        for item, _ in batch:
-            if item.session.id in self._ready:
-                self._ready.move_to_end(item.session.id)
-        return batch
-
-    def _next_subsequence(self, item: Item) -> int:
-        """A staged worker's next piece of a prefill frame: up to the next end of the frame's Jupiter plan (made
-        when the frame first runs: policies/jupiter.py's sequence partition over the stages' profiled τ_s)."""
-        total = int(item.tensor.shape[0])  # type: ignore[union-attr]
-        if item.cuts is None:
-            planner = self.pipeline.planner  # type: ignore[union-attr]
-            lengths = planner.lengths(total - item.done, len(item.session.cache))  # type: ignore[union-attr]
-            ends, at = [], item.done
-            for n in lengths:
-                at += n
-                ends.append(at)
-            item.cuts = tuple(ends)
-        return next(end for end in item.cuts if end > item.done) - item.done
-
-    def _next_tensor_frame(self, session) -> Item | None:
-        """The session's next tensor frame that may run, left at the head of its queue; the ROLLBACKs before it are
-        applied and frames whose positions do not fit are rejected on the way."""
-        while session.queue:
-            item = session.queue[0]
-            frame = item.frame
-            assert frame is not None
-            if frame.kind in _CONTROL:
-                session.queue.popleft()
-                _CONTROL[frame.kind](self, item)
-                continue
-            remaining = int(item.tensor.shape[0]) - item.done  # type: ignore[union-attr]
-            err = self._tree_error(session, item) or check_positions(
-                len(session.cache), frame.arg + item.done, remaining, self.max_context
-            )
-            if err is not None:
-                session.queue.popleft()
-                self.count_rejection(err.reason)
-                _resolve(item.future, [self._error(session.id, item.seq, err)])
-                continue
-            return item
-        return None
-
-    def _collect_greedy(self) -> list[Item]:
-        """Pick at most one tensor frame per session, up to max_batch_tokens."""
-        batch: list[Item] = []
-        tokens = 0
-        for sid in list(self._ready):
-            session = self._ready.get(sid)
-            if session is None:
-                continue
-            item = self._next_tensor_frame(session)
-            if item is not None:
-                n = item.tensor.shape[0]  # type: ignore[union-attr]
-                if not (batch and tokens + n > self.limits.max_batch_tokens):
-                    session.queue.popleft()
-                    batch.append(item)
-                    tokens += n
-            if not session.queue:
-                self._ready.pop(sid, None)
-            elif batch and tokens >= self.limits.max_batch_tokens:
-                break
-        # Round-robin: sessions served this tick go to the back of the line.
-        for item in batch:
-            if item.session.id in self._ready:
-                self._ready.move_to_end(item.session.id)
-        return batch
-
-    def _unqueue(self, item: Item) -> None:
-        """Take a finished (or failed) frame off its session's queue if the planner left it there."""
-        queue_ = item.session.queue
-        if queue_ and queue_[0] is item:
-            queue_.popleft()
-            if not queue_:
-                self._ready.pop(item.session.id, None)
-
     def _refuse(self, item: Item, err: EngineError) -> None:
         self.count_rejection(err.reason)
         _resolve(item.future, [self._error(item.session.id, item.seq, err)])
 
-    def _rollback(self, item: Item) -> None:
-        session, keep = item.session, item.frame.arg  # type: ignore[union-attr]
-        have = len(session.cache)
-        if keep > have:
-            self._refuse(
-                item,
-                EngineError(400, Reason.POSITION, f"ROLLBACK keeps {keep} positions but the cache holds only {have}"),
-            )
-            return
-        if session.open_tree is not None and keep > session.open_tree[0] + 1:
-            msg = "ROLLBACK cannot keep part of a token tree's nodes; send KEEP with the accepted path"
-            self._refuse(item, EngineError(409, Reason.POSITION, msg))
-            return
-        session.open_tree = None
-        session.cache.crop(keep)
-        if self.pipeline is not None and keep < have:
-            self.pipeline.crop(session.id, keep)
-        _resolve(item.future, [])
-
-    def _tree(self, item: Item) -> None:
-        """A TREE frame: the structure of the session's next DRAFT (applied to it in `_tree_error`)."""
-        frame = item.frame
-        assert frame is not None
-        if self.pipeline is not None:
-            msg = "this worker runs its layers in stages and does not verify token trees (its OPEN says trees: false)"
-            self._refuse(item, EngineError(400, Reason.KIND, msg))
-            return
-        item.session.pending_tree = (frame.arg, tuple(frame.indices()))
-        _resolve(item.future, [])
-
-    def _keep(self, item: Item) -> None:
-        """A KEEP frame: the verified tree's accepted path stays in the cache, its other nodes go."""
+    def _control(self, item: Item) -> None:
+        """Apply a ROLLBACK, TREE or KEEP frame the scheduler reached (the session's state changes on its methods) and
+        answer it: nothing, or an ERROR when it cannot be applied."""
         session, frame = item.session, item.frame
         assert frame is not None
-        nodes = frame.indices()
-        tree = session.open_tree
-        if tree is None or tree[0] != frame.arg:
-            where = "no token tree is open" if tree is None else f"the open tree starts at position {tree[0]}"
-            self._refuse(item, EngineError(409, Reason.POSITION, f"KEEP for a tree at position {frame.arg}: {where}"))
+        try:
+            if frame.kind == wire.Kind.ROLLBACK:
+                have = len(session.cache)
+                session.rollback(frame.arg)
+                if self.pipeline is not None and frame.arg < have:
+                    self.pipeline.crop(session.id, frame.arg)
+            elif frame.kind == wire.Kind.TREE:
+                if self.pipeline is not None:
+                    msg = "this worker runs its layers in stages and does not verify token trees"
+                    raise EngineError(400, Reason.KIND, f"{msg} (its OPEN says trees: false)")
+                session.expect_tree(frame.arg, tuple(frame.indices()))
+            else:
+                session.keep_path(frame.arg, frame.indices())
+        except EngineError as err:
+            self._refuse(item, err)
             return
-        first, parents = tree
-        if not is_root_path(parents, nodes):
-            msg = f"KEEP {nodes} is not a path from the root of the {len(parents)}-node tree"
-            self._refuse(item, EngineError(400, Reason.MALFORMED, msg))
-            return
-        session.cache.keep([*range(first), *(first + n for n in nodes)])
-        session.open_tree = None
         _resolve(item.future, [])
-
-    def _tree_error(self, session: Session, item: Item) -> EngineError | None:
-        """Pair a DRAFT with the TREE frame before it (or refuse a frame while a tree is pending or open)."""
-        frame = item.frame
-        assert frame is not None
-        pending, session.pending_tree = session.pending_tree, None
-        if session.open_tree is not None:
-            return EngineError(409, Reason.POSITION, "the last token tree is still open: send KEEP (or ROLLBACK) first")
-        if pending is None:
-            return None
-        first, parents = pending
-        if frame.kind != wire.Kind.DRAFT or frame.arg != first or int(item.tensor.shape[0]) != len(parents):  # type: ignore[union-attr]
-            return EngineError(
-                400,
-                Reason.SHAPE,
-                f"a TREE of {len(parents)} nodes at position {first} must be followed by a DRAFT of exactly those "
-                f"rows; got {frame.kind.name} of {int(item.tensor.shape[0])} rows at {frame.arg}",  # type: ignore[union-attr]
-            )
-        item.tree = parents
-        return None
 
     def _forward(self, batch: list[tuple[Item, int]]) -> None:
         """Run each item's next `n` rows (from item.done) through this process's layers. Single process: reply for
@@ -702,15 +473,15 @@ class Engine:
                 return
             log.exception("middle forward failed")
             item = batch[0][0]
-            self._unqueue(item)
+            self.scheduler.unqueue(item)
             self.count_rejection(Reason.INTERNAL)
             _resolve(item.future, [self._error(item.session.id, item.seq, EngineError(500, Reason.INTERNAL, str(e)))])
             return
         elapsed = time.perf_counter() - t0
         for item, n in batch:
             item.done += n
-            if item.done == int(item.tensor.shape[0]):  # type: ignore[union-attr]
-                self._unqueue(item)  # all its rows ran here: the session's next frame may follow it
+            if item.done == item.rows:
+                self.scheduler.unqueue(item)  # all its rows ran here: the session's next frame may follow it
         if self.pipeline is None:
             self._observe_prefill(batch, [elapsed])
             self._complete(batch, outs, elapsed)
@@ -746,31 +517,7 @@ class Engine:
 
     def profile_prefill(self) -> None:
         """The start-up profile of τ(x | y) on this process's layers (engine thread; `[worker] prefill_profile`)."""
-        gen = torch.Generator().manual_seed(1)
-        ragged = self.ragged
-
-        def session(y: int) -> Callable[[int], list[float]]:
-            cache = self.middle.new_cache()
-            with torch.inference_mode():
-                if y:
-                    ragged.forward(
-                        [(torch.randn(y, self.hidden_size, generator=gen).to(ragged.device, ragged.dtype), cache)]
-                    )
-
-            def run(x: int) -> list[float]:
-                piece = torch.randn(x, self.hidden_size, generator=gen).to(ragged.device, ragged.dtype)
-                with torch.inference_mode():
-                    t0 = time.perf_counter()
-                    ragged.forward([(piece, cache)])
-                    if ragged.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    seconds = time.perf_counter() - t0
-                cache.crop(y)
-                return [seconds]
-
-            return run
-
-        self.prefill_cost.set_profile(profile_points(session))
+        self.prefill_cost.set_profile(profile_prefill(self.middle, self.ragged, self.hidden_size))
         log.info("prefill cost τ(x | y): %s", self.prefill_cost.costs)
 
     def _complete(self, batch: list[tuple[Item, int]], outs: list[torch.Tensor], elapsed: float) -> None:
@@ -791,7 +538,7 @@ class Engine:
             assert frame is not None
             item.session.tokens += int(deep.shape[0])
             item.finished += n
-            if item.finished < int(item.tensor.shape[0]):  # type: ignore[union-attr]
+            if item.finished < item.rows:
                 continue  # a sub-chunk: the frame's reply comes with its last piece
             item.session.frames += 1
             if item.tree is not None:
@@ -831,50 +578,17 @@ class Engine:
         tolerance since it was last told (engine thread)."""
         mu = self.stats.mu.get()
         slope, intercept = self.stats.g.coefficients()
-        told = session.told
-        if told is not None:
-            tol = self.limits.status_tolerance
-            old_mu, old_slope, old_intercept = told
-            old_g = max(0.0, old_slope * (old_mu + rows) + old_intercept)
-            new_g = max(0.0, slope * (mu + rows) + intercept)
-            moved_mu = abs(mu - old_mu) > tol * max(abs(old_mu), 1.0)
-            moved_g = abs(new_g - old_g) > tol * max(old_g, 1e-4)
-            if not (moved_mu or moved_g):
-                return None
-        session.told = (mu, slope, intercept)
+        if not session.status_due(mu, slope, intercept, rows, self.limits.status_tolerance):
+            return None
         self.stats.status_frames += 1
         return wire.encode_status(session.id, seq, mu, (slope, intercept), sessions=len(self._sessions))
 
     # --- start-up check ---------------------------------------------------------------------------
 
     def self_check(self, tokens: int = 8, tolerance: float = 1e-3) -> float:
-        """Run the ragged forward and the model's own layers on the same random states; raise if they disagree.
-
-        Also warms the kernels up and seeds g (Eq. 2) with two batch sizes. Returns the relative difference.
-        """
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(tokens + 1, self.hidden_size, generator=gen).to(self.ragged.device, self.ragged.dtype)
-        ref_cache, got_cache = self.middle.new_cache(), self.middle.new_cache()
-        ref = self.middle(x[None], ref_cache)[0]
-        got = []
-        for part in (x[:tokens], x[tokens:]):
-            t0 = time.perf_counter()
-            got.append(self.ragged.forward([(part, got_cache)])[0])
-            self.stats.g.update(part.shape[0], time.perf_counter() - t0)
-        diff = float((torch.cat(got) - ref).abs().max()) / max(1.0, float(ref.abs().max()))
-        if not diff <= tolerance:
-            raise RuntimeError(
-                f"the engine's batched forward disagrees with the model's own layers (relative {diff:.2e}); "
-                f"model type {getattr(self.middle.stack.config, 'model_type', '?')} is not supported by the engine"
-            )
-        return diff
-
-
-_CONTROL: dict[wire.Kind, Callable[[Engine, Item], None]] = {
-    wire.Kind.ROLLBACK: Engine._rollback,
-    wire.Kind.TREE: Engine._tree,
-    wire.Kind.KEEP: Engine._keep,
-}
+        """The ragged forward against the model's own layers (app/worker/calibration.py; engine thread): raises if they
+        disagree, warms the kernels up and seeds g. Returns the relative difference."""
+        return check_ragged_forward(self.middle, self.ragged, self.stats.g, self.hidden_size, tokens, tolerance)
 
 
 def _resolve(fut: Future[list[bytes]], frames: list[bytes]) -> None:

@@ -1,8 +1,9 @@
-"""The worker's prefill cost τ_s(x | y): seconds for x new positions after y cached ones, per pipeline stage.
+"""The worker's prefill cost τ_s(x | y): seconds for x new positions after y cached ones, per pipeline stage, and
+a staged worker's sequence partition over it.
 
-One fit serves two readers: a staged worker's sequence partition (app/worker/stages.py, `SubsequencePlanner`) and
-the devices, which get it in every OPEN reply (`prefill_tau`, one [a, b, c, d] per stage: plain numbers) and plan
-their own prefill chunks with it (`chunking = "dp"`, clients/hat/device.py). g, the decode-delay line the worker also
+One fit serves two readers: a staged worker's sequence partition (`SubsequencePlanner`, below) and the devices,
+which get it in every OPEN reply (`prefill_tau`, one [a, b, c, d] per stage: plain numbers) and plan their own
+prefill chunks with it (`chunking = "dp"`, clients/hat/device.py). g, the decode-delay line the worker also
 sends, is fitted on whatever passes ran (mostly a few positions) and has no context term, so it misprices prefill
 chunks; τ is fitted only on lone prefill pieces, with the context and in-piece attention terms.
 
@@ -19,11 +20,12 @@ the fit stays determined.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from policies.jupiter import ChunkCost, fit_chunk_cost
+from policies.jupiter import ChunkCost, PlanCache, SequenceProfile, equal_lengths, fit_chunk_cost, plan_makespan
 
 # The start-up profile's grid: three piece lengths (the x² term needs three) after no context and after 256 positions
 PROFILE_XS = (16, 64, 192)
@@ -116,3 +118,58 @@ def profile_points(
             assert best is not None
             points.append((x, y, best))
     return points
+
+
+@dataclass
+class SubsequencePlanner:
+    """Splits a prefill piece of n tokens after `context` cached ones into sub-sequences for the pipeline.
+
+    mode "dp": Jupiter's sequence partition (policies.jupiter.plan_sequence, exact flow-shop makespan) on the
+    per-stage costs τ_s (`fit`: the start-up profile refitted from the lone prefill pieces the worker runs; one
+    piece while τ is undetermined); "equal": equal lengths, the count with the least modelled makespan; "off": one
+    piece. τ_s(x | context + y) = a + (b + c·context)·x + c·x·y + d·x², so a piece after `context` tokens is planned
+    as a prompt from 0 with b shifted; the context is rounded to `context_step` so plans are reused (an LRU per
+    profile, dropped when τ is refitted).
+    """
+
+    fit: PrefillCostFit
+    mode: str = "dp"
+    min_len: int = 16
+    granularity: int = 16
+    context_step: int = 64
+    cache: PlanCache = field(default_factory=lambda: PlanCache(256))
+    _planned_on: int = 0  # the fit's version the cached plans were made on
+
+    @property
+    def costs(self) -> tuple[ChunkCost, ...] | None:
+        return self.fit.costs
+
+    def observe(self, x: int, y: int, seconds: Sequence[float]) -> None:
+        """A prefill piece of x tokens after y ran alone through the pipeline: seconds[s] on stage s."""
+        self.fit.observe(x, y, seconds)
+
+    def profile(self, context: int) -> SequenceProfile:
+        if self.fit.costs is None:
+            raise ValueError("τ is not determined yet")
+        y0 = self.context_step * round(context / self.context_step)
+        shifted = tuple(ChunkCost(c.a, c.b + c.c * y0, c.c, c.d) for c in self.fit.costs)
+        return SequenceProfile(stages=shifted, min_len=self.min_len, granularity=self.granularity)
+
+    def lengths(self, n: int, context: int) -> list[int]:
+        if self.mode == "off" or n < 2 * self.min_len or self.fit.costs is None:
+            return [n]
+        if self._planned_on != self.fit.version:
+            self.cache = PlanCache(self.cache.maxsize)
+            self._planned_on = self.fit.version
+        profile = self.profile(context)
+        if self.mode == "equal":
+            best, best_value = [n], math.inf
+            for parts in range(1, n // self.min_len + 1):
+                lengths = equal_lengths(n, parts, self.granularity)
+                if min(lengths) < self.min_len:
+                    break
+                value = plan_makespan(profile.stages, lengths)
+                if value < best_value:
+                    best, best_value = lengths, value
+            return best
+        return list(self.cache.plan(profile, n).lengths)

@@ -29,12 +29,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from app.lifespan import starting_in_background
+from app.worker.compute import compute_device
 from app.worker.engine import Engine, FrameHook
 from app.worker.sessions import EngineLimits
 from clients.hat import wire
 from clients.hat.profile import load_profile
 from deploy.models import resolve_model
+from endpoints import hidden
 from endpoints.auth import bearer, matches_any
+from endpoints.errors import install_error_handlers
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ class WorkerSettings(BaseModel):
     # Where the middle layers compute: "auto" = the first CUDA GPU if torch sees one, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # Pipeline stages (app/worker/stages.py): P processes, each with a contiguous slice of the middle layers chosen by
+    # Pipeline stages (app/worker/pipeline.py): P processes, each with a contiguous slice of the middle layers chosen by
     # Jupiter's layer partition over per-layer times profiled at start-up; this process is stage 0.
     stages: Annotated[int, Field(ge=1, le=16)] = 1
     stage_threads: list[Annotated[int, Field(ge=1)]] | None = None  # torch threads per stage (None: num_threads)
@@ -129,14 +132,6 @@ class WorkerSettings(BaseModel):
             subchunk_overhead=self.subchunk_overhead,
             status_tolerance=self.status_tolerance,
         )
-
-
-def compute_device(setting: str) -> torch.device:
-    if setting == "auto":
-        setting = "cuda" if torch.cuda.is_available() else "cpu"
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("worker.device is cuda but torch sees no CUDA device")
-    return torch.device(setting)
 
 
 class Worker:
@@ -209,7 +204,7 @@ class Worker:
             model, _tok = load_hf_model(resolve_model(s.model))
         device = compute_device(s.device)
         if s.stages > 1:
-            from app.worker.stages import start_pipeline
+            from app.worker.pipeline import start_pipeline
 
             pipeline, first, seeds = start_pipeline(model, s, device)
             del model
@@ -332,9 +327,6 @@ class _EngineCollector:
 def create_worker(settings: WorkerSettings, *, model: Any = None, frame_hook: FrameHook | None = None) -> FastAPI:
     """The worker's FastAPI app. `model`: an already-loaded HF causal LM to split (tests share one);
     `frame_hook(session_id | None, data)`: called with every binary frame the worker receives (tests)."""
-    from endpoints import hidden
-    from endpoints.errors import install_error_handlers
-
     worker = Worker(settings, model, frame_hook)
 
     lifespan = starting_in_background(worker.start, worker.stop)

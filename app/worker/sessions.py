@@ -1,8 +1,10 @@
 """What a HAT worker session is and what a device's frame must be before the engine (app/worker/engine.py) takes it.
 
-Limits, refusal reasons and their errors, the OPEN parameters a device may send, a session's state, and the checks
-a frame passes on arrival (size, header, kind, dtype, shape, finite values, positions). Checks return or raise
-EngineError and count nothing: the engine counts each refusal once, by its reason.
+Limits, refusal reasons and their errors, the OPEN parameters a device may send, a session's state and what it does
+with its own frames (their sequence order, the STATUS it is due, the control frames ROLLBACK, TREE and KEEP, and the
+pairing of a TREE with its DRAFT), and the checks a frame passes on arrival (size, header, kind, dtype, shape, finite
+values, positions). Checks and session methods raise or return EngineError and count nothing: the engine counts each
+refusal once, by its reason.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clients.hat import wire
 from clients.hat.split import SplitKVCache
-from policies.trees import check_tree
+from policies.trees import check_tree, is_root_path
 
 PROTOCOL = 1
 DEVICE_KINDS = frozenset(
@@ -125,6 +127,11 @@ class Item:
     tree: tuple[int, ...] | None = None  # a DRAFT's token tree (parent indices), from the TREE frame before it
     deferred: int = 0  # consecutive passes this frame was pending but left out of (planned batching)
 
+    @property
+    def rows(self) -> int:
+        """Positions a tensor frame carries."""
+        return int(self.tensor.shape[0])  # type: ignore[union-attr]
+
 
 @dataclass
 class Session:
@@ -156,6 +163,97 @@ class Session:
     @property
     def hex(self) -> str:
         return self.id.hex()
+
+    # --- sequence order (event loop) ---------------------------------------------------------------
+
+    def seq_error(self, seq: int, max_reorder: int) -> EngineError | None:
+        """Why this session cannot take a frame numbered `seq`: already used, or too far ahead of the next expected."""
+        if seq < self.expected_seq or seq in self.held:
+            return EngineError(409, Reason.SEQ, f"frame seq {seq} was already used; next expected {self.expected_seq}")
+        if seq - self.expected_seq > max_reorder:
+            return EngineError(
+                409, Reason.SEQ, f"frame seq {seq} is too far ahead of the next expected {self.expected_seq}"
+            )
+        return None
+
+    def hold(self, item: Item) -> list[Item]:
+        """Hold a frame until every frame before it has arrived; returns the frames now in sequence, in order (a
+        refused frame, whose ERROR reply used its seq up, is passed over)."""
+        self.held[item.seq] = item
+        released: list[Item] = []
+        while self.expected_seq in self.held:
+            ready = self.held.pop(self.expected_seq)
+            self.expected_seq += 1
+            if ready.frame is not None:
+                released.append(ready)
+        return released
+
+    # --- HAT state told to the device (engine thread) ----------------------------------------------
+
+    def status_due(self, mu: float, slope: float, intercept: float, rows: int, tolerance: float) -> bool:
+        """Whether mu, or g's prediction for a round of `rows`, moved by more than `tolerance` (a share) since the
+        device was last told; when it did, the new values count as told."""
+        told = self.told
+        if told is not None:
+            old_mu, old_slope, old_intercept = told
+            old_g = max(0.0, old_slope * (old_mu + rows) + old_intercept)
+            new_g = max(0.0, slope * (mu + rows) + intercept)
+            moved_mu = abs(mu - old_mu) > tolerance * max(abs(old_mu), 1.0)
+            moved_g = abs(new_g - old_g) > tolerance * max(old_g, 1e-4)
+            if not (moved_mu or moved_g):
+                return False
+        self.told = (mu, slope, intercept)
+        return True
+
+    # --- control frames (engine thread) ------------------------------------------------------------
+
+    def rollback(self, keep: int) -> None:
+        """ROLLBACK: the cache keeps its first `keep` positions (rejected drafts go). Raises EngineError."""
+        have = len(self.cache)
+        if keep > have:
+            raise EngineError(400, Reason.POSITION, f"ROLLBACK keeps {keep} positions but the cache holds only {have}")
+        if self.open_tree is not None and keep > self.open_tree[0] + 1:
+            msg = "ROLLBACK cannot keep part of a token tree's nodes; send KEEP with the accepted path"
+            raise EngineError(409, Reason.POSITION, msg)
+        self.open_tree = None
+        self.cache.crop(keep)
+
+    def expect_tree(self, first: int, parents: tuple[int, ...]) -> None:
+        """TREE: the structure of the session's next DRAFT (paired with it by `attach_tree`)."""
+        self.pending_tree = (first, parents)
+
+    def keep_path(self, first: int, nodes: list[int]) -> None:
+        """KEEP: the verified tree's accepted path stays in the cache, its other nodes go. Raises EngineError."""
+        tree = self.open_tree
+        if tree is None or tree[0] != first:
+            where = "no token tree is open" if tree is None else f"the open tree starts at position {tree[0]}"
+            raise EngineError(409, Reason.POSITION, f"KEEP for a tree at position {first}: {where}")
+        start, parents = tree
+        if not is_root_path(parents, nodes):
+            msg = f"KEEP {nodes} is not a path from the root of the {len(parents)}-node tree"
+            raise EngineError(400, Reason.MALFORMED, msg)
+        self.cache.keep([*range(start), *(start + n for n in nodes)])
+        self.open_tree = None
+
+    def attach_tree(self, item: Item) -> None:
+        """Pair a tensor frame about to run with the TREE frame before it, which must announce exactly this DRAFT;
+        refuse any tensor frame while the last tree is still open. Raises EngineError."""
+        frame = item.frame
+        assert frame is not None
+        pending, self.pending_tree = self.pending_tree, None
+        if self.open_tree is not None:
+            raise EngineError(409, Reason.POSITION, "the last token tree is still open: send KEEP (or ROLLBACK) first")
+        if pending is None:
+            return
+        first, parents = pending
+        if frame.kind != wire.Kind.DRAFT or frame.arg != first or item.rows != len(parents):
+            raise EngineError(
+                400,
+                Reason.SHAPE,
+                f"a TREE of {len(parents)} nodes at position {first} must be followed by a DRAFT of exactly those "
+                f"rows; got {frame.kind.name} of {item.rows} rows at {frame.arg}",
+            )
+        item.tree = parents
 
 
 # --- checks ----------------------------------------------------------------------------------------

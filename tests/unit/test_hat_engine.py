@@ -299,7 +299,8 @@ async def test_delay_line_delivers_in_order_after_the_delay() -> None:
 
 
 def test_worker_compute_device_setting() -> None:
-    from app.worker.server import WorkerSettings, compute_device
+    from app.worker.compute import compute_device
+    from app.worker.server import WorkerSettings
 
     assert WorkerSettings().device == "auto"
     assert compute_device("cpu") == torch.device("cpu")

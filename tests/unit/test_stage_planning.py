@@ -1,5 +1,6 @@
-"""The staged worker's planning glue (app/worker/stages.py) on plain numbers: layer bounds from per-stage timings,
-sub-sequence plans after a cached context, the refit from observed passes, and the message header."""
+"""The staged worker's planning glue on plain numbers: layer bounds from per-stage timings
+(app/worker/layer_placement.py), sub-sequence plans after a cached context and the refit from observed passes
+(prefill_cost.py), and the message header (stage_link.py)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,9 @@ import math
 import pytest
 import torch
 
-from app.worker.prefill_cost import PrefillCostFit, fit_stage_costs, profile_points
-from app.worker.stages import (
-    CUDA_MEMORY_SHARE,
-    GIB,
-    HEADER,
-    Cmd,
-    SubsequencePlanner,
-    header,
-    layer_memory,
-    plan_layers,
-    sid_ints,
-    stage_memory_caps,
-)
+from app.worker.layer_placement import CUDA_MEMORY_SHARE, GIB, layer_memory, plan_layers, stage_memory_caps
+from app.worker.prefill_cost import PrefillCostFit, SubsequencePlanner, fit_stage_costs, profile_points
+from app.worker.stage_link import HEADER, Cmd, header, sid_ints
 from policies.jupiter import (
     ChunkCost,
     InfeasiblePlan,

@@ -1,0 +1,214 @@
+"""Which pending frames share the worker engine's next forward pass: frame collection and planning.
+
+Batching (continuous, "ragged"): every tick the engine thread asks for the next pass, and the scheduler takes the
+next tensor frame of every session that has one pending and chooses which of them (and how many of their rows) run
+together in ONE forward pass. `batching = "greedy"`: all of them, up to max_batch_tokens, whole frames. `batching =
+"planned"` (default): prefill frames longer than a budget derived from the fitted delay predictor g are cut into
+consecutive sub-chunks (exact with the KV cache), the pending pieces are sorted shortest first and grouped by
+policies/worker_batching.plan_groups (least mean completion time under g), and only the first group runs; the rest
+are re-planned next tick with whatever arrived meanwhile. A verification round so waits behind at most the one pass
+already running. A frame left out `max_defer` passes in a row is forced into the next one. In a staged worker
+(app/worker/pipeline.py), each prefill frame is first cut at the ends of its Jupiter plan (the sequence partition of
+app/worker/prefill_cost.py over the stages' τ_s) so a lone long prompt keeps every stage busy.
+
+On the way to a session's next tensor frame, the control frames queued before it (ROLLBACK, TREE, KEEP) are handed
+to the engine to apply, and a tensor frame whose positions do not follow the session's cache, or that breaks its
+token tree, is refused; both go back to the engine through the two callbacks it gives, which answer the device.
+
+Pure: no model, no thread, no clock, no I/O. It runs on the engine thread, which owns the sessions' queues; g's
+coefficients and the number of open sessions are arguments of each pass.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from app.worker.sessions import EngineError, EngineLimits, Item, Session, check_positions
+from app.worker.stats import EngineStats
+from clients.hat import wire
+from policies.worker_batching import plan_groups, split_sizes, subchunk_tokens
+
+CONTROL_KINDS = frozenset({wire.Kind.ROLLBACK, wire.Kind.TREE, wire.Kind.KEEP})
+
+Piece = tuple[Item, int]  # a frame and how many of its rows (from item.done) the pass runs
+
+
+class SequencePlanner(Protocol):
+    """A staged worker's sequence partition (app/worker/prefill_cost.py's SubsequencePlanner)."""
+
+    def lengths(self, n: int, context: int) -> list[int]: ...
+
+
+class Scheduler:
+    """The sessions with frames queued, in round-robin order, and the choice of each pass's pieces."""
+
+    def __init__(
+        self,
+        limits: EngineLimits,
+        stats: EngineStats,
+        max_context: int,
+        *,
+        control: Callable[[Item], None],
+        refuse: Callable[[Item, EngineError], None],
+        planner: SequencePlanner | None = None,
+    ) -> None:
+        """`control(item)` applies a control frame and answers it; `refuse(item, error)` answers a tensor frame with
+        an ERROR. `planner`: a staged worker's sequence partition (planned batching only)."""
+        self.limits = limits
+        self.stats = stats
+        self.max_context = max_context
+        self.control = control
+        self.refuse = refuse
+        self.planner = planner
+        self._ready: OrderedDict[bytes, Session] = OrderedDict()  # sessions with queued frames, next served first
+
+    @property
+    def pending(self) -> bool:
+        """Some session has a frame queued."""
+        return bool(self._ready)
+
+    def add(self, item: Item) -> None:
+        """A frame released in its session's sequence order joins the session's queue."""
+        item.session.queue.append(item)
+        self._ready[item.session.id] = item.session
+
+    def discard(self, session: Session) -> None:
+        """The session is gone (its queue is the engine's to answer)."""
+        self._ready.pop(session.id, None)
+
+    def unqueue(self, item: Item) -> None:
+        """Take a frame whose rows all ran (or that failed) off its session's queue if it is still at the head."""
+        queue_ = item.session.queue
+        if queue_ and queue_[0] is item:
+            queue_.popleft()
+            if not queue_:
+                self._ready.pop(item.session.id, None)
+
+    def next_pass(self, slope: float, intercept: float, sessions: int) -> list[Piece]:
+        """This pass's (frame, rows) pieces by the configured batching. g(x) = slope·x + intercept is the fitted pass
+        time; `sessions`: how many sessions are open (a lone one's prefill is never cut into sub-chunks)."""
+        if self.limits.batching == "planned":
+            return self._planned(slope, intercept, sessions)
+        return [(item, item.rows) for item in self._greedy()]
+
+    def _planned(self, slope: float, intercept: float, sessions: int) -> list[Piece]:
+        """One candidate piece per session (a sub-chunk for a long prefill frame); run the plan's first group."""
+        limits = self.limits
+        budget = subchunk_tokens(
+            slope,
+            intercept,
+            overhead=limits.subchunk_overhead,
+            min_tokens=limits.min_subchunk,
+            max_tokens=limits.max_batch_tokens,
+        )
+        self.stats.subchunk_budget = budget
+        pieces: list[Piece] = []
+        for sid in list(self._ready):
+            session = self._ready.get(sid)
+            if session is None:
+                continue
+            item = self._next_tensor_frame(session)
+            if item is not None:
+                rows = item.rows - item.done
+                prefill = item.frame.kind == wire.Kind.PREFILL_CHUNK  # type: ignore[union-attr]
+                if prefill and self.planner is not None:
+                    rows = self._next_subsequence(item)
+                # Split only when another session could be waiting behind it: alone, a device gains nothing from
+                # sub-chunks and would pay their passes' fixed cost (up to `subchunk_overhead` of its TTFT).
+                if prefill and rows > budget and sessions > 1:
+                    rows = split_sizes(rows, budget)[0]
+                pieces.append((item, rows))
+            if not session.queue:
+                self._ready.pop(sid, None)
+        if not pieces:
+            return []
+        forced = [i for i, (item, _) in enumerate(pieces) if item.deferred >= limits.max_defer]
+        groups = plan_groups(
+            [rows for _, rows in pieces], slope, intercept, max_tokens=limits.max_batch_tokens, forced=forced
+        )
+        first = set(groups[0])
+        st = self.stats
+        st.planned_passes += 1
+        st.planned_groups += len(groups)
+        st.forced_frames += len(forced)
+        batch: list[Piece] = []
+        for i, (item, rows) in enumerate(pieces):
+            if i not in first:
+                item.deferred += 1
+                st.deferred_frames += 1
+                continue
+            item.deferred = 0
+            remaining = item.rows - item.done
+            if rows < remaining or item.done:
+                st.subchunk_passes += 1
+                st.split_frames += rows < remaining and item.done == 0
+            batch.append((item, rows))
+        self._to_back(item for item, _ in batch)
+        return batch
+
+    def _next_subsequence(self, item: Item) -> int:
+        """A staged worker's next piece of a prefill frame: up to the next end of the frame's Jupiter plan (made
+        when the frame first runs: the sequence partition over the stages' profiled τ_s)."""
+        total = item.rows
+        if item.cuts is None:
+            lengths = self.planner.lengths(total - item.done, len(item.session.cache))  # type: ignore[union-attr]
+            ends, at = [], item.done
+            for n in lengths:
+                at += n
+                ends.append(at)
+            item.cuts = tuple(ends)
+        return next(end for end in item.cuts if end > item.done) - item.done
+
+    def _next_tensor_frame(self, session: Session) -> Item | None:
+        """The session's next tensor frame that may run, left at the head of its queue; the control frames before it
+        are applied and frames whose positions do not fit are refused on the way."""
+        while session.queue:
+            item = session.queue[0]
+            frame = item.frame
+            assert frame is not None
+            if frame.kind in CONTROL_KINDS:
+                session.queue.popleft()
+                self.control(item)
+                continue
+            remaining = item.rows - item.done
+            try:
+                session.attach_tree(item)
+                err = check_positions(len(session.cache), frame.arg + item.done, remaining, self.max_context)
+            except EngineError as e:
+                err = e
+            if err is not None:
+                session.queue.popleft()
+                self.refuse(item, err)
+                continue
+            return item
+        return None
+
+    def _greedy(self) -> list[Item]:
+        """At most one whole tensor frame per session, up to max_batch_tokens (a larger frame alone still runs)."""
+        batch: list[Item] = []
+        tokens = 0
+        for sid in list(self._ready):
+            session = self._ready.get(sid)
+            if session is None:
+                continue
+            item = self._next_tensor_frame(session)
+            if item is not None:
+                n = item.rows
+                if not (batch and tokens + n > self.limits.max_batch_tokens):
+                    session.queue.popleft()
+                    batch.append(item)
+                    tokens += n
+            if not session.queue:
+                self._ready.pop(sid, None)
+            elif batch and tokens >= self.limits.max_batch_tokens:
+                break
+        self._to_back(batch)
+        return batch
+
+    def _to_back(self, items: Iterable[Item]) -> None:
+        """Round-robin: sessions served this pass go to the back of the line."""
+        for item in items:
+            if item.session.id in self._ready:
+                self._ready.move_to_end(item.session.id)
