@@ -28,6 +28,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     gw = settings.gateway
+    if args.reset_budget and gw.state_file:
+        state = Path(gw.state_file).expanduser()
+        state.unlink(missing_ok=True)
+        print(f"budget settings: {state} deleted, the config's apply", file=sys.stderr)
     host = args.host or gw.host
     port = gw.port if args.port is None else args.port
     logging.basicConfig(level=gw.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -169,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", help="TOML settings file (default: the embedded default)")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument(
+        "--reset-budget",
+        action="store_true",
+        help="forget budget settings changed over PUT /v1/budget (gateway.state_file): start from the config's",
+    )
     serve.set_defaults(func=_serve)
 
     worker = sub.add_parser("worker", help="run a HAT worker (the middle layers of a split LLM)")

@@ -170,9 +170,18 @@ class CloudSettings(_Strict):
     price: PriceSettings = PriceSettings()
     embedded: EmbeddedServerSettings | None = None
 
+    @field_validator("model")
+    @classmethod
+    def _model_named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("is empty: set it to the model name the upstream serves")
+        return value
+
     @field_validator("base_url")
     @classmethod
     def _http_url(cls, value: str) -> str:
+        if not value:
+            raise ValueError("is empty: set it to the upstream's OpenAI-compatible base URL (ending in /v1)")
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"must start with http:// or https://, got {value!r}")
         return value.rstrip("/")
@@ -255,6 +264,16 @@ class HATCloudSettings(_Strict):
     # times and acceptance instead of warm-up priors; "" = online estimates only. Refused for another model / m.
     profile: str = ""
     embedded: EmbeddedWorkerSettings | None = None
+
+    @model_validator(mode="after")
+    def _one_worker(self) -> HATCloudSettings:
+        if self.embedded is not None and "worker_url" in self.model_fields_set:
+            raise ValueError(
+                "worker_url and an [embedded] worker contradict each other: the gateway would start its own worker "
+                "and ignore worker_url. Remove the embedded table to use the worker at worker_url, or worker_url to "
+                "use the embedded one"
+            )
+        return self
 
     @field_validator("tree_width")
     @classmethod

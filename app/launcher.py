@@ -51,10 +51,14 @@ class GatewayProcess:
 
 
 def start_gateway(
-    config: str, wait_for: tuple[str, ...] | None = None, ready_timeout: float = 300.0, cpus: list[int] | None = None
+    config: str,
+    wait_for: tuple[str, ...] | None = None,
+    ready_timeout: float = 300.0,
+    cpus: list[int] | None = None,
+    options: tuple[str, ...] = (),
 ) -> GatewayProcess:
-    """Start `tandem serve`; return once every backend is ready, or only those named in
-    `wait_for` (a gateway whose cloud is down on purpose never becomes fully ready)."""
+    """Start `tandem serve` (with `options`, e.g. --reset-budget); return once every backend is ready, or only those
+    named in `wait_for` (a gateway whose cloud is down on purpose never becomes fully ready)."""
     port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="tandem-test-"))
     cfg = tmp / "config.toml"
@@ -65,7 +69,7 @@ def start_gateway(
         env["TANDEM_GATEWAY__STATE_FILE"] = str(tmp / "budget.json")
     log_file = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--config", str(cfg), "--port", str(port)],
+        [sys.executable, "-m", "app.cli", "serve", "--config", str(cfg), "--port", str(port), *options],
         cwd=ROOT,
         stdout=log_file,
         stderr=subprocess.STDOUT,

@@ -70,6 +70,9 @@ class WorkerSettings(BaseModel):
     # sub-chunks sized from g (policies/worker_batching.py); "greedy": every pending frame in one pass (see README).
     batching: Literal["planned", "greedy"] = "planned"
     subchunk_overhead: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    # planned: passes in a row a frame may be left out before it is forced in (0: every session's next piece runs in
+    # every pass; 1 gives decode rounds more room and a long prefill less, README "Batching on the worker").
+    max_defer: Annotated[int, Field(ge=0)] = 0
     # A STATUS frame (mu, g) rides with a verification reply when they moved by more than this share (EngineLimits)
     status_tolerance: Annotated[float, Field(ge=0)] = 0.1
     num_threads: Annotated[int, Field(ge=1)] | None = None  # torch intra-op threads (None: torch's default)
@@ -130,6 +133,7 @@ class WorkerSettings(BaseModel):
             batch_invariant=self.batch_invariant,
             batching=self.batching,
             subchunk_overhead=self.subchunk_overhead,
+            max_defer=self.max_defer,
             status_tolerance=self.status_tolerance,
         )
 
@@ -358,4 +362,10 @@ def serve_worker(settings: WorkerSettings) -> None:
     import uvicorn
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.auth_token is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "worker listening on %s with no device token: anyone who reaches it can use it "
+            "(set TANDEM_WORKER_AUTH_TOKEN, and the gateway's clouds.<name>.auth_token to match)",
+            settings.host,
+        )
     uvicorn.run(create_worker(settings), **uvicorn_config_kwargs(settings))

@@ -253,6 +253,8 @@ base_url = "http://127.0.0.1:{free_port()}/v1"
 """
     gw = start_gateway(config, wait_for=("device",))
     try:
+        configured = httpx.get(gw.v1 + "/budget", headers=ADMIN).json()
+        assert configured["settings_source"] == "config"
         knobs(gw, budget=0.25, exchange_rate=2.0, prices={"cloud": {"prefill": 1.0, "decode": 3.0}})
     finally:
         stop_gateway(gw)
@@ -262,6 +264,17 @@ base_url = "http://127.0.0.1:{free_port()}/v1"
         got = httpx.get(gw.v1 + "/budget", headers=ADMIN).json()
         assert (got["budget"], got["exchange_rate"]) == (0.25, 2.0)
         assert got["prices"]["cloud"] == {"prefill": 1.0, "decode": 3.0}
+        assert got["settings_source"] == f"state file {tmp_path / 'budget.json'}"
+        # Start-up says which source won and how to go back.
+        assert f"budget = 0.25 (config: {configured['budget']!r})" in gw.log() and "--reset-budget" in gw.log()
+    finally:
+        stop_gateway(gw)
+    time.sleep(0.2)
+    gw = start_gateway(config, wait_for=("device",), options=("--reset-budget",))
+    try:
+        got = httpx.get(gw.v1 + "/budget", headers=ADMIN).json()
+        assert got["settings_source"] == "config" and got["budget"] == configured["budget"]
+        assert not (tmp_path / "budget.json").exists()
     finally:
         stop_gateway(gw)
 

@@ -115,3 +115,39 @@ def test_prefill_profile_setting_reaches_the_embedded_worker(tmp_path, monkeypat
     assert started[0].prefill_profile is (setting == "true")
     unset = EmbeddedWorker(EmbeddedWorkerSettings(), cloud.model, cloud.m, None).command()
     assert not any("prefill-profile" in arg for arg in unset)  # the worker's default: staged workers only
+
+
+def test_the_remote_cloud_example_loads_with_the_users_url_key_and_model(monkeypatch):
+    """README's real-provider command: deploy/remote-cloud.toml plus three environment variables."""
+    from pathlib import Path
+
+    example = Path(embedded_default()).with_name("remote-cloud.toml")
+    with pytest.raises(ConfigError) as info:
+        load_settings(example)  # nothing filled in: refused, naming what is missing
+    assert "clouds.cloud.base_url" in str(info.value) and "clouds.cloud.model" in str(info.value)
+    monkeypatch.setenv("TANDEM_CLOUDS__CLOUD__BASE_URL", "https://provider.test/v1")
+    monkeypatch.setenv("TANDEM_CLOUDS__CLOUD__API_KEY", "sk-user")
+    monkeypatch.setenv("TANDEM_CLOUDS__CLOUD__MODEL", "provider-model-7b")
+    cloud = load_settings(example).clouds["cloud"]
+    assert (cloud.base_url, cloud.model, cloud.api_key.get_secret_value()) == (
+        "https://provider.test/v1",
+        "provider-model-7b",
+        "sk-user",
+    )
+    assert (cloud.tokenizer, cloud.continuation) == ("tiktoken", "chat")
+
+
+def test_an_embedded_worker_and_a_worker_url_are_refused_together(tmp_path):
+    hat = "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'\n"
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, hat + "worker_url = 'ws://gpu-box:8100'\n[clouds.h.embedded]\nport = 0"))
+    assert "clouds.h" in str(info.value) and "contradict" in str(info.value)
+    assert load_settings(write(tmp_path, hat + "worker_url = 'ws://gpu-box:8100'")).clouds["h"].embedded is None
+    assert load_settings(write(tmp_path, hat + "[clouds.h.embedded]\nport = 0")).clouds["h"].embedded is not None
+
+
+def test_max_defer_is_a_worker_setting():
+    from app.worker.server import WorkerSettings
+
+    assert WorkerSettings(max_defer=1).limits().max_defer == 1
+    assert WorkerSettings().limits().max_defer == 0
