@@ -1,7 +1,7 @@
 """Per-token logprobs: keeping them in step with the relayed text, and computing them from logits (numpy, for
 llama.cpp; the torch sources use clients/sampling.py).
 
-The relay (app/serving/orchestrator.py) enforces stop sequences on text, which may hold back part of a token's
+The relay (app/serving/relay.py) enforces stop sequences on text, which may hold back part of a token's
 text until the next token decides it. `LogprobAligner` releases text only at token boundaries, so every delta's
 text is exactly the concatenation of its tokens' texts. A token cut by a stop sequence keeps its logprob (and
 alternatives) and carries only the part of its text that was delivered; tokens wholly inside the stop sequence

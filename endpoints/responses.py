@@ -18,9 +18,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from app.serving.job import Job
+from clients.base import Usage
+from endpoints.answer import answer_headers, begin, collect, gateway_of, streamed, while_connected
 from endpoints.auth import require_api_key
 from endpoints.errors import ApiError
-from endpoints.openai import _begin, _collect, _gateway, _headers, _sse, _sse_response, _while_connected
 from endpoints.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -37,6 +38,7 @@ from endpoints.schemas import (
     Tool,
     ToolCall,
 )
+from endpoints.sse import stream_answer
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
@@ -118,10 +120,10 @@ def _status(finish: str) -> str:
 
 
 class _Response:
-    """One response's objects and, when streamed, its SSE events in order (the events `_sse` asks for:
-    `opening`, `text` per delta, `tool_calls`, then `closing` or `failure`). Output items follow the answer: a
-    message item opens at the first text, each complete tool call is a function_call item. The per-token event
-    is pre-rendered around the only parts that change, its sequence number and text."""
+    """One response's objects and, when streamed, its SSE events in order (endpoints/sse.py's `Events`: `opening`,
+    `text` per delta, `tool_calls`, then `closing` or `failure`). Output items follow the answer: a message item
+    opens at the first text, each complete tool call is a function_call item. The per-token event is pre-rendered
+    around the only parts that change, its sequence number and text."""
 
     def __init__(self, job: Job, body: ResponsesRequest):
         self.job = job
@@ -288,6 +290,9 @@ class _Response:
             + self._event(f"response.{status}", response=self.object(status, finish)).encode()
         )
 
+    def end(self, usage: Usage) -> bytes:
+        return b""  # the closing event carries the usage; no [DONE] in this API
+
     def failure(self, exc: BaseException) -> bytes:
         self.finished = True
         error = {"code": "server_error", "message": f"the answer failed midway: {exc}"}
@@ -297,18 +302,19 @@ class _Response:
 @router.post("/responses")
 async def create_response(body: ResponsesRequest, request: Request):
     try:
-        job = await _gateway(request).prepare_chat(chat_request(body), request.state.key_privacy, id_prefix="resp_")
+        job = await gateway_of(request).prepare_chat(chat_request(body), request.state.key_privacy, id_prefix="resp_")
     except ApiError as exc:
         exc.param = _param(exc.param)  # named as this API names it (e.g. the prompt as a whole is `input`)
         raise
     response = _Response(job, body)
-    first, stream = await _begin(request, job)
+    first, stream = await begin(request, job)
     if body.stream:
-        return _sse_response(request, job, _sse(job, first, stream, response), last=lambda _: response.finished)
-    answer = await _while_connected(request, _collect(job, first, stream), "mid-answer")
+        events = stream_answer(job, first, stream, response)
+        return streamed(request, answer_headers(job), events, last=lambda _: response.finished)
+    answer = await while_connected(request, collect(job, first, stream), "mid-answer")
     # The same steps as a stream's build the output items (their events are not sent).
     if answer.text:
         response.text(answer.text)
     response.tool_calls(answer.calls, 0)
     response.closing("", answer.finish)
-    return JSONResponse(response.object(_status(answer.finish), answer.finish), headers=_headers(job))
+    return JSONResponse(response.object(_status(answer.finish), answer.finish), headers=answer_headers(job))

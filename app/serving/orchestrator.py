@@ -5,10 +5,9 @@
 - Race: when both start, the first token wins and the loser is cancelled at once
   (its prefill is still booked). A failure before the first token falls back to
   the other endpoint.
-- Relay: tokens go out with stop sequences and the token limit enforced here, so
-  every endpoint, and an answer that moves between endpoints, ends the same way.
-  A consumption clock t_first + i/r_c tracks how far the client is ahead of its
-  reader.
+- Relay: every event goes through the answer's `Relay` (app/serving/relay.py):
+  stop sequences, the token limit, tool calls held until whole, the consumption
+  clock, and the prefix a migration continues from.
 - Migrate: after every token DiSCo's migration rule may say "move": once the lead
   reaches the buffer B = r_c·t_m the source stops and the target continues from
   exactly the delivered prefix (token IDs when it shares the vocabulary, else
@@ -27,33 +26,21 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import anyio
 
 from app.serving.job import Attempt, Job
 from app.serving.metrics import Metrics
-from app.serving.tool_calls import ToolCall, ToolCallSplitter
+from app.serving.relay import Delta, Prefix, Relay
 from app.serving.traces import ms, plan_kind, replay_row, trace_of
-from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, TokenLogprob, Usage
-from clients.logprobs import LogprobAligner
-from clients.stops import StopMatcher
+from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from policies.cost import role_of
 from policies.dispatch import DispatchPlan
 from policies.estimate import MovingAverage
-from policies.migration import lead
 from policies.privacy import allows
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    finish_reason: str | None = None
-    # Only when the request asked for logprobs: one entry per token of `text` (their texts join to it).
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class _Failed(Exception):
@@ -122,12 +109,13 @@ class Orchestrator:
         """Whether a backend takes prompts as token ids of the device's vocabulary."""
         return self.backends[name].accepts_token_ids
 
-    def _continuation(self, job: Job, ids: list[int] | None, text: str, produced: int) -> GenerationRequest:
+    @staticmethod
+    def _continuation(job: Job, prefix: Prefix) -> GenerationRequest:
         return replace(
             job.gen,
-            prefix_text=text,
-            prefix_ids=tuple(ids) if ids is not None else None,
-            max_tokens=max(1, job.gen.max_tokens - produced),
+            prefix_text=prefix.text,
+            prefix_ids=prefix.ids,
+            max_tokens=max(1, job.gen.max_tokens - prefix.tokens),
         )
 
     def _open(self, job: Job, name: str, gen: GenerationRequest, context: int, migration: bool) -> Attempt:
@@ -274,111 +262,37 @@ class Orchestrator:
         self.metrics.in_flight.inc()
         self.disco.observe_request(job.prompt_tokens)
         attempt: Attempt | None = None
+        relay: Relay | None = None
         try:
-            try:
-                attempt, event = await self._start(job)
-            except _Failed as exc:
-                cause = exc.__cause__ if isinstance(exc.__cause__, BackendError) else None
-                status = cause.status if cause else 503
-                many = len(job.attempts) > 1
-                message = f"every endpoint failed; last error: {exc}" if many else str(exc)
-                raise BackendError(message, status, cause.backend if cause else None) from exc
-            job.backend = attempt.name
-            now = time.monotonic()
-            job.ttft = now - job.started
+            attempt, event = await self._first_token(job)
+            relay = Relay(job.gen, time.monotonic(), self.disco.settings.consumption_rate)
+            job.ttft = relay.t_first - job.started
             self.metrics.ttft.labels(backend=attempt.name).observe(job.ttft)
-            t_first = now
-            r_c = self.disco.settings.consumption_rate
-            matcher = StopMatcher(job.gen.stop)
-            splitter = (
-                ToolCallSplitter(frozenset(t["function"]["name"] for t in job.gen.tools)) if job.gen.tools else None
-            )
-            # Only when logprobs are asked (never with tools): text then goes out on token boundaries, with its
-            # tokens' logprobs.
-            aligner = LogprobAligner() if job.gen.logprobs is not None else None
-            lps = None
-            limit = job.gen.max_tokens
-            produced = 0
-            ids: list[int] | None = []
-            text_so_far: list[str] = []
-            last_t = event.t
             while True:
-                if event.text or event.token_id is not None:
-                    produced += 1
-                    attempt.decode_tokens += 1
-                    if ids is not None:
-                        if event.token_id is None:
-                            ids = None  # text pieces: continuation must go as text
-                        else:
-                            ids.append(event.token_id)
-                    text_so_far.append(event.text)
-                    if time.monotonic() > t_first + (produced - 1) / r_c + 1e-3:
-                        job.delayed_tokens += 1
-                calls: list[ToolCall] = []
-                content = event.text
-                if splitter is not None and (event.text or event.token_id is not None):
-                    content, calls = splitter.feed(event.text)
-                text, stopped = matcher.feed(content)
-                finish = "stop" if stopped else event.finish_reason
-                if finish is None and produced >= limit:
-                    finish = "length"
-                if aligner is not None:
-                    aligner.add(event)
-                if finish is not None:
-                    if splitter is not None and not stopped:
-                        content, more = splitter.finish()
-                        text += matcher.feed(content)[0]
-                        calls += more
-                    if not stopped:
-                        text += matcher.flush()
-                    if splitter is not None and splitter.calls and finish == "stop":
-                        finish = "tool_calls"
-                    if aligner is not None:
-                        text, lps = aligner.release(text, final=True)
-                    job.finish_reason = finish
-                    attempt.outcome = "finished"
-                    attempt.ended = not stopped
-                    self._account(job, produced, event.usage)
-                    # The trace exists before the client sees the end of the answer (it may ask for it at once).
-                    self.remember(job, final=False)
-                    yield Delta(text, finish, lps, tuple(calls))
+                delta = relay.feed(event, time.monotonic())
+                attempt.decode_tokens = relay.produced - attempt.from_token
+                if delta.finish_reason is not None:
+                    self._finished(job, attempt, relay, delta.finish_reason, event.usage)
+                    yield delta
                     return
-                if aligner is not None:
-                    text, lps = aligner.release(text)
-                yield Delta(text, None, lps, tuple(calls))
-
+                yield delta
                 # Cost-driven migration (Eqs. 4-6): only at a clean text boundary, once per answer. The source
                 # keeps its stream until the target's first token: if the target fails, the answer goes on here.
-                target = None
-                if splitter is None or not splitter.holding:  # never inside a tool call
-                    target = self._migration_target(job, attempt, event, produced, t_first, ids)
-                if target is not None:
-                    moved = await self._migrate(job, attempt, target, "cost", ids, "".join(text_so_far), produced)
-                    if moved is not None:
-                        attempt, event = moved
-                        last_t = event.t
-                        continue
+                target = None if relay.holding_call else self._migration_target(job, attempt, event, relay)
+                moved = await self._migrate(job, attempt, target, "cost", relay.prefix()) if target else None
+                if moved is not None:
+                    attempt, event = moved
+                    continue
                 try:
                     # asyncio.timeout, not wait_for: no extra task per token on the hot path.
                     async with asyncio.timeout(self.stall_timeout):
-                        event = await anext(attempt.stream)
+                        following = await anext(attempt.stream)
                 except Exception as exc:
-                    if splitter is not None and splitter.holding:
-                        # A call the client has not seen: the next endpoint writes it again, whole, from the last
-                        # delivered token (under the tool-call grammar), so nothing goes out half or twice.
-                        produced = splitter.committed
-                        del text_so_far[produced:]
-                        if ids is not None:
-                            del ids[produced:]
-                        splitter.discard()
-                        if job.gen.grammar is None:
-                            job.gen = replace(job.gen, grammar=job.call_grammar, grammar_covers_prefix=False)
-                    attempt, event = await self._recover(job, attempt, exc, ids, "".join(text_so_far), produced)
-                    last_t = event.t
+                    attempt, event = await self._recover(job, attempt, exc, relay)
                     continue
-                self.metrics.inter_token.labels(backend=attempt.name).observe(event.t - last_t)
-                self.token_seconds[attempt.name].update(event.t - last_t)
-                last_t = event.t
+                self.metrics.inter_token.labels(backend=attempt.name).observe(following.t - event.t)
+                self.token_seconds[attempt.name].update(following.t - event.t)
+                event = following
         except Exception as exc:
             job.error = str(exc)
             if attempt is not None and attempt.outcome in ("running", "won"):
@@ -394,12 +308,35 @@ class Orchestrator:
                     a.outcome = "cancelled"
                 await self._close(a)
             if job.finish_reason is None:  # failed or abandoned: book what was spent
+                if relay is not None:
+                    job.delayed_tokens = relay.delayed
                 self._account(job, sum(a.decode_tokens for a in job.attempts), None, finished=False)
             self.remember(job)
 
-    def _migration_target(
-        self, job: Job, attempt: Attempt, event: TokenEvent, produced: int, t_first: float, ids: list[int] | None
-    ) -> str | None:
+    async def _first_token(self, job: Job) -> tuple[Attempt, TokenEvent]:
+        """The plan's start (a race, or one endpoint with its fallback) up to the answer's first token."""
+        try:
+            attempt, event = await self._start(job)
+        except _Failed as exc:
+            cause = exc.__cause__ if isinstance(exc.__cause__, BackendError) else None
+            status = cause.status if cause else 503
+            many = len(job.attempts) > 1
+            message = f"every endpoint failed; last error: {exc}" if many else str(exc)
+            raise BackendError(message, status, cause.backend if cause else None) from exc
+        job.backend = attempt.name
+        return attempt, event
+
+    def _finished(self, job: Job, attempt: Attempt, relay: Relay, finish: str, upstream: Usage | None) -> None:
+        job.finish_reason = finish
+        attempt.outcome = "finished"
+        attempt.ended = not relay.stopped
+        job.delayed_tokens = relay.delayed
+        self._account(job, relay.produced, upstream)
+        # The trace exists before the client sees the end of the answer (it may ask for it at once).
+        self.remember(job, final=False)
+
+    def _migration_target(self, job: Job, attempt: Attempt, event: TokenEvent, relay: Relay) -> str | None:
+        produced = relay.produced
         if (
             job.pinned is not None
             or job.migrations
@@ -420,8 +357,8 @@ class Orchestrator:
             job.prompt_tokens,
             produced,
             job.gen.max_tokens,
-            lead(produced, time.monotonic(), t_first, self.disco.settings.consumption_rate),
-            self._cached_prefix(target, job, ids),
+            relay.lead(time.monotonic()),
+            self._cached_prefix(target, job, relay.ids),
         )
         return target if decision.start_now else None
 
@@ -456,11 +393,12 @@ class Orchestrator:
             if n != source.name and n not in failed and self._can_continue(n) and self._serves(job, n, continuing=True)
         ]
 
-    async def _recover(
-        self, job: Job, source: Attempt, exc: BaseException, ids, text: str, produced: int
-    ) -> tuple[Attempt, TokenEvent]:
+    async def _recover(self, job: Job, source: Attempt, exc: BaseException, relay: Relay) -> tuple[Attempt, TokenEvent]:
         """The serving endpoint failed or stalled mid-answer: continue on the next endpoint that can, from
         exactly the delivered prefix, or raise when none can."""
+        if relay.rewind_uncommitted_call() and job.gen.grammar is None:
+            # The call is written again from its start: under the tool-call grammar, so it comes out whole.
+            job.gen = replace(job.gen, grammar=job.call_grammar, grammar_covers_prefix=False)
         reason = "stall" if isinstance(exc, TimeoutError) else "error"
         if isinstance(exc, TimeoutError):
             exc = BackendError(f"{source.name} sent nothing for {self.stall_timeout:g} s (stalled)", 504, source.name)
@@ -468,8 +406,9 @@ class Orchestrator:
         self._failed(source, exc)
         await self._close(source)
         errors = [f"{source.name}: {exc}"]
+        prefix = relay.prefix()
         for target in self._fault_targets(job, source):
-            moved = await self._migrate(job, source, target, reason, ids, text, produced)
+            moved = await self._migrate(job, source, target, reason, prefix)
             if moved is not None:
                 return moved
             errors.append(f"{target}: {job.migrations[-1]['error']}")
@@ -480,12 +419,13 @@ class Orchestrator:
         )
 
     async def _migrate(
-        self, job: Job, source: Attempt, target: str, reason: str, ids, text: str, produced: int
+        self, job: Job, source: Attempt, target: str, reason: str, prefix: Prefix
     ) -> tuple[Attempt, TokenEvent] | None:
         """Start `target` from exactly the delivered prefix; once its first token is here, stop the source. If the
         target fails or stays silent first, it is closed, the trace says why, and None is returned: a healthy
         source (a cost migration) still holds its stream, unread, and the answer goes on there."""
-        gen = self._continuation(job, ids, text, produced)
+        produced = prefix.tokens
+        gen = self._continuation(job, prefix)
         context = job.prompt_tokens + produced
         log.info("request %s: migrating %s -> %s at token %d (%s)", job.id, source.name, target, produced, reason)
         attempt = self._open(job, target, gen, context, True)
@@ -496,7 +436,7 @@ class Orchestrator:
             "to": target,
             "reason": reason,
             "at_ms": ms(attempt.started - job.started),
-            "prefix_ids": ids is not None and self._takes_ids(target),
+            "prefix_ids": prefix.ids is not None and self._takes_ids(target),
         }
         job.migrations.append(record)
         # A target that stays silent: after a fault the device may need long for a long context; a cost move

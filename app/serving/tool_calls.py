@@ -3,7 +3,7 @@
 Text that is or may become a `<tool_call>` is held back, a whole token at a time, until its closing tag: a call
 reaches the client only complete, with arguments that parse, never half. Because holding starts at a token
 boundary, what was delivered is always exactly the first `committed` tokens, which is where another endpoint
-regenerates from when the source fails inside a call (app/serving/orchestrator.py). A held text that turns out
+regenerates from when the source fails inside a call (app/serving/relay.py). A held text that turns out
 not to be a valid call is delivered as plain text. An answer that starts with a bare JSON object naming an offered
 tool (`{"name": ..., "arguments": ...}`, as Qwen2.5-Coder often writes calls) is held to its end and read as a call.
 """

@@ -7,27 +7,22 @@ import numpy as np
 import pytest
 import torch
 
+from app.serving.relay import Relay
 from clients.base import GenerationRequest, TokenEvent, TokenLogprob
 from clients.logprobs import LogprobAligner, NumpyLogitAdjuster, entry_from_logprobs, log_softmax
 from clients.openai_compat import _logprobs
 from clients.sampling import LogitAdjuster, token_logprob
-from clients.stops import StopMatcher
 from endpoints.logprobs import CompletionLogprobs, chat_logprobs
 
 
 def relay(pieces: list[str], stops: tuple[str, ...] = ()) -> list[tuple[str, tuple[str, ...]]]:
-    """What the orchestrator's relay does with a stream of one-token events: (delta text, its tokens)."""
-    matcher, aligner, out = StopMatcher(stops), LogprobAligner(), []
+    """The gateway's relay (app/serving/relay.py) over a stream of one-token events: (delta text, its tokens)."""
+    gen = GenerationRequest(prompt_text="p", max_tokens=len(pieces), stop=stops, logprobs=0)
+    answer, out = Relay(gen, t_first=0.0, consumption_rate=1.0), []
     for i, piece in enumerate(pieces):
-        event = TokenEvent(piece, i, logprobs=(TokenLogprob(-0.5, piece.encode()),))
-        text, stopped = matcher.feed(piece)
-        aligner.add(event)
-        last = stopped or i == len(pieces) - 1
-        if last and not stopped:
-            text += matcher.flush()
-        text, lps = aligner.release(text, final=last)
-        out.append((text, tuple(e.token for e in lps)))
-        if stopped:
+        delta = answer.feed(TokenEvent(piece, i, logprobs=(TokenLogprob(-0.5, piece.encode()),)), 0.0)
+        out.append((delta.text, tuple(e.token for e in delta.logprobs)))
+        if delta.finish_reason is not None:
             break
     return out
 

@@ -1,10 +1,10 @@
-"""The gateway's SSE response (endpoints/openai.py): keep-alive pings while quiet, disconnect stops the stream."""
+"""The gateway's SSE response (endpoints/sse.py): keep-alive pings while quiet, disconnect stops the stream."""
 
 from __future__ import annotations
 
 import asyncio
 
-from endpoints.openai import _PING, _SSEResponse
+from endpoints.sse import PING, SSEResponse
 
 
 def _run(body_gen, disconnect_after: float | None, ping: float = 0.1) -> tuple[list[dict], bool]:
@@ -21,7 +21,7 @@ def _run(body_gen, disconnect_after: float | None, ping: float = 0.1) -> tuple[l
         sent.append(message)
 
     async def main() -> None:
-        response = _SSEResponse(body_gen(closed), {"x-request-id": "r1"}, ping)
+        response = SSEResponse(body_gen(closed), {"x-request-id": "r1"}, ping)
         await response({"type": "http"}, receive, send)
 
     asyncio.run(main())
@@ -43,7 +43,7 @@ def test_pings_fill_quiet_gaps_and_the_stream_ends_cleanly() -> None:
     assert (b"x-request-id", b"r1") in sent[0]["headers"]
     bodies = [m["body"] for m in sent[1:]]
     assert bodies[0] == b"data: 1\n\n" and bodies[-2:] == [b"data: 2\n\n", b""]
-    assert 2 <= bodies.count(_PING) <= 4 and _PING == b": ping\n\n"
+    assert 2 <= bodies.count(PING) <= 4 and PING == b": ping\n\n"
     assert sent[-1]["more_body"] is False and closed
 
 
