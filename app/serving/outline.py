@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import anyio
 
 from app.serving.job import Job
-from app.serving.orchestrator import Delta
+from app.serving.relay import Delta
 from clients.base import BackendError, Usage
 from endpoints.schemas import ChatCompletionRequest, ChatMessage, TandemOptions
 from policies.outline import assign, parse_outline
