@@ -227,7 +227,6 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             station=self.station,
             controller=self.controller,
             link=self.link_model,
-            stats=self.stats,
             tree=self.tree,
             token_bytes=self.token_bytes,
         )
@@ -451,4 +450,4 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     ) -> tuple[list[int], list | None]:
         """One speculative round (DecodeRounds.run): the new tokens and, when asked for, their logprobs."""
         assert self.rounds is not None
-        return await self.rounds.run(link, st, token, position, cap, sampling, slot=slot, room=room)
+        return await self.rounds.run(link, st, token, position, cap, sampling, self.stats, slot=slot, room=room)

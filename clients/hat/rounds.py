@@ -47,7 +47,8 @@ from policies.trees import DraftTree
 
 class DecodeRounds:
     """The decode rounds of one backend's streams (see the module docstring). `tree`: the token tree greedy rounds
-    verify (None: chains); `token_bytes` (token id -> bytes) spells logprobs' tokens."""
+    verify (None: chains); `token_bytes` (token id -> bytes) spells logprobs' tokens. Each round is counted into
+    the HATStats it is given: the backend's current ones (benchmarks replace them between measurements)."""
 
     def __init__(
         self,
@@ -59,7 +60,6 @@ class DecodeRounds:
         station: DraftingStation | None,
         controller: DraftLengthController,
         link: LinkModel,
-        stats: HATStats,
         tree: DraftTree | None,
         token_bytes: Callable[[int], bytes],
     ) -> None:
@@ -71,7 +71,6 @@ class DecodeRounds:
         self.station = station
         self.controller = controller
         self.link = link
-        self.stats = stats
         self.tree = tree
         self.token_bytes = token_bytes
         self.gamma = MovingAverage()  # seconds per draft step (HAT's gamma_i)
@@ -85,6 +84,7 @@ class DecodeRounds:
         position: int,
         cap: int,
         sampling: Sampling,
+        stats: HATStats,
         *,
         slot: StreamSlot | None = None,
         room: int | None = None,
@@ -95,12 +95,12 @@ class DecodeRounds:
         place at the drafting station, if it drafts there."""
         tree = self._tree_for(cap, room, sampling) if link.info.get("trees") else None
         if tree is not None and not (st.prepared is not None and st.prepared_at == (token, position)):
-            return await self._tree_round(link, st, token, position, tree), None
+            return await self._tree_round(link, st, token, position, tree, stats), None
         t0 = time.perf_counter()
         prepared = st.prepared is not None and st.prepared_at == (token, position)
         if prepared:
             draft = await self.thread.run(self.drafter.take_prepared, st, position, cap)
-            self.stats.parallel_hits += 1
+            stats.parallel_hits += 1
         else:
             if st.prepared is not None:  # stale branch (cannot happen unless the caller skipped a round): drop it
                 raise BackendError(f"{self.name}: internal error: unused parallel draft", 500, self.name)
@@ -118,7 +118,7 @@ class DecodeRounds:
         alone = slot is None or self.station is None or self.station.alone(slot)
         if self.options.parallel_drafting and k >= 1 and sampling.mask is None and alone:
             timing = self.link.reply_window(k, link.info)
-            parallel = asyncio.create_task(self._parallel(st, draft, position, sampling, stop, timing))
+            parallel = asyncio.create_task(self._parallel(st, draft, position, sampling, stop, timing, stats))
         try:
             frame = await link.reply(seq, wire.Kind.VERIFY_RESULT)
         finally:
@@ -159,15 +159,14 @@ class DecodeRounds:
         if branches is not None and accepted == k - 1 and new[-1] in branches.candidates and branches.shallows:
             await self.thread.run(self.drafter.adopt, st, branches, branches.candidates.index(new[-1]))
         t3 = time.perf_counter()
-        s = self.stats
-        s.rounds += 1
-        s.drafted += k
-        s.accepted += accepted
-        s.round_tokens += len(new)
-        s.draft_seconds += t1 - t0
-        s.wait_seconds += t2 - t1
-        s.verify_seconds += t3 - t2
-        s.round_seconds += t3 - t0
+        stats.rounds += 1
+        stats.drafted += k
+        stats.accepted += accepted
+        stats.round_tokens += len(new)
+        stats.draft_seconds += t1 - t0
+        stats.wait_seconds += t2 - t1
+        stats.verify_seconds += t3 - t2
+        stats.round_seconds += t3 - t0
         if k and t1 - t0 > 1e-3:
             self.gamma.update((t1 - t0) / k)
         return new, lps
@@ -185,7 +184,7 @@ class DecodeRounds:
         return tree
 
     async def _tree_round(
-        self, link: FrameSession, st: DraftState, token: int, position: int, tree: DraftTree
+        self, link: FrameSession, st: DraftState, token: int, position: int, tree: DraftTree, stats: HATStats
     ) -> list[int]:
         """One greedy round over a token tree (clients/hat/tree.py); returns the accepted drafts + the next token."""
         t0 = time.perf_counter()
@@ -206,16 +205,15 @@ class DecodeRounds:
         new, path = await self.thread.run(verify_tree, self.half, st, deep, draft, position)
         link.send_indices(wire.Kind.KEEP, path, position)
         t3 = time.perf_counter()
-        s = self.stats
-        s.rounds += 1
-        s.tree_rounds += 1
-        s.drafted += tree.width - 1
-        s.accepted += len(path) - 1
-        s.round_tokens += len(new)
-        s.draft_seconds += t1 - t0
-        s.wait_seconds += t2 - t1
-        s.verify_seconds += t3 - t2
-        s.round_seconds += t3 - t0
+        stats.rounds += 1
+        stats.tree_rounds += 1
+        stats.drafted += tree.width - 1
+        stats.accepted += len(path) - 1
+        stats.round_tokens += len(new)
+        stats.draft_seconds += t1 - t0
+        stats.wait_seconds += t2 - t1
+        stats.verify_seconds += t3 - t2
+        stats.round_seconds += t3 - t0
         return new
 
     # --- parallel drafting (Eq. 6) --------------------------------------------------------------
@@ -228,6 +226,7 @@ class DecodeRounds:
         sampling: Sampling,
         stop: threading.Event,
         timing: tuple[float, float],
+        stats: HATStats,
     ) -> Branches | None:
         start = time.perf_counter()
         g, window = timing
@@ -250,6 +249,6 @@ class DecodeRounds:
             t = time.perf_counter()
             await self.thread.run(self.drafter.step, branches, sampling)
             self.pd_gamma.update(time.perf_counter() - t)
-            self.stats.parallel_steps += 1
+            stats.parallel_steps += 1
             step = self.pd_gamma.get(step)
         return branches
