@@ -87,25 +87,28 @@ async def components(bench: Bench) -> dict[str, Any]:
     hidden = b.hidden_size
     out: dict[str, Any] = {"device_ms": {}, "worker_ms": {}, "link_ms": {}}
     dev = out["device_ms"]
+    half, full_half = b.half, full.half
     with torch.inference_mode():
-        cache = b._input.new_cache()
-        b._input(torch.tensor([ids[:256]]), cache, positions=0)
+        cache = half.input.new_cache()
+        half.input(torch.tensor([ids[:256]]), cache, positions=0)
 
         def input_one() -> None:
-            b._input(torch.tensor([[ids[256]]]), cache, positions=256)
+            half.input(torch.tensor([[ids[256]]]), cache, positions=256)
             cache.crop(256)
 
         dev["input_submodel_1_token"] = median_ms(input_one, REPEATS)
-        dev["input_submodel_256_tokens"] = median_ms(lambda: b._input(torch.tensor([ids[:256]]), None, positions=0), 3)
+        dev["input_submodel_256_tokens"] = median_ms(
+            lambda: half.input(torch.tensor([ids[:256]]), None, positions=0), 3
+        )
         feats = torch.randn(1, hidden)
-        dev["draft_head_reduced_vocab"] = median_ms(lambda: b._draft_logits(feats, 0), REPEATS)
-        dev["draft_head_full_vocab"] = median_ms(lambda: full._draft_logits(feats, 0), REPEATS)
-        acache = b.adapter.new_cache()
-        shallow = b._input(torch.tensor([ids[:256]]), None, positions=0)
-        b.adapter(shallow, acache, positions=0)
+        dev["draft_head_reduced_vocab"] = median_ms(lambda: half.draft_logits(feats, 0), REPEATS)
+        dev["draft_head_full_vocab"] = median_ms(lambda: full_half.draft_logits(feats, 0), REPEATS)
+        acache = half.adapter.new_cache()
+        shallow = half.input(torch.tensor([ids[:256]]), None, positions=0)
+        half.adapter(shallow, acache, positions=0)
 
         def adapter_one() -> None:
-            b.adapter(shallow[:, :1], acache, positions=256)
+            half.adapter(shallow[:, :1], acache, positions=256)
             acache.crop(256)
 
         dev["adapter_1_token"] = median_ms(adapter_one, REPEATS)
@@ -114,7 +117,7 @@ async def components(bench: Bench) -> dict[str, Any]:
         dev["draft_step_full_vocab"] = body + dev["draft_head_full_vocab"]
         for rows in (1, 4):
             deep = torch.randn(rows, hidden)
-            dev[f"lm_head_{rows}_rows"] = median_ms(lambda deep=deep: b._output(deep), REPEATS)
+            dev[f"lm_head_{rows}_rows"] = median_ms(lambda deep=deep: half.output(deep), REPEATS)
     await b.close()
     await full.close()
     token_bytes = hidden * 4

@@ -69,26 +69,6 @@ def backend_for(bench: Any, mode: str) -> Any:
     return HATBackend(options, model=bench.model, tokenizer=bench.tok)
 
 
-def count_device_time(backend: Any) -> list[float]:
-    """Instrument the backend's model thread: the returned cell accumulates the seconds its calls take (the device's
-    busy time, whatever the calls are: solo model calls or the station's batched units)."""
-    busy = [0.0]
-    run = backend._run
-
-    async def timed(fn: Any, *args: Any) -> Any:
-        def call() -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                busy[0] += time.perf_counter() - t
-
-        return await run(call)
-
-    backend._run = timed
-    return busy
-
-
 def set_grouping(backend: Any, mode: str) -> None:
     if backend.station is not None:
         backend.station.grouping = {"one group": "one", "Alg. 1": "alg1", "2 groups": 2}[mode]
@@ -102,8 +82,7 @@ async def run_streams(backend: Any, prompts: list[list[int]], tokens: int) -> di
         return [ev.token_id async for ev in backend.stream(req) if ev.token_id is not None]
 
     rounds, produced = backend.stats.rounds, backend.stats.round_tokens
-    busy = getattr(backend, "device_busy", [0.0])
-    busy0 = busy[0]
+    busy0 = backend.thread.busy_seconds  # the device's busy time: solo model calls or the station's batched units
     t0 = time.perf_counter()
     outputs = await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t0
@@ -111,7 +90,7 @@ async def run_streams(backend: Any, prompts: list[list[int]], tokens: int) -> di
     r = backend.stats.rounds - rounds
     return {
         "tok_s": total / wall,
-        "device_ms_per_token": 1e3 * (busy[0] - busy0) / max(total, 1),
+        "device_ms_per_token": 1e3 * (backend.thread.busy_seconds - busy0) / max(total, 1),
         "wall_s": wall,
         "tokens": total,
         "accept_length": (backend.stats.round_tokens - produced) / r if r else float("nan"),
@@ -129,7 +108,6 @@ async def measure(bench: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         for mode in modes:
             b = backend_for(bench, mode)
             await b.start()
-            b.device_busy = count_device_time(b)
             set_grouping(b, mode)
             if args.warmup_tokens:  # unmeasured: caches, and the station's T(b, F) fits for Alg. 1
                 await run_streams(b, prompts, args.warmup_tokens)

@@ -255,7 +255,7 @@ async def _measure(args: argparse.Namespace, backend: Any, model_name: str) -> t
     from app.profiling.measure import WorkerProbe, device_times, worker_times
     from clients.hat.link import LinkProfile
 
-    device = await backend._run(device_times, backend, args.rows, min(args.contexts), args.repeats)
+    device = await backend.thread.run(device_times, backend.half, args.rows, min(args.contexts), args.repeats)
     worker = None
     url = args.worker_url
     if not url:
@@ -273,7 +273,7 @@ async def _measure(args: argparse.Namespace, backend: Any, model_name: str) -> t
         need = max(args.contexts) + max([*args.widths, *_link_positions(args)])
         ids = torch.randint(0, min(backend.vocab_size, 32000), (1, need), generator=torch.Generator().manual_seed(1))
         with torch.inference_mode():
-            states = backend._input(ids, None, positions=0)[0]
+            states = backend.half.input(ids, None, positions=0)[0]
         probe = WorkerProbe(url, backend.hidden_size, backend.num_layers, args.m, model_name, link)
         async with probe:
             measured = await worker_times(
@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "hidden_size": backend.hidden_size,
         "num_layers": backend.num_layers,
         "adapter": {"file": adapter_path.name, "sha256": sha256_of(adapter_path)} if adapter_path else None,
-        "draft_vocab": {"file": vocab_path.name, "tokens": int(backend._draft_ids.numel())} if vocab_path else None,
+        "draft_vocab": {"file": vocab_path.name, "tokens": int(backend.half.draft_ids.numel())} if vocab_path else None,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "hosts": {
             "device": {
@@ -358,9 +358,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eos = set(backend.eos_ids)
     texts = calibration_texts(args, model, tok, eos)
     split = split_model(model, args.m)
+    half = backend.half
     ranked = {
         name: [
-            rp.rank_text(split, backend.adapter, p + a, len(p), backend._draft_ids, capped=not a or a[-1] not in eos)
+            rp.rank_text(split, half.adapter, p + a, len(p), half.draft_ids, capped=not a or a[-1] not in eos)
             for p, a in pairs
         ]
         for name, pairs in texts.items()

@@ -1,6 +1,6 @@
 """The timed half of `tandem profile`: the device's draft step and head, the worker's middle, the link.
 
-Device (this process, the real device-half code: clients.hat.device.HATBackend's input submodel, adapter and draft
+Device (this process, the real device-half code: clients.hat.half.DeviceHalf's input submodel, adapter and draft
 head with its reduced vocabulary): one draft-model step for r rows, batched as a tree depth or parallel drafting
 runs it (r continuations of one context, each fed one token, then the draft head over the r rows); the full LM
 head over r rows (verification). Medians over repeats.
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from clients.hat.half import DeviceHalf
 from policies.estimate import DEFAULT_HISTORY_WEIGHT
 
 
@@ -43,12 +44,12 @@ def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
 
 
 @torch.inference_mode()
-def device_times(backend: Any, rows: Sequence[int], context: int, repeats: int) -> dict[str, Any]:
-    """Draft step and LM head for each row count, after `context` tokens (a started HATBackend's parts)."""
+def device_times(half: DeviceHalf, rows: Sequence[int], context: int, repeats: int) -> dict[str, Any]:
+    """Draft step and LM head for each row count, after `context` tokens (a loaded HATBackend's parts)."""
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, min(backend.vocab_size, 32000), (1, context + 1), generator=gen)
-    in_cache, ad_cache = backend._input.new_cache(), backend.adapter.new_cache()
-    backend.adapter(backend._input(ids[:, :context], in_cache, positions=0), ad_cache, positions=0)
+    ids = torch.randint(0, min(half.vocab_size, 32000), (1, context + 1), generator=gen)
+    in_cache, ad_cache = half.input.new_cache(), half.adapter.new_cache()
+    half.adapter(half.input(ids[:, :context], in_cache, positions=0), ad_cache, positions=0)
     draft: dict[str, float] = {}
     head: dict[str, float] = {}
 
@@ -60,13 +61,13 @@ def device_times(backend: Any, rows: Sequence[int], context: int, repeats: int) 
 
         def step(r: int = r, tok: torch.Tensor = tok) -> None:
             ic, ac = in_cache.fork(r, context), ad_cache.fork(r, context)  # r continuations of one context
-            feats = backend.adapter(backend._input(tok, ic, positions=context), ac, positions=context)
-            torch.softmax(backend._draft_logits(feats[:, -1], context), -1).max(-1)
+            feats = half.adapter(half.input(tok, ic, positions=context), ac, positions=context)
+            torch.softmax(half.draft_logits(feats[:, -1], context), -1).max(-1)
 
         fork_only = ms(lambda r=r: (in_cache.fork(r, context), ad_cache.fork(r, context)))
         draft[str(r)] = round(max(ms(step) - fork_only, 1e-4), 4)
-        deep = torch.randn(r, backend.hidden_size, generator=gen)
-        head[str(r)] = ms(lambda deep=deep: backend._output(deep).float().argmax(-1))
+        deep = torch.randn(r, half.hidden_size, generator=gen)
+        head[str(r)] = ms(lambda deep=deep: half.head(deep).argmax(-1))
     return {"context": context, "draft_step_ms": draft, "head_ms": head}
 
 

@@ -1,20 +1,20 @@
 """The device's draft model w_S = H o Lambda o w^m (HAT §3.4-3.5): drafting, and parallel drafting's branches.
 
 The input submodel w^m and the adapter Lambda each keep a KV cache per generation (DraftState); the draft head H
-is the backend's (a reduced draft vocabulary lives there). Drafting stops by the Eq. 5 rule. Parallel drafting
-forks the caches into one batch row per top-k alternative to the last draft and drafts all rows at once; when
-the verified correction is one of them, that row becomes the generation's state and its drafts the next draft.
-Everything here runs on the backend's model thread.
+is the device half's (clients/hat/half.py; a reduced draft vocabulary lives there). Drafting stops by the Eq. 5
+rule. Parallel drafting forks the caches into one batch row per top-k alternative to the last draft and drafts all
+rows at once; when the verified correction is one of them, that row becomes the generation's state and its drafts
+the next draft. Everything here runs on the backend's model thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from clients.hat.half import DeviceHalf
+from clients.hat.request_sampling import Sampling
 from clients.hat.split import SplitKVCache
 from clients.sampling import choose
 from policies.drafting import DraftStopRule
@@ -60,18 +60,8 @@ class DraftRun:
     one generation, the drafting station (clients/hat/station.py) for several at once. Here: what to feed next, and
     the Eq. 5 stop rule, the cap and the grammar deciding each draft from the head's logits."""
 
-    def __init__(
-        self,
-        rule: DraftStopRule,
-        token: int,
-        position: int,
-        cap: int,
-        temperature: float,
-        top_p: float,
-        gen: torch.Generator | None,
-        mask: Any = None,
-    ) -> None:
-        self.rule, self.temperature, self.top_p, self.gen, self.mask = rule, temperature, top_p, gen, mask
+    def __init__(self, rule: DraftStopRule, token: int, position: int, cap: int, sampling: Sampling) -> None:
+        self.rule, self.sampling, self.mask = rule, sampling, sampling.mask
         self.token, self.position = token, position  # the next token to feed and where it goes
         self.cap = cap
         self.tokens: list[int] = []
@@ -95,7 +85,7 @@ class DraftRun:
             if not torch.isfinite(logits).any():  # a reduced draft vocabulary without an allowed token
                 self.done = True
                 return
-        d, probs = choose(logits, self.temperature, self.top_p, self.gen)
+        d, probs = choose(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.generator)
         keep, stop = self.rule.decide(float(probs[d]), len(self.tokens))
         if not keep:
             self.done = True
@@ -117,31 +107,23 @@ class DraftRun:
 
 
 class Drafter:
-    """Input submodel + adapter + draft head, with the Eq. 5 stop rule and `candidates` parallel branches."""
+    """The device half's draft model (input submodel + adapter + draft head), with the Eq. 5 stop rule and
+    `candidates` parallel branches."""
 
-    def __init__(
-        self,
-        input_model: Any,
-        adapter: Any,
-        head: Callable[[torch.Tensor, int], torch.Tensor],
-        rule: DraftStopRule,
-        candidates: int,
-    ) -> None:
-        self.input = input_model
-        self.adapter = adapter
-        self.head = head
+    def __init__(self, half: DeviceHalf, rule: DraftStopRule, candidates: int) -> None:
+        self.half = half
         self.rule = rule
         self.candidates = candidates
 
     def new_state(self) -> DraftState:
-        return DraftState(self.input.new_cache(), self.adapter.new_cache())
+        return DraftState(self.half.input.new_cache(), self.half.adapter.new_cache())
 
     def _feed(
         self, ids: torch.Tensor, input_cache: SplitKVCache, adapter_cache: SplitKVCache, position: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [rows, n] at `position` -> (shallow states, adapter features), appending to both caches."""
-        shallow = self.input(ids, input_cache, positions=position)
-        return shallow, self.adapter(shallow, adapter_cache, positions=position)
+        shallow = self.half.input(ids, input_cache, positions=position)
+        return shallow, self.half.adapter(shallow, adapter_cache, positions=position)
 
     def prefill(self, st: DraftState, ids: list[int], start: int) -> torch.Tensor:
         """A prompt chunk's shallow states; the adapter sees the chunk too, since the draft model attends to it."""
@@ -149,29 +131,19 @@ class Drafter:
             shallow, _ = self._feed(torch.tensor([ids], dtype=torch.long), st.input_cache, st.adapter_cache, start)
         return shallow[0]
 
-    def draft(
-        self,
-        st: DraftState,
-        token: int,
-        position: int,
-        cap: int,
-        temperature: float,
-        top_p: float,
-        gen: torch.Generator | None,
-        mask: Any = None,
-    ) -> Draft:
+    def draft(self, st: DraftState, token: int, position: int, cap: int, sampling: Sampling) -> Draft:
         """Draft up to `cap` tokens after `token` (Eq. 5 stop rule); shallow states of token + drafts.
 
-        `mask` (clients.grammar.TokenMask, a constrained request's): every draft is chosen from the head's logits
-        masked by the grammar advanced over the drafts before it; the grammar is stepped back to where it was
+        `sampling.mask` (clients.grammar.TokenMask, a constrained request's): every draft is chosen from the head's
+        logits masked by the grammar advanced over the drafts before it; the grammar is stepped back to where it was
         before returning. Drafting stops where the grammar is complete (nothing but the end may follow)."""
-        run = DraftRun(self.rule, token, position, cap, temperature, top_p, gen, mask)
+        run = DraftRun(self.rule, token, position, cap, sampling)
         with torch.inference_mode():
             while not run.done:
                 ids = torch.tensor([[run.token]], dtype=torch.long)
                 shallow, feats = self._feed(ids, st.input_cache, st.adapter_cache, run.position)
                 if run.fed(shallow[0]):
-                    run.decide(self.head(feats[:, -1], run.position)[0])
+                    run.decide(self.half.draft_logits(feats[:, -1], run.position)[0])
         return run.finish()
 
     def take_prepared(self, st: DraftState, position: int, cap: int) -> Draft:
@@ -194,17 +166,17 @@ class Drafter:
             return None
         return Branches(at, candidates, st.input_cache.fork(rows, at), st.adapter_cache.fork(rows, at))
 
-    def step(self, b: Branches, temperature: float, top_p: float, gen: torch.Generator | None) -> None:
+    def step(self, b: Branches, sampling: Sampling) -> None:
         """Feed every branch's newest token (the candidates first) and draft one more token per branch."""
         pos = b.position + len(b.shallows)
         cur = b.candidates if not b.tokens else b.tokens[-1]
         with torch.inference_mode():
             ids = torch.tensor(cur, dtype=torch.long)[:, None]
             shallow, feats = self._feed(ids, b.input_cache, b.adapter_cache, pos)
-            logits = self.head(feats[:, -1], pos)
+            logits = self.half.draft_logits(feats[:, -1], pos)
             chosen, probs, dists = [], [], []
             for row in logits:
-                d, dist = choose(row, temperature, top_p, gen)
+                d, dist = choose(row, sampling.temperature, sampling.top_p, sampling.generator)
                 chosen.append(d)
                 probs.append(float(dist[d]))
                 dists.append(dist)

@@ -28,7 +28,8 @@ same token for token. (`drafting = "solo"`, the one-call-at-a-time path, uses th
 up to float reassociation, as HAT is to U-shape decoding.)
 
 Parallel drafting runs only while the station serves a single stream (with more, the device has no idle time to
-fill). Everything here runs on the backend's model thread (`backend._run`); the scheduling runs on the event loop.
+fill). The batched passes run on the backend's model thread (clients/hat/model_thread.py) over its device half
+(clients/hat/half.py); the scheduling runs on the event loop.
 """
 
 from __future__ import annotations
@@ -37,23 +38,24 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 from clients.hat.drafting import Draft, DraftRun, DraftState
+from clients.hat.half import DeviceHalf
+from clients.hat.model_thread import ModelThread
 from clients.hat.ragged import ROWS_CHUNK, RaggedMiddle, project_rows
+from clients.hat.request_sampling import Sampling
+from clients.hat.station_schedule import Away, Kind, Pending, equal_groups, next_unit
+from clients.hat.verify import Verdict, VerifyJob, verify_round
+from policies.drafting import DraftStopRule
 from policies.sd_edge import Runtime, fit_runtime, plan_stream_groups
-
-if TYPE_CHECKING:
-    from clients.hat.device import HATBackend
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["prefill", "draft", "verify"]
-Away = Literal["drafted", "verified"]  # a decoding stream with nothing pending: draft at the worker / between rounds
 Grouping = Literal["alg1", "one"] | int  # Alg. 1 on the fitted times; all streams in one group; M equal groups
 DEFAULT_MAX_WAIT = 0.02  # seconds a group waits for a member between rounds (handing out its tokens)
 DEFAULT_SYNC_WAIT = 1.0  # seconds a group waits for a member whose draft is still at the worker
@@ -77,86 +79,9 @@ class StreamSlot:
 class _Job:
     kind: Kind
     slot: StreamSlot
-    args: tuple[Any, ...]
+    args: Any  # a prefill's or a draft's arguments, or a VerifyJob
     future: asyncio.Future[Any]
     at: float
-
-
-# --- the pure part: which work runs next --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pending:
-    kind: Kind
-    at: float  # when it was submitted
-
-
-def next_unit(
-    groups: Sequence[Sequence[int]],
-    pending: dict[int, Pending],
-    away: dict[int, tuple[Away, float]],
-    now: float,
-    max_wait: float,
-    sync_wait: float,
-) -> tuple[Kind, list[int]] | float | None:
-    """What the station runs next: (kind, stream ids), else the time at which a waiting group stops waiting (a
-    float), else None (nothing pending).
-
-    Prefill pieces are ready as soon as they arrive (all pending ones run together). A group's decode work waits
-    for its decoding members that have none pending (`away`: where each is, since when): up to `max_wait` after a
-    member's verification for members between rounds ("verified": handing out tokens, their next draft comes at
-    once), up to `sync_wait` after the group's oldest piece for members whose draft is at the worker ("drafted"),
-    so members that fell out of step (one joined late, one straggled) wait out one round trip once and then go
-    together. A ready
-    group verifies first (all its members with a verification pending), else drafts. Among ready units the one
-    ready first runs first (ties: verify, draft, prefill), so no group and no prefill is starved.
-    """
-    ready: list[tuple[float, int, Kind, list[int]]] = []
-    deadline: float | None = None
-    order = {"verify": 0, "draft": 1, "prefill": 2}
-    prefills = [s for s, p in pending.items() if p.kind == "prefill"]
-    if prefills:
-        ready.append((min(pending[s].at for s in prefills), order["prefill"], "prefill", sorted(prefills)))
-    grouped: set[int] = set()
-    for group in groups:
-        grouped.update(group)
-        jobs = [s for s in group if s in pending and pending[s].kind != "prefill"]
-        if not jobs:
-            continue
-        oldest = min(pending[s].at for s in jobs)
-        kind: Kind = "verify" if any(pending[s].kind == "verify" for s in jobs) else "draft"
-        chosen = [s for s in jobs if pending[s].kind == kind]
-        members_away = [away[s] for s in group if s in away]
-        waits = [since + max_wait if where == "verified" else oldest + sync_wait for where, since in members_away]
-        if not waits:
-            ready_at = max(pending[s].at for s in jobs)
-        else:
-            ready_at = max(waits)
-            if ready_at > now:
-                deadline = ready_at if deadline is None else min(deadline, ready_at)
-                continue
-        ready.append((ready_at, order[kind], kind, chosen))
-    loose = [s for s, p in pending.items() if p.kind != "prefill" and s not in grouped]  # joined since the plan
-    if loose:
-        kind = "verify" if any(pending[s].kind == "verify" for s in loose) else "draft"
-        chosen = [s for s in loose if pending[s].kind == kind]
-        ready.append((min(pending[s].at for s in chosen), order[kind], kind, chosen))
-    if ready:
-        _, _, kind, chosen = min(ready, key=lambda r: (r[0], r[1]))
-        return kind, chosen
-    return deadline
-
-
-def equal_groups(ids: Sequence[int], count: int) -> list[list[int]]:
-    """`ids` (in order) cut into `count` contiguous groups of near-equal size (none empty)."""
-    count = max(1, min(int(count), len(ids)))
-    size, extra = divmod(len(ids), count)
-    out, start = [], 0
-    for g in range(count):
-        end = start + size + (1 if g < extra else 0)
-        out.append(list(ids[start:end]))
-        start = end
-    return [g for g in out if g]
 
 
 # --- the station ---------------------------------------------------------------------------------------------------
@@ -175,22 +100,29 @@ class StationStats:
 
 
 class DraftingStation:
-    """Batched device work for a HATBackend's concurrent streams (see the module docstring)."""
+    """Batched device work for a HATBackend's concurrent streams (see the module docstring): over `half`, on
+    `thread`, drafts stopped by `rule`; `token_bytes` (token id -> bytes) spells logprobs' tokens."""
 
     def __init__(
         self,
-        backend: HATBackend,
+        half: DeviceHalf,
+        thread: ModelThread,
+        rule: DraftStopRule,
+        token_bytes: Callable[[int], bytes],
         *,
         grouping: Grouping = "alg1",
         max_wait: float = DEFAULT_MAX_WAIT,
         sync_wait: float = DEFAULT_SYNC_WAIT,
     ):
-        self.backend = backend
+        self.half = half
+        self.thread = thread
+        self.rule = rule
+        self.token_bytes = token_bytes
         self.grouping: Grouping = grouping
         self.max_wait = max_wait
         self.sync_wait = sync_wait
-        self._input = RaggedMiddle(backend._input.stack, ROWS_CHUNK, batch_invariant=True)
-        self._adapter = RaggedMiddle(backend.adapter.stack, ROWS_CHUNK, batch_invariant=True)
+        self._input = RaggedMiddle(half.input.stack, ROWS_CHUNK, batch_invariant=True)
+        self._adapter = RaggedMiddle(half.adapter.stack, ROWS_CHUNK, batch_invariant=True)
         self._slots: dict[int, StreamSlot] = {}
         self._next_id = 0
         self._jobs: dict[int, _Job] = {}  # at most one pending job per stream
@@ -240,31 +172,22 @@ class DraftingStation:
         return await self._submit("prefill", slot, (st, ids, start))
 
     async def draft(
-        self,
-        slot: StreamSlot,
-        st: DraftState,
-        token: int,
-        position: int,
-        cap: int,
-        temperature: float,
-        top_p: float,
-        gen: torch.Generator | None,
-        mask: Any = None,
+        self, slot: StreamSlot, st: DraftState, token: int, position: int, cap: int, sampling: Sampling
     ) -> Draft:
         slot.decoding = True
         slot.context = position
-        return await self._submit("draft", slot, (st, token, position, cap, temperature, top_p, gen, mask))
+        return await self._submit("draft", slot, (st, token, position, cap, sampling))
 
-    async def verify(self, slot: StreamSlot, *args: Any) -> tuple[list[int], int, list | None]:
-        """The arguments of HATBackend._verify; its result, the head's rows computed batched with other streams'."""
-        return await self._submit("verify", slot, args)
+    async def verify(self, slot: StreamSlot, job: VerifyJob) -> tuple[Verdict, list | None]:
+        """verify.verify_round of `job`, the head's rows computed batched with other streams'."""
+        return await self._submit("verify", slot, job)
 
     def observe_wait(self, slot: StreamSlot, seconds: float) -> None:
         """A stream's send -> reply time for its latest draft: a point of the verify stage's T(b, F)."""
         streams, rows = slot.sent
         self.wait_points.append((streams, rows / streams, seconds))
 
-    async def _submit(self, kind: Kind, slot: StreamSlot, args: tuple[Any, ...]) -> Any:
+    async def _submit(self, kind: Kind, slot: StreamSlot, args: Any) -> Any:
         if slot.id not in self._slots:
             raise RuntimeError("stream is not at the station")
         if slot.id in self._jobs:
@@ -307,7 +230,7 @@ class DraftingStation:
         st.streams[kind] += len(jobs)
         st.max_streams = max(st.max_streams, len(jobs))
         try:
-            results = await self.backend._run(fn, [j.args for j in jobs])
+            results = await self.thread.run(fn, [j.args for j in jobs])
         except BaseException as exc:  # a torch failure (or the backend closing): every stream in the unit fails
             for j in jobs:
                 if not j.future.done():
@@ -384,7 +307,7 @@ class DraftingStation:
                 raise RuntimeError(f"drafting station: caches hold {len(st.input_cache)} positions, fed at {position}")
         sizes = [len(ids) for ids, _, _ in items]
         flat = torch.tensor([t for ids, _, _ in items for t in ids], dtype=torch.long)
-        embedded = self.backend._input.embed_tokens(flat).split(sizes)
+        embedded = self.half.input.embed_tokens(flat).split(sizes)
         project = project_rows if draft_step else None
         shallow = self._input.forward(
             [(e, st.input_cache) for e, (_, st, _) in zip(embedded, items, strict=True)], project=project
@@ -400,8 +323,7 @@ class DraftingStation:
         return shallow
 
     def _draft_batch(self, jobs: list[tuple[Any, ...]]) -> list[Draft]:
-        rule = self.backend.rule
-        runs = [DraftRun(rule, *args[1:]) for args in jobs]
+        runs = [DraftRun(self.rule, *args[1:]) for args in jobs]
         states: list[DraftState] = [args[0] for args in jobs]
         t0 = time.perf_counter()
         fed = 0
@@ -418,29 +340,25 @@ class DraftingStation:
                 want = [(i, f) for i, s, f in zip(active, shallow, feats, strict=True) if runs[i].fed(s)]
                 if want:
                     rows = torch.cat([f[-1:] for _, f in want])
-                    logits = self.backend._draft_logits(rows, [runs[i].position for i, _ in want])
+                    logits = self.half.draft_logits(rows, [runs[i].position for i, _ in want])
                     for (i, _), row in zip(want, logits, strict=True):
                         runs[i].decide(row)
         drafts = [r.finish() for r in runs]
         self.draft_points.append((len(jobs), fed / len(jobs), time.perf_counter() - t0))
         return drafts
 
-    def _verify_batch(self, jobs: list[tuple[Any, ...]]) -> list[Any]:
-        """HATBackend._verify for each job, its head rows computed in (at most) two batched calls."""
+    def _verify_batch(self, jobs: list[VerifyJob]) -> list[Any]:
+        """verify.verify_round for each job, its head rows computed in (at most) two batched calls."""
         t0 = time.perf_counter()
         computed: list[dict[int, torch.Tensor]] = [{} for _ in jobs]
         head_rows = 0
-
-        def plain(args: tuple[Any, ...]) -> bool:  # greedy without penalties or grammar: the lazy row order applies
-            _, _, _, _, temperature, _, _, adjust, _, mask = args
-            return temperature <= 0 and adjust is None and mask is None
 
         def run_head(wanted: list[tuple[int, int]]) -> None:
             nonlocal head_rows
             if not wanted:
                 return
-            rows = torch.stack([jobs[j][1][r] for j, r in wanted])
-            logits = self.backend._head_rows(rows)
+            rows = torch.stack([jobs[j].deep[r] for j, r in wanted])
+            logits = self.half.head_rows(rows)
             for (j, r), row in zip(wanted, logits, strict=True):
                 computed[j][r] = row
             head_rows += len(wanted)
@@ -449,36 +367,35 @@ class DraftingStation:
         with torch.inference_mode():
             first: list[tuple[int, int]] = []
             rest: list[tuple[int, int]] = []  # rows a plain job may need: they fill the first call's last chunk
-            for j, args in enumerate(jobs):
-                n = int(args[1].shape[0])
-                first += [(j, r) for r in range(n if not plain(args) else 1)]
-                if plain(args):
+            for j, job in enumerate(jobs):  # greedy on raw logits: the lazy row order applies
+                n = int(job.deep.shape[0])
+                first += [(j, r) for r in range(n if not job.sampling.raw_argmax else 1)]
+                if job.sampling.raw_argmax:
                     rest += [(j, r) for r in range(1, n)]
             fill = -len(first) % ROWS_CHUNK
             run_head(first + rest[:fill])
             second = []
-            for j, args in enumerate(jobs):
-                draft = args[2]
-                n = int(args[1].shape[0])
-                if plain(args) and n > 1 and int(computed[j][0].argmax()) == draft.tokens[0]:
+            for j, job in enumerate(jobs):
+                n = int(job.deep.shape[0])
+                if job.sampling.raw_argmax and n > 1 and int(computed[j][0].argmax()) == job.draft.tokens[0]:
                     second += [(j, r) for r in range(1, n) if r not in computed[j]]
             run_head(second)
         self.stats.head_rows += head_rows
         t_head = time.perf_counter() - t0
         results: list[Any] = []
-        for j, args in enumerate(jobs):
-            deep = args[1]
+        for j, job in enumerate(jobs):
+            deep = job.deep
             rows = computed[j]
 
             def head(lo: int, hi: int, deep: torch.Tensor = deep, rows: dict[int, torch.Tensor] = rows) -> torch.Tensor:
                 missing = [r for r in range(lo, hi) if r not in rows]
                 if missing:  # not foreseen above (cannot happen for plain jobs): still batch-invariant rows
-                    for r, row in zip(missing, self.backend._head_rows(deep[missing]), strict=True):
+                    for r, row in zip(missing, self.half.head_rows(deep[missing]), strict=True):
                         rows[r] = row
                 return torch.stack([rows[r] for r in range(lo, hi)])
 
             try:
-                results.append(self.backend._verify(*args, head=head))
+                results.append(verify_round(job, head, self.token_bytes))
             except Exception as exc:  # one stream's failure (e.g. its grammar) is its own
                 results.append(exc)
         self.head_points.append((len(jobs), max(head_rows, 1) / len(jobs), t_head))

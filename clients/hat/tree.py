@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from clients.hat.drafting import Drafter, DraftState
+from clients.hat.half import DeviceHalf
 from clients.hat.ragged import ancestor_tensor
 from policies.trees import DraftTree
 
@@ -56,14 +57,14 @@ def draft_tree(drafter: Drafter, st: DraftState, token: int, position: int, tree
             mask = torch.ones(len(level), cached + len(level), dtype=torch.bool)
             mask[:, position:] = ancestors[first:last, :last]  # the tree's nodes: own ancestors only
             positions = torch.full((len(level),), position + depth, dtype=torch.long)
-            shallow = drafter.input(ids, st.input_cache, positions=positions, attention_mask=mask)
-            feats = drafter.adapter(shallow, st.adapter_cache, positions=positions, attention_mask=mask)
+            shallow = drafter.half.input(ids, st.input_cache, positions=positions, attention_mask=mask)
+            feats = drafter.half.adapter(shallow, st.adapter_cache, positions=positions, attention_mask=mask)
             shallows.append(shallow[0])
             parents = [i for i in level if has_children[i]]
             if not parents:
                 continue
             rows = torch.tensor([i - first for i in parents])
-            logits = drafter.head(feats[0, rows], position + depth)
+            logits = drafter.half.draft_logits(feats[0, rows], position + depth)
             children = tree.children
             k = 1 + max(r for i in parents for r in children(i))
             top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1).indices.tolist()
@@ -105,3 +106,14 @@ def keep_path(st: DraftState, position: int, path: list[int]) -> None:
     slots = [*range(position), *(position + n for n in path)]
     st.input_cache.keep(slots)
     st.adapter_cache.keep(slots)
+
+
+def verify_tree(
+    half: DeviceHalf, st: DraftState, deep: torch.Tensor, draft: TreeDraft, position: int
+) -> tuple[list[int], list[int]]:
+    """walk_greedy with the device's head over the tree's deep states [w, hidden], then the draft caches cut to the
+    kept path: (new tokens, the path's node indices)."""
+    with torch.inference_mode():
+        new, path = walk_greedy(lambda rows: half.head_rows(deep[rows]), draft)
+    keep_path(st, position, path)
+    return new, path

@@ -32,6 +32,7 @@ from clients.base import BackendError, GenerationRequest, TokenEvent
 from clients.hat import wire
 from clients.hat.adapter import draft_files
 from clients.hat.device import HATBackend
+from clients.hat.half import DeviceHalf
 from clients.hat.link import LinkProfile
 from clients.hat.options import HATOptions
 from clients.hat.split import split_model
@@ -192,9 +193,10 @@ async def test_qwen_greedy_equals_u_shape() -> None:
         elapsed = time.perf_counter() - t0
         print(f"qwen 0.5B HAT: {N} tokens in {elapsed:.1f} s; {backend.stats.summary()}")
         assert backend.stats.accepted > 0
-        logits = backend._draft_logits(torch.zeros(1, backend.hidden_size), 0)[0]
-        outside = torch.ones(backend.vocab_size, dtype=torch.bool)
-        outside[backend._draft_ids] = False
+        half = backend.half
+        logits = half.draft_logits(torch.zeros(1, half.hidden_size), 0)[0]
+        outside = torch.ones(half.vocab_size, dtype=torch.bool)
+        outside[half.draft_ids] = False
         assert torch.isinf(logits[outside]).all() and torch.isfinite(logits[~outside]).all()
         await backend.close()
     finally:
@@ -722,7 +724,7 @@ async def test_dp_chunking_plans_unequal_chunks_and_keeps_greedy_exact(worker: W
     link = LinkProfile(latency=0.005, up_bandwidth=2e6, down_bandwidth=4e6, seed=1)
     backend = worker.backend(model, tok, SMOL, chunk_size=None, link=link, chunking="dp")
     await backend.start()
-    tau = backend._device_tau
+    tau = backend.prefill_planner.device_tau
     assert tau is not None and tau.b > 0  # seconds per token of the device's prefill step, measured
     got = token_ids(await collect(backend, ids, max_tokens=6))
     await backend.close()
@@ -812,16 +814,17 @@ async def test_unreachable_worker_and_cancel_mid_round(worker: WorkerServer, smo
     await backend.close()
 
 
-class OracleHAT(HATBackend):
+class OracleHalf(DeviceHalf):
     """A draft head that knows the U-shape answer: confident and right at most positions, unsure at every third
     (top-1 wrong at 0.5, the right token second at 0.4). A trained adapter's behaviour, made deterministic, to
     exercise multi-token acceptance, rollback of the rejected tail and parallel drafting's branch reuse."""
 
-    def __init__(self, *args: Any, answer: dict[int, int], **kw: Any) -> None:
-        super().__init__(*args, **kw)
+    def __init__(self, half: DeviceHalf, answer: dict[int, int]) -> None:
+        sizes = {"hidden_size": half.hidden_size, "num_layers": half.num_layers, "vocab_size": half.vocab_size}
+        super().__init__(half.input, half.adapter, half.output, **sizes)
         self.answer = answer
 
-    def _draft_logits(self, feats: torch.Tensor, position: int | list[int]) -> torch.Tensor:
+    def draft_logits(self, feats: torch.Tensor, position: int | list[int]) -> torch.Tensor:
         positions = position if isinstance(position, list) else [position] * feats.shape[0]  # per row at the station
         out = torch.full((feats.shape[0], self.vocab_size), -50.0)
         for row, pos in zip(out, positions, strict=True):
@@ -831,6 +834,17 @@ class OracleHAT(HATBackend):
             else:
                 row[(want + 1) % self.vocab_size], row[want], row[(want + 7) % self.vocab_size] = 0.0, -0.22, -1.6
         return out
+
+
+class OracleHAT(HATBackend):
+    """A HATBackend drafting with OracleHalf's draft head."""
+
+    def __init__(self, *args: Any, answer: dict[int, int], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.answer = answer
+
+    def load_half(self, model: Any) -> DeviceHalf:
+        return OracleHalf(super().load_half(model), self.answer)
 
 
 async def test_accepted_drafts_and_parallel_drafting_keep_greedy_exact(worker: WorkerServer, smol, reference) -> None:

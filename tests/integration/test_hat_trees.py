@@ -208,14 +208,11 @@ async def test_tree_frames_that_do_not_fit_are_refused(worker, smol) -> None:
 def test_device_tree_drafting_keeps_its_caches_consistent(smol) -> None:
     """Drafting a tree and keeping one path leaves the draft caches as if that path had been fed as a chain."""
     model, tok = smol
-    from clients.hat.adapter import Adapter
     from clients.hat.drafting import Drafter
-    from clients.hat.split import split_model
+    from clients.hat.half import DeviceHalf
     from policies.drafting import DraftStopRule
 
-    split = split_model(model, 2)
-    adapter = Adapter(model, 2).eval()
-    drafter = Drafter(split.input, adapter, lambda feats, pos: split.output(feats).float(), DraftStopRule(), 3)
+    drafter = Drafter(DeviceHalf.load(model, 2), DraftStopRule(), 3)  # the untrained adapter
     ids = prompt_ids(tok)
     tree = from_paths([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
     st = drafter.new_state()

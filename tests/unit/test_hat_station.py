@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from clients.hat.station import Pending, equal_groups, next_unit
+from clients.hat.station_schedule import Pending, equal_groups, next_unit
 from policies.sd_edge import Runtime, contiguous_partitions, plan_stream_groups, stream_groups_latency
 
 # --- Alg. 1 over streams ----------------------------------------------------------------------------------------

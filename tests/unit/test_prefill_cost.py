@@ -15,8 +15,8 @@ from transformers import LlamaForCausalLM
 from app.worker.engine import Engine
 from app.worker.sessions import EngineLimits
 from clients.hat import wire
-from clients.hat.device import HATBackend, worker_prefill_cost
 from clients.hat.options import HATOptions
+from clients.hat.prefill_plan import PrefillPlanner, worker_prefill_cost
 from clients.hat.split import split_model
 from policies.jupiter import ChunkCost, plan_device_prefill
 
@@ -79,23 +79,21 @@ def test_the_device_reads_tau_as_one_stage_and_refuses_malformed_values() -> Non
         assert worker_prefill_cost({"prefill_tau": bad}) is None, bad
 
 
-def test_dp_chunks_are_planned_with_the_workers_tau_when_it_sends_one(tiny: LlamaForCausalLM) -> None:
-    backend = HATBackend(
-        HATOptions("ws://127.0.0.1:1", model_id="tiny", chunking="dp", chunk_size=None, beta_up=5e6),
-        model=tiny,
-        tokenizer=object(),
+def test_dp_chunks_are_planned_with_the_workers_tau_when_it_sends_one() -> None:
+    planner = PrefillPlanner(
+        HATOptions("ws://127.0.0.1:1", model_id="tiny", chunking="dp", chunk_size=None),
+        state_bytes=H * 4,  # what loading the device half would set (float32 on the wire)
+        device_tau=ChunkCost(0.002, 1e-4),
     )
-    backend.hidden_size = H  # what loading the device half would set
-    backend._device_tau = ChunkCost(0.002, 1e-4)
     base = {"g": [1e-4, 0.01], "mu": 1.0, "max_frame_bytes": 1 << 20}
     worker = ChunkCost(0.05, 1e-3, 2e-6, 1e-6)  # a pass's fixed cost and attention g knows nothing of
-    with_tau = backend._prefill_bounds(1024, {**base, "prefill_tau": [[worker.a, worker.b, worker.c, worker.d]]})
-    assert backend.stats.last_worker_tau == worker
+    with_tau = planner.plan(1024, {**base, "prefill_tau": [[worker.a, worker.b, worker.c, worker.d]]}, beta_up=5e6)
+    assert with_tau.worker_tau == worker
     want = plan_device_prefill(
-        1024, backend._device_tau, worker, token_bytes=H * 4, beta_up=5e6, min_len=16, granularity=16,
+        1024, planner.device_tau, worker, token_bytes=H * 4, beta_up=5e6, min_len=16, granularity=16,
         max_len=(1 << 20) // (H * 4),
     )  # fmt: skip
-    assert with_tau == want.bounds
-    without = backend._prefill_bounds(1024, base)  # an older worker: g as a context-free τ
-    assert backend.stats.last_worker_tau == ChunkCost(0.01, 1e-4)
-    assert without != with_tau
+    assert with_tau.bounds == want.bounds
+    without = planner.plan(1024, base, beta_up=5e6)  # an older worker: g as a context-free τ
+    assert without.worker_tau == ChunkCost(0.01, 1e-4)
+    assert without.bounds != with_tau.bounds

@@ -1,0 +1,109 @@
+"""The device's parts of a HAT split, as one object: the input submodel w^m (embedding + layers 0..m-1), the adapter
+Lambda and the output submodel (final norm + LM head), with the two heads made of them.
+
+- The draft head H o Lambda o w^m's last step, `draft_logits`: over a reduced draft vocabulary when one is loaded
+  (only its rows of the LM head are multiplied; the other logits are -inf), else the full head.
+- The verification head, `head_rows`: the output submodel over rows through ragged.rows_linear, batch-invariant (the
+  drafting station computes several streams' rows in one call and each row is what it would be alone), and `head`,
+  the output submodel's own forward (one stream's rows at a time: the solo path and the prefill's last position).
+
+The backend drafts and verifies with it, the drafting station batches its streams' work over it, and `tandem
+profile` and the benchmarks time its parts. It keeps no per-generation state (a DraftState holds the caches) and
+runs on whatever thread calls it: in serving, the backend's model thread (clients/hat/model_thread.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from clients.hat.adapter import Adapter
+from clients.hat.ragged import rows_linear
+from clients.hat.split import InputSubmodel, OutputSubmodel, split_model
+
+
+class DeviceHalf:
+    """Input submodel + adapter + output submodel of a model split after layer m (see the module docstring)."""
+
+    def __init__(
+        self,
+        input_model: InputSubmodel,
+        adapter: Adapter,
+        output: OutputSubmodel,
+        *,
+        hidden_size: int,
+        num_layers: int,
+        vocab_size: int,
+    ) -> None:
+        self.input = input_model
+        self.adapter = adapter
+        self.output = output
+        self.hidden_size, self.num_layers, self.vocab_size = hidden_size, num_layers, vocab_size
+        self.draft_ids: torch.Tensor | None = None  # the reduced draft vocabulary (sorted token ids), if any
+        self.draft_weight: torch.Tensor | None = None  # the LM head's rows for them
+
+    @classmethod
+    def load(
+        cls, model: nn.Module, m: int, adapter_path: str | os.PathLike[str] | None = None, *, trim: bool = False
+    ) -> DeviceHalf:
+        """The device half of `model` split after layer m, with the adapter from `adapter_path` (None: untrained,
+        initialised from layer m's attention). `trim`: drop the middle layers from `model` (most of its weights; the
+        device never runs them) — only for a model this half owns."""
+        split = split_model(model, m)
+        adapter = Adapter.load(model, adapter_path) if adapter_path else Adapter(model, m)
+        if adapter.m != m:
+            raise ValueError(f"adapter {adapter_path} was trained for m={adapter.m}, not m={m}")
+        adapter.eval()
+        if trim:  # after the adapter copied layer m's attention
+            model.model.layers = nn.ModuleList(list(model.model.layers)[:m])
+        return cls(
+            split.input,
+            adapter,
+            split.output,
+            hidden_size=split.hidden_size,
+            num_layers=split.num_layers,
+            vocab_size=split.vocab_size,
+        )
+
+    def load_draft_vocab(self, path: str | os.PathLike[str], eos_ids: Collection[int]) -> None:
+        """Draft among the token ids of `path` (JSON {"token_ids": [...]}) and the end tokens only."""
+        ids = json.loads(Path(path).read_text())["token_ids"]
+        if not ids or any(not isinstance(i, int) or not 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"draft vocabulary {path}: token_ids must be token ids below {self.vocab_size}")
+        chosen = torch.tensor(sorted(set(ids) | set(eos_ids)), dtype=torch.long)
+        self.draft_ids = chosen
+        self.draft_weight = self.output.lm_head.weight[chosen].contiguous()
+
+    def draft_logits(self, feats: torch.Tensor, position: int | list[int]) -> torch.Tensor:
+        """Draft head: adapter features [rows, hidden] of tokens fed at `position` (one for all rows, or one per row)
+        -> logits [rows, vocab] for the next position.
+
+        With a reduced draft vocabulary only its rows of the head are computed; the other logits are -inf. Rows go
+        through ragged.rows_linear: batch-invariant (the drafting station batches streams' rows) and, for a few
+        rows, faster than a plain linear. `position` does not change the logits here; a subclass may use it (the
+        tests' oracle draft heads)."""
+        if self.draft_ids is None:
+            return self.head_rows(feats)
+        assert self.draft_weight is not None
+        normed = self.output.norm(feats.to(self.draft_weight.dtype))
+        logits = torch.full((feats.shape[0], self.vocab_size), float("-inf"))
+        logits[:, self.draft_ids] = rows_linear(normed, self.draft_weight).float()
+        return logits
+
+    def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output submodel (final norm + LM head) over rows, batch-invariant (ragged.rows_linear): float logits."""
+        head = self.output.lm_head
+        logits = rows_linear(self.output.norm(hidden.to(head.weight.dtype)), head.weight)
+        if head.bias is not None:
+            logits = logits + head.bias
+        return logits.float()
+
+    def head(self, deep: torch.Tensor) -> torch.Tensor:
+        """The output submodel's own forward over deep states [rows, hidden]: float logits. Equal to `head_rows` up
+        to float reassociation (a blocked GEMM over the rows)."""
+        return self.output(deep).float()

@@ -1,0 +1,254 @@
+"""A HAT generation's decode rounds (HAT §3.4-3.5): draft, send, wait, verify, roll back.
+
+A chain round: from the last accepted token the draft model drafts (clients/hat/drafting.py, at the drafting
+station when several streams share the backend), the shallow states of [token + drafts] go out (DRAFT), their deep
+states come back (VERIFY_RESULT), verification (clients/hat/verify.py) accepts a prefix plus one token, the rejected
+tail leaves both caches (ROLLBACK to the worker, crop here), and the round's parts feed the draft-length controller
+(Eq. 7's estimates) and the backend's counters.
+
+Parallel drafting (Eq. 6; `parallel_drafting`): while the worker verifies, the device drafts ahead from the top-k
+alternatives to the last draft, one batched step per candidate set, as many steps as Eq. 6 says fit the round trip
+and never past the reply's arrival. If the verified correction is one of the candidates, the next round starts with
+that branch's drafts and caches. Not under a grammar (each branch would need its own grammar state), and at the
+station only while it serves this one stream (with more, the device's waiting time goes to the other streams). It
+changes no output (drafts are only proposals); with sampling, it makes seeded runs timing-dependent (not
+reproducible run to run), while keeping the output distribution exact.
+
+A tree round (`tree_width`, clients/hat/tree.py): for plain greedy rounds whose cap allows the tree's depth and
+whose context has room for all its nodes, a tree of w nodes drafted over the draft head's top-k (one batched step
+per depth), its structure sent (TREE: parent indices, no tokens) before its DRAFT, the verified tree walked from
+the root with the head on as few rows as it needs, and both caches cut to the accepted path (KEEP to the worker).
+Tree rounds run on the model thread by themselves, not at the station.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+from clients.base import BackendError
+from clients.hat import wire
+from clients.hat.drafting import Branches, Draft, Drafter, DraftState
+from clients.hat.half import DeviceHalf
+from clients.hat.link_model import LinkModel
+from clients.hat.model_thread import ModelThread
+from clients.hat.options import HATOptions, HATStats
+from clients.hat.request_sampling import Sampling
+from clients.hat.session import FrameSession
+from clients.hat.station import DraftingStation, StreamSlot
+from clients.hat.tree import draft_tree, verify_tree
+from clients.hat.verify import VerifyJob, verify_round
+from policies.drafting import DraftLengthController, parallel_draft_steps
+from policies.estimate import MovingAverage
+from policies.trees import DraftTree
+
+
+class DecodeRounds:
+    """The decode rounds of one backend's streams (see the module docstring). `tree`: the token tree greedy rounds
+    verify (None: chains); `token_bytes` (token id -> bytes) spells logprobs' tokens. Each round is counted into
+    the HATStats it is given: the backend's current ones (benchmarks replace them between measurements)."""
+
+    def __init__(
+        self,
+        *,
+        options: HATOptions,
+        half: DeviceHalf,
+        thread: ModelThread,
+        drafter: Drafter,
+        station: DraftingStation | None,
+        controller: DraftLengthController,
+        link: LinkModel,
+        tree: DraftTree | None,
+        token_bytes: Callable[[int], bytes],
+    ) -> None:
+        self.name = options.name
+        self.options = options
+        self.half = half
+        self.thread = thread
+        self.drafter = drafter
+        self.station = station
+        self.controller = controller
+        self.link = link
+        self.tree = tree
+        self.token_bytes = token_bytes
+        self.gamma = MovingAverage()  # seconds per draft step (HAT's gamma_i)
+        self.pd_gamma = MovingAverage()  # seconds per batched parallel-drafting step
+
+    async def run(
+        self,
+        link: FrameSession,
+        st: DraftState,
+        token: int,
+        position: int,
+        cap: int,
+        sampling: Sampling,
+        stats: HATStats,
+        *,
+        slot: StreamSlot | None = None,
+        room: int | None = None,
+    ) -> tuple[list[int], list | None]:
+        """One speculative round from `token` at `position`; returns the new tokens (accepted drafts + 1) and,
+        when the request asked for them, their logprobs (from the head's logits at each token's position).
+        `room`: positions the context has left from `position` (a tree needs one per node). `slot`: the stream's
+        place at the drafting station, if it drafts there."""
+        tree = self._tree_for(cap, room, sampling) if link.info.get("trees") else None
+        if tree is not None and not (st.prepared is not None and st.prepared_at == (token, position)):
+            return await self._tree_round(link, st, token, position, tree, stats), None
+        t0 = time.perf_counter()
+        prepared = st.prepared is not None and st.prepared_at == (token, position)
+        if prepared:
+            draft = await self.thread.run(self.drafter.take_prepared, st, position, cap)
+            stats.parallel_hits += 1
+        else:
+            if st.prepared is not None:  # stale branch (cannot happen unless the caller skipped a round): drop it
+                raise BackendError(f"{self.name}: internal error: unused parallel draft", 500, self.name)
+            draft = await (
+                self.station.draft(slot, st, token, position, cap, sampling)
+                if slot is not None and self.station is not None
+                else self.thread.run(self.drafter.draft, st, token, position, cap, sampling)
+            )
+        st.prepared = st.prepared_at = None
+        t1 = time.perf_counter()
+        k = len(draft.tokens)
+        seq = link.send_tensor(wire.Kind.DRAFT, draft.shallow, position)
+        parallel: asyncio.Task[Branches | None] | None = None
+        stop = threading.Event()
+        alone = slot is None or self.station is None or self.station.alone(slot)
+        if self.options.parallel_drafting and k >= 1 and sampling.mask is None and alone:
+            timing = self.link.reply_window(k, link.info)
+            parallel = asyncio.create_task(self._parallel(st, draft, position, sampling, stop, timing, stats))
+        try:
+            frame = await link.reply(seq, wire.Kind.VERIFY_RESULT)
+        finally:
+            stop.set()  # parallel drafting never delays verification by more than one step
+        t2 = time.perf_counter()
+        if slot is not None and self.station is not None:
+            self.station.observe_wait(slot, t2 - t1)
+        branches = await parallel if parallel is not None else None
+        deep = frame.tensor().reshape(-1, self.half.hidden_size)
+        if frame.arg != position or deep.shape[0] != k + 1:
+            raise BackendError(
+                f"{self.name}: worker verified {deep.shape[0]} positions from {frame.arg}, "
+                f"sent {k + 1} from {position}",
+                502,
+                self.name,
+            )
+        t_verify = time.perf_counter()
+        job = VerifyJob(st, deep, draft, position, sampling)
+        if slot is not None and self.station is not None:  # the head's rows batched with other streams'
+            verdict, lps = await self.station.verify(slot, job)
+        else:
+            head = lambda lo, hi: self.half.head(deep[lo:hi])  # noqa: E731
+            verdict, lps = await self.thread.run(verify_round, job, head, self.token_bytes)
+        new, accepted = verdict.tokens, verdict.accepted
+        t_head = time.perf_counter() - t_verify
+        eta = self.options.eta
+        self.controller.observe(
+            drafted=k,
+            accepted=accepted,
+            confident=[float(d[t]) >= eta for t, d in zip(draft.tokens, draft.dists, strict=True)],
+            draft_s=None if prepared else t1 - t0,
+            wait_s=t2 - t1,
+            head_s=t_head,
+            link=self.link.state(link.info),
+        )
+        if accepted < k:
+            link.send_control(wire.Kind.ROLLBACK, position + accepted + 1)
+        if branches is not None and accepted == k - 1 and new[-1] in branches.candidates and branches.shallows:
+            await self.thread.run(self.drafter.adopt, st, branches, branches.candidates.index(new[-1]))
+        t3 = time.perf_counter()
+        stats.rounds += 1
+        stats.drafted += k
+        stats.accepted += accepted
+        stats.round_tokens += len(new)
+        stats.draft_seconds += t1 - t0
+        stats.wait_seconds += t2 - t1
+        stats.verify_seconds += t3 - t2
+        stats.round_seconds += t3 - t0
+        if k and t1 - t0 > 1e-3:
+            self.gamma.update((t1 - t0) / k)
+        return new, lps
+
+    # --- token trees ------------------------------------------------------------------------------
+
+    def _tree_for(self, cap: int, room: int | None, sampling: Sampling) -> DraftTree | None:
+        """The tree this round verifies, or None for a chain: trees are for plain greedy rounds whose cap allows the
+        tree's depth and whose context has room for all its nodes at once."""
+        tree = self.tree
+        if tree is None or not sampling.allows_tree:
+            return None
+        if cap < tree.depth or (room is not None and tree.width > room):
+            return None
+        return tree
+
+    async def _tree_round(
+        self, link: FrameSession, st: DraftState, token: int, position: int, tree: DraftTree, stats: HATStats
+    ) -> list[int]:
+        """One greedy round over a token tree (clients/hat/tree.py); returns the accepted drafts + the next token."""
+        t0 = time.perf_counter()
+        draft = await self.thread.run(draft_tree, self.drafter, st, token, position, tree)
+        t1 = time.perf_counter()
+        link.send_indices(wire.Kind.TREE, list(tree.parents), position)
+        seq = link.send_tensor(wire.Kind.DRAFT, draft.shallow, position)
+        frame = await link.reply(seq, wire.Kind.VERIFY_RESULT)
+        t2 = time.perf_counter()
+        deep = frame.tensor().reshape(-1, self.half.hidden_size)
+        if frame.arg != position or deep.shape[0] != tree.width:
+            raise BackendError(
+                f"{self.name}: worker verified {deep.shape[0]} positions from {frame.arg}, "
+                f"sent a tree of {tree.width} from {position}",
+                502,
+                self.name,
+            )
+        new, path = await self.thread.run(verify_tree, self.half, st, deep, draft, position)
+        link.send_indices(wire.Kind.KEEP, path, position)
+        t3 = time.perf_counter()
+        stats.rounds += 1
+        stats.tree_rounds += 1
+        stats.drafted += tree.width - 1
+        stats.accepted += len(path) - 1
+        stats.round_tokens += len(new)
+        stats.draft_seconds += t1 - t0
+        stats.wait_seconds += t2 - t1
+        stats.verify_seconds += t3 - t2
+        stats.round_seconds += t3 - t0
+        return new
+
+    # --- parallel drafting (Eq. 6) --------------------------------------------------------------
+
+    async def _parallel(
+        self,
+        st: DraftState,
+        draft: Draft,
+        position: int,
+        sampling: Sampling,
+        stop: threading.Event,
+        timing: tuple[float, float],
+        stats: HATStats,
+    ) -> Branches | None:
+        start = time.perf_counter()
+        g, window = timing
+        branches = await self.thread.run(self.drafter.branch, st, draft, position)
+        if branches is None:
+            return None
+        step = self.pd_gamma.get(self.gamma.get(0.05))
+        steps = parallel_draft_steps(  # Eq. 6, with the measured time of one batched candidate step as gamma
+            draft_len=len(draft.tokens) + 1,
+            token_bytes=self.link.state_bytes,
+            beta_up=self.link.beta_up,
+            beta_down=self.link.beta_down,
+            g_mu=g,
+            gamma=max(step, 1e-4),
+            max_steps=self.drafter.rule.max_draft,
+        )
+        for _ in range(max(steps, 1)):
+            if stop.is_set() or time.perf_counter() - start + step > window:
+                break
+            t = time.perf_counter()
+            await self.thread.run(self.drafter.step, branches, sampling)
+            self.pd_gamma.update(time.perf_counter() - t)
+            stats.parallel_steps += 1
+            step = self.pd_gamma.get(step)
+        return branches
