@@ -147,7 +147,8 @@ def test_an_embedded_worker_and_a_worker_url_are_refused_together(tmp_path):
 
 
 def test_max_defer_is_a_worker_setting():
-    from app.worker.server import WorkerSettings
+    from app.worker.settings import EngineLimits, WorkerSettings
 
-    assert WorkerSettings(max_defer=1).limits().max_defer == 1
-    assert WorkerSettings().limits().max_defer == 0
+    assert isinstance(WorkerSettings(), EngineLimits)  # the engine takes the worker's section as its limits
+    assert WorkerSettings(max_defer=1).max_defer == 1
+    assert WorkerSettings().max_defer == 0

@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from app.worker.engine import Engine
-from app.worker.sessions import EngineLimits
+from app.worker.settings import EngineLimits
 from clients.hat import wire
 from clients.hat.device import HATBackend, worker_prefill_cost
 from clients.hat.options import HATOptions
