@@ -64,17 +64,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     """The HAT cloud worker: hosts the middle layers of a split LLM (see ARCHITECTURE.md)."""
-    import os
-    import tomllib
+    from app.config import ConfigError, load_worker_settings
+    from app.worker.server import serve_worker
 
-    from pydantic import ValidationError
-
-    from app.worker.server import WorkerSettings, serve_worker
-
-    values: dict = {}
-    if args.config:
-        values = tomllib.loads(Path(args.config).read_text()).get("worker", {})
-    overrides = {
+    flags = {
         "model": args.model,
         "m": args.m,
         "host": args.host,
@@ -82,24 +75,21 @@ def _worker(args: argparse.Namespace) -> int:
         "num_threads": args.threads,
         "device": args.device,
         "stages": args.stages,
-        "stage_threads": [int(t) for t in args.stage_threads.split(",")] if args.stage_threads else None,
-        "stage_memory_gib": [float(g) for g in args.stage_memory_gib.split(",")] if args.stage_memory_gib else None,
+        # Comma-separated values, converted (and refused, naming the field) by the settings' validation.
+        "stage_threads": args.stage_threads.split(",") if args.stage_threads else None,
+        "stage_memory_gib": args.stage_memory_gib.split(",") if args.stage_memory_gib else None,
         "master_addr": args.master_addr,
         "master_port": args.master_port,
         "sequence_partition": args.sequence_partition,
         "profile": args.profile,
         "prefill_profile": args.prefill_profile,
+        # A stage started by hand on another host: stage 0 does not spawn it.
+        "spawn_stages": False if args.stage_rank else None,
     }
-    if args.stage_rank:  # a stage started by hand on another host: stage 0 does not spawn it
-        overrides["spawn_stages"] = False
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    if token := os.environ.get("TANDEM_WORKER_AUTH_TOKEN"):
-        values["auth_token"] = token  # from the environment only: a command line is visible to everyone
     try:
-        settings = WorkerSettings(**values)
-    except ValidationError as exc:
-        fields = "; ".join(f"worker.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        print(f"error: invalid worker configuration: {fields}", file=sys.stderr)
+        settings = load_worker_settings(args.config, flags)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.stage_rank:
         from app.worker.remote_stage import serve_stage
@@ -180,28 +170,41 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.set_defaults(func=_serve)
 
-    worker = sub.add_parser("worker", help="run a HAT worker (the middle layers of a split LLM)")
+    worker = sub.add_parser(
+        "worker",
+        help="run a HAT worker (the middle layers of a split LLM)",
+        epilog="Each flag sets the [worker] field it names, over TANDEM_WORKER__<FIELD> variables, which are over the "
+        "--config file's [worker] table. Every field with its default: app/worker/settings.py. The device token "
+        "comes from the environment only: TANDEM_WORKER__AUTH_TOKEN or TANDEM_WORKER_AUTH_TOKEN.",
+    )
     worker.add_argument("--config", help="TOML file with a [worker] table")
-    worker.add_argument("--model", help="bundled model name or GGUF path (default qwen2.5-coder-0.5b-instruct)")
-    worker.add_argument("--m", type=int, help="decoder layers kept on the device (default 2)")
-    worker.add_argument("--host")
-    worker.add_argument("--port", type=int)
-    worker.add_argument("--threads", type=int, help="torch threads")
-    worker.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the middle layers run (default auto)")
-    worker.add_argument("--stages", type=int, help="pipeline stages P: processes the middle layers are split over")
-    worker.add_argument("--stage-threads", help="torch threads per stage, comma-separated (e.g. 2,1)")
+    worker.add_argument("--model", help="bundled model name or GGUF path ([worker] model)")
+    worker.add_argument("--m", type=int, help="decoder layers kept on the device ([worker] m)")
+    worker.add_argument("--host", help="[worker] host")
+    worker.add_argument("--port", type=int, help="[worker] port")
+    worker.add_argument("--threads", type=int, help="torch threads ([worker] num_threads)")
+    worker.add_argument("--device", help="where the middle layers run ([worker] device)")
     worker.add_argument(
-        "--stage-memory-gib", help="memory cap per stage in GiB for the layer partition, comma-separated (e.g. 2,1.5)"
+        "--stages", type=int, help="pipeline stages P: processes the middle layers are split over ([worker] stages)"
+    )
+    worker.add_argument(
+        "--stage-threads", help="torch threads per stage, comma-separated, e.g. 2,1 ([worker] stage_threads)"
+    )
+    worker.add_argument(
+        "--stage-memory-gib",
+        help="memory cap per stage in GiB, comma-separated, e.g. 2,1.5 ([worker] stage_memory_gib)",
     )
     worker.add_argument("--stage-rank", type=int, default=0, help="run only stage s >= 1 of a staged worker")
-    worker.add_argument("--master-addr", help="the stages' rendezvous address (stage 0's host)")
-    worker.add_argument("--master-port", type=int, help="the stages' rendezvous port")
-    worker.add_argument("--sequence-partition", choices=["dp", "equal", "off"], help="prefill sub-sequences")
-    worker.add_argument("--profile", help="a `tandem profile` JSON: g starts from its measured middle times")
+    worker.add_argument("--master-addr", help="the stages' rendezvous address ([worker] master_addr)")
+    worker.add_argument("--master-port", type=int, help="the stages' rendezvous port ([worker] master_port)")
+    worker.add_argument(
+        "--sequence-partition", help="how stage 0 re-splits prefill frames ([worker] sequence_partition)"
+    )
+    worker.add_argument("--profile", help="a `tandem profile` JSON ([worker] profile)")
     worker.add_argument(
         "--prefill-profile",
         action=argparse.BooleanOptionalAction,
-        help="profile the prefill cost tau at start-up (default: staged workers only)",
+        help="profile the prefill cost tau at start-up ([worker] prefill_profile)",
     )
     worker.set_defaults(func=_worker)
 

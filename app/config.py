@@ -4,13 +4,19 @@ Nested fields use `__` in variable names, e.g. `TANDEM_GATEWAY__PORT=9000` or
 `TANDEM_CLOUDS__CLOUD__API_KEY=sk-...`. Everything is validated at start-up;
 `load_settings` raises `ConfigError` with one line per bad field, named by its
 dotted path, so a typo fails fast instead of at the first request.
+
+`tandem worker` reads the same way through `load_worker_settings`: the file's [worker]
+table (app/worker/settings.py's WorkerSettings), `TANDEM_WORKER__MAX_SESSIONS=32` and
+the like over it, the command line's flags over both.
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,7 +29,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from app.serving.budget import (
     DEFAULT_BUDGET,
@@ -32,6 +38,7 @@ from app.serving.budget import (
     BudgetValidationError,
 )
 from app.serving.budget import from_config as budget_from_config
+from app.worker.settings import WorkerSettings
 from policies.dispatch import DEFAULT_ALPHA, canonical_name
 
 
@@ -363,16 +370,56 @@ def _short(e: dict) -> bool:
     return isinstance(e.get("input"), str | int | float | bool) and len(repr(e["input"])) < 80
 
 
+def _read_toml(path: str | Path | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
 def load_settings(path: str | Path | None = None) -> Settings:
-    data: dict = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    data = _read_toml(path)
     try:
         return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+class WorkerConfig(BaseSettings):
+    """`tandem worker`'s settings tree, with the gateway's conventions (a [worker] table, TANDEM_WORKER__FIELD
+    variables, errors naming `worker.field`). A root of its own: a worker needs no gateway or cloud, which `Settings`
+    requires, and a gateway's file may hold a [worker] table for the worker beside it without the gateway reading it."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", env_nested_delimiter="__", extra="forbid")
+
+    worker: WorkerSettings = WorkerSettings()
+
+
+# The device token reaches a worker through its environment only (a command line is visible to everyone): the
+# tree's own variable, or the shorter one README has always given.
+WORKER_TOKEN_VARIABLES = ("TANDEM_WORKER__AUTH_TOKEN", "TANDEM_WORKER_AUTH_TOKEN")
+
+
+def load_worker_settings(path: str | Path | None = None, flags: Mapping[str, Any] | None = None) -> WorkerSettings:
+    """The worker's settings: the TOML file's [worker] table; over it the environment (TANDEM_WORKER__FIELD, and
+    TANDEM_WORKER_AUTH_TOKEN for the token); over both the command line's `flags` (a None value: not given)."""
+    table = _read_toml(path).get("worker", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"invalid configuration:\n  worker: must be a table, got {type(table).__name__}")
+    environment = EnvSettingsSource(WorkerConfig)().get("worker", {})
+    tokens = {os.environ[name] for name in WORKER_TOKEN_VARIABLES if os.environ.get(name)}
+    if len(tokens) > 1:
+        raise ConfigError(f"invalid configuration:\n  worker.auth_token: {' and '.join(WORKER_TOKEN_VARIABLES)} differ")
+    if tokens:
+        environment = {**environment, "auth_token": tokens.pop()}
+    given = {name: value for name, value in (flags or {}).items() if value is not None}
+    try:
+        # Validated once, whole: a flag may make a combination valid that the file or the environment alone is not.
+        # model_validate, not WorkerConfig(...): the environment is merged already, under the flags.
+        return WorkerConfig.model_validate({"worker": {**table, **environment, **given}}).worker
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from app.config import EmbeddedServerSettings, EmbeddedWorkerSettings
+from app.config import WORKER_TOKEN_VARIABLES, EmbeddedServerSettings, EmbeddedWorkerSettings
 from app.launcher import free_port
 
 log = logging.getLogger(__name__)
@@ -143,8 +143,10 @@ class EmbeddedWorker(_ManagedProcess):
             cmd.append("--prefill-profile" if self.settings.prefill_profile else "--no-prefill-profile")
         return cmd
 
-    def environment(self) -> dict[str, str] | None:
-        # The token reaches the worker through its environment, never its command line (ps shows that).
-        if not self.auth_token:
-            return None
-        return {**os.environ, "TANDEM_WORKER_AUTH_TOKEN": self.auth_token}
+    def environment(self) -> dict[str, str]:
+        # The token reaches the worker through its environment, never its command line (ps shows that). It is the
+        # gateway's own: a worker token the gateway inherited is for some other worker, and would lock this one.
+        env = {name: value for name, value in os.environ.items() if name not in WORKER_TOKEN_VARIABLES}
+        if self.auth_token:
+            env[WORKER_TOKEN_VARIABLES[0]] = self.auth_token
+        return env

@@ -31,9 +31,6 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 
-DEFAULT_SUBCHUNK_OVERHEAD = 0.2  # ε: at most this share of a sub-chunk's pass is g's fixed cost
-DEFAULT_MAX_DEFER = 1
-
 
 def pass_time(tokens: float, slope: float, intercept: float) -> float:
     """g(x) = slope·x + intercept, the fitted time of one pass over x tokens (never below 0)."""
@@ -99,11 +96,12 @@ def subchunk_tokens(
     slope: float,
     intercept: float,
     *,
-    overhead: float = DEFAULT_SUBCHUNK_OVERHEAD,
-    min_tokens: int = 16,
-    max_tokens: int = 4096,
+    overhead: float,
+    min_tokens: int,
+    max_tokens: int,
 ) -> int:
-    """The largest prefill piece one pass may carry: X with c2 / (c2 + c1·X) = ε, i.e. X = c2·(1 − ε) / (ε·c1).
+    """The largest prefill piece one pass may carry: X with c2 / (c2 + c1·X) = ε, i.e. X = c2·(1 − ε) / (ε·c1), where
+    ε is `overhead` (the worker's subchunk_overhead: at most this share of a sub-chunk's pass is g's fixed cost).
 
     A smaller piece would spend more than ε of its pass on the fixed cost; a larger one would make every
     verification round that arrives meanwhile wait longer. Clamped to [min_tokens, max_tokens]; without a positive

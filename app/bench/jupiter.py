@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from app.worker.engine import Engine
-    from app.worker.server import Worker, WorkerSettings
+    from app.worker.server import Worker
+    from app.worker.settings import WorkerSettings
     from clients.hat.split import split_model
     from clients.hf_model import load_hf_model
     from deploy.models import model_path
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {n: torch.randn(n, hidden, generator=gen) for n in lengths}
 
     middle = split_model(model, args.m).middle
-    single = Engine(middle, WorkerSettings(model=args.model, m=args.m).limits(), model_name=args.model)
+    single = Engine(middle, WorkerSettings(model=args.model, m=args.m), model_name=args.model)
     single.start()
     settings = WorkerSettings(
         model=args.model, m=args.m, stages=2, stage_threads=[1, 1], sequence_partition="off",

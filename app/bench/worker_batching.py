@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from app.bench.output import publish
+from app.worker.settings import EngineLimits
 
 DEFAULT_OUT = Path("var/bench/worker-batching/report.md")
 
@@ -32,7 +33,6 @@ def run_mode(middle, batching: str, args: argparse.Namespace) -> dict[str, float
     import torch
 
     from app.worker.engine import Engine
-    from app.worker.sessions import EngineLimits
     from clients.hat import wire
 
     engine = Engine(
@@ -129,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--gap", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--overhead", type=float, default=0.2, help="planned: the worker's subchunk_overhead ε")
-    p.add_argument("--max-defer", type=int, default=0, help="planned: passes a frame may be left out in a row")
+    knobs = EngineLimits.model_fields
+    p.add_argument(
+        "--overhead",
+        type=float,
+        default=knobs["subchunk_overhead"].default,
+        help="planned: the worker's subchunk_overhead ε",
+    )
+    p.add_argument("--max-defer", type=int, default=knobs["max_defer"].default, help="planned: the worker's max_defer")
     p.add_argument("--decode-only", type=float, default=0.0, help="seconds of decoders alone (throughput); 0 = off")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)

@@ -1,2 +1,2 @@
-"""The HAT worker process: its app and settings (server) and the engine that batches every device's frames
-through the middle layers."""
+"""The HAT worker process: its settings (settings), its app (server) and the engine that batches every device's
+frames through the middle layers."""

@@ -1,12 +1,17 @@
-"""Where the worker's middle layers compute: the torch device a setting names, a stage's torch threads, and the wait
-for a device's queued kernels (a timing must cover the compute itself). Shared by the worker's app factory
-(app/worker/server.py), stage 0's pipeline and the remote stages, none of which imports another for it."""
+"""Where the worker's middle layers compute: the torch device a setting names, a stage's torch threads, the rows a
+batched pass is padded to, and the wait for a device's queued kernels (a timing must cover the compute itself).
+Shared by the worker's app factory (app/worker/server.py), the engine, stage 0's pipeline and the remote stages, none
+of which imports another for it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+
+from app.worker.settings import WorkerSettings
+
+# Every batched pass over the middle layers packs at least this many rows (BLAS's blocked path: faster for 2-3 rows,
+# and the same kernels whatever the batch). Stage 0 sends it to the other stages, so every stage pads alike.
+MIN_ROWS = 4
 
 
 def compute_device(setting: str) -> torch.device:
@@ -18,7 +23,7 @@ def compute_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
-def stage_threads(settings: Any, rank: int) -> int | None:
+def stage_threads(settings: WorkerSettings, rank: int) -> int | None:
     """Torch intra-op threads of stage `rank`: its `stage_threads` entry, else `num_threads` (None: torch's default)."""
     if settings.stage_threads:
         return int(settings.stage_threads[rank])

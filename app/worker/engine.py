@@ -56,24 +56,25 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from app.worker.calibration import check_ragged_forward, profile_prefill
+from app.worker.compute import MIN_ROWS
 from app.worker.prefill_cost import PrefillCostFit
 from app.worker.scheduler import Scheduler
 from app.worker.sessions import (
+    MAX_REORDER,
     PROTOCOL,
     EngineError,
-    EngineLimits,
     Item,
     Reason,
     Session,
     check_frame,
     parse_open,
 )
+from app.worker.settings import EngineLimits
 from app.worker.stats import EngineStats
 from clients.hat import wire
 from clients.hat.ragged import RaggedMiddle
@@ -110,15 +111,16 @@ class Engine:
         self.m = stack.layer_range.start
         max_pos = getattr(cfg, "max_position_embeddings", None)
         self.max_context = min(self.limits.max_context, int(max_pos)) if max_pos else self.limits.max_context
-        context_bytes = self.max_context * self.hidden_size * self.limits.wire_dtype.itemsize
-        self.limits = replace(
-            self.limits,
-            max_frame_bytes=self.limits.max_frame_bytes or context_bytes,
-            max_session_bytes=self.limits.max_session_bytes or context_bytes * 5 // 4,
+        self.wire_dtype = wire.dtype_by_name(self.limits.dtype)
+        self.wire_dtype_name = self.limits.dtype
+        context_bytes = self.max_context * self.hidden_size * self.wire_dtype.itemsize
+        self.limits = self.limits.model_copy(
+            update={
+                "max_frame_bytes": self.limits.max_frame_bytes or context_bytes,
+                "max_session_bytes": self.limits.max_session_bytes or context_bytes * 5 // 4,
+            }
         )
-        self.wire_dtype = self.limits.wire_dtype
-        self.wire_dtype_name = wire.dtype_name(self.wire_dtype)
-        self.ragged = RaggedMiddle(stack, self.limits.min_rows, self.limits.batch_invariant)
+        self.ragged = RaggedMiddle(stack, MIN_ROWS, self.limits.batch_invariant)
         self.frame_hook = frame_hook
         self.clock = clock
         self.stats = EngineStats()
@@ -284,7 +286,7 @@ class Engine:
         if seq is None:  # not even a header: no seq to account for
             _resolve(fut, [self._error(session.id, 0, err)])  # type: ignore[arg-type]
             return fut
-        seq_err = session.seq_error(seq, self.limits.max_reorder)
+        seq_err = session.seq_error(seq, MAX_REORDER)
         if seq_err is not None:
             self.count_rejection(Reason.SEQ)
             _resolve(fut, [self._error(session.id, seq, seq_err)])

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.worker.compute import stage_threads, synchronize
+from app.worker.compute import MIN_ROWS, stage_threads, synchronize
 from app.worker.layer_placement import (
     StageSlice,
     device_memory,
@@ -64,6 +64,7 @@ from app.worker.layer_placement import (
     time_layers,
 )
 from app.worker.prefill_cost import Point, PrefillCostFit, SubsequencePlanner, fit_stage_costs, profile_points
+from app.worker.settings import WorkerSettings
 from app.worker.stage_link import (
     PROBE_EXTRA,
     STAGE_DTYPES,
@@ -303,7 +304,7 @@ class Pipeline:
 # --- start-up ------------------------------------------------------------------------------------------------------
 
 
-def stage_command(settings: Any, rank: int, port: int) -> list[str]:
+def stage_command(settings: WorkerSettings, rank: int, port: int) -> list[str]:
     """The command line of a local stage process: the same CLI a remote stage runs."""
     cmd = [sys.executable, "-m", "app.cli", "worker", "--model", settings.model, "--m", str(settings.m),
            "--stages", str(settings.stages), "--stage-rank", str(rank), "--master-addr", settings.master_addr,
@@ -314,7 +315,9 @@ def stage_command(settings: Any, rank: int, port: int) -> list[str]:
     return cmd
 
 
-def start_pipeline(model: nn.Module, settings: Any, device: torch.device) -> tuple[Pipeline, StageSlice, list]:
+def start_pipeline(
+    model: nn.Module, settings: WorkerSettings, device: torch.device
+) -> tuple[Pipeline, StageSlice, list]:
     """Stage 0's start-up: spawn (or wait for) stages 1..P−1, profile and partition the layers, check the
     pipeline against the model's own middle layers, profile τ_s. Returns the pipeline, stage 0's slice and
     (tokens, seconds) observations of whole-middle passes to seed the engine's g."""
@@ -378,7 +381,7 @@ def _try(fn: Callable[[], Any]) -> Any:
 
 
 def _plan_and_check(
-    pipeline: Pipeline, model: nn.Module, settings: Any, device: torch.device, n_layers: int
+    pipeline: Pipeline, model: nn.Module, settings: WorkerSettings, device: torch.device, n_layers: int
 ) -> tuple[Pipeline, StageSlice, list]:
     world, m = settings.stages, settings.m
     timeout = settings.stage_timeout
@@ -414,14 +417,14 @@ def _plan_and_check(
     log.info("layer partition over %d stages: %s (per-stage time %s; memory with KV reserve %s)", world, bounds,
              [f"{t * 1e3:.1f} ms" for t in part.stage_times],
              [f"{gib(used)} of {gib(cap)}" for used, cap in zip(part.stage_memory, shown, strict=True)])  # fmt: skip
-    limits_rows, invariant = 4, int(settings.batch_invariant)
     assign = torch.tensor(bounds, dtype=torch.int64)
-    pipeline.call([header(Cmd.ASSIGN, 0, 0, 0, 0, 0, limits_rows, invariant), assign], Cmd.ASSIGN, timeout)
+    assigned = header(Cmd.ASSIGN, 0, 0, 0, 0, 0, MIN_ROWS, int(settings.batch_invariant))
+    pipeline.call([assigned, assign], Cmd.ASSIGN, timeout)
 
     full = StageSlice(model, m, n_layers)  # the reference for the check, dropped afterwards
     mine = StageSlice(model, *bounds[0])
     mine.to(device)
-    ragged = RaggedMiddle(mine.stack, limits_rows, settings.batch_invariant)
+    ragged = RaggedMiddle(mine.stack, MIN_ROWS, settings.batch_invariant)
     seeds: list[tuple[int, float]] = []
     hidden = int(model.config.hidden_size)
     with torch.inference_mode():

@@ -13,13 +13,13 @@ import os
 import queue
 import threading
 import time
-from typing import Any
 
 import torch
 from torch import nn
 
 from app.worker.compute import compute_device, stage_threads, synchronize
 from app.worker.layer_placement import device_memory, time_layers
+from app.worker.settings import WorkerSettings
 from app.worker.stage_link import STOP_GRACE, Cmd, StageFailure, StageLink, header, short_error
 from clients.hat.ragged import RaggedMiddle
 from clients.hat.split import LayerStack, SplitKVCache
@@ -27,7 +27,7 @@ from clients.hat.split import LayerStack, SplitKVCache
 log = logging.getLogger(__name__)
 
 
-def serve_stage(settings: Any, rank: int) -> int:
+def serve_stage(settings: WorkerSettings, rank: int) -> int:
     """Run stage `rank` (>= 1) until STOP or until its peers are gone. Returns the exit status."""
     from clients.hf_model import load_hf_model
     from deploy.models import resolve_model

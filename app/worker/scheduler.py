@@ -25,12 +25,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from app.worker.sessions import EngineError, EngineLimits, Item, Session, check_positions
+from app.worker.sessions import EngineError, Item, Session, check_positions
+from app.worker.settings import EngineLimits
 from app.worker.stats import EngineStats
 from clients.hat import wire
 from policies.worker_batching import plan_groups, split_sizes, subchunk_tokens
 
 CONTROL_KINDS = frozenset({wire.Kind.ROLLBACK, wire.Kind.TREE, wire.Kind.KEEP})
+MIN_SUBCHUNK = 16  # planned: a prefill frame is never split into pieces smaller than this
 
 Piece = tuple[Item, int]  # a frame and how many of its rows (from item.done) the pass runs
 
@@ -100,7 +102,7 @@ class Scheduler:
             slope,
             intercept,
             overhead=limits.subchunk_overhead,
-            min_tokens=limits.min_subchunk,
+            min_tokens=MIN_SUBCHUNK,
             max_tokens=limits.max_batch_tokens,
         )
         self.stats.subchunk_budget = budget

@@ -20,18 +20,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import torch
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from app.lifespan import starting_in_background
 from app.worker.compute import compute_device
 from app.worker.engine import Engine, FrameHook
-from app.worker.sessions import EngineLimits
+from app.worker.settings import WorkerSettings
 from clients.hat import wire
 from clients.hat.profile import load_profile
 from deploy.models import resolve_model
@@ -40,102 +39,6 @@ from endpoints.auth import bearer, matches_any
 from endpoints.errors import install_error_handlers
 
 log = logging.getLogger(__name__)
-
-
-class WorkerSettings(BaseModel):
-    """Settings of one worker. `tandem worker` builds this from the [worker] table / TANDEM_WORKER__* variables."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    # A bundled model name (see `tandem models`) or a path to a GGUF file; devices must split the same model.
-    model: str = "qwen2.5-coder-0.5b-instruct"
-    m: Annotated[int, Field(ge=1)] = 2  # decoder layers kept on the device (HAT: < 10% of the layers)
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)] = 8100
-    # Devices present it as "Authorization: Bearer <token>"; None = no authentication (loopback/dev only).
-    auth_token: SecretStr | None = None
-    max_sessions: Annotated[int, Field(ge=1)] = 16
-    max_context: Annotated[int, Field(ge=16)] = 4096
-    idle_timeout: Annotated[float, Field(gt=0)] = 300.0
-    # None: one context of the model's hidden states (EngineLimits).
-    max_frame_bytes: Annotated[int, Field(ge=4096)] | None = None
-    max_session_bytes: Annotated[int, Field(ge=4096)] | None = None
-    max_session_frames: Annotated[int, Field(ge=1)] = 256
-    # Dtype of hidden states on the wire (both directions). The middle computes in float32 on CPU either way;
-    # float16 halves the bytes at a small accuracy cost.
-    dtype: Literal["float32", "float16"] = "float32"
-    max_batch_tokens: Annotated[int, Field(ge=1)] = 4096
-    batch_invariant: bool = True  # see EngineLimits.batch_invariant
-    # "planned": shortest-first groups from an exact DP under the fitted pass time, long prefill frames split into
-    # sub-chunks sized from g (policies/worker_batching.py); "greedy": every pending frame in one pass (see README).
-    batching: Literal["planned", "greedy"] = "planned"
-    subchunk_overhead: Annotated[float, Field(gt=0, lt=1)] = 0.2
-    # planned: passes in a row a frame may be left out before it is forced in (0: every session's next piece runs in
-    # every pass; 1 gives decode rounds more room and a long prefill less, README "Batching on the worker").
-    max_defer: Annotated[int, Field(ge=0)] = 0
-    # A STATUS frame (mu, g) rides with a verification reply when they moved by more than this share (EngineLimits)
-    status_tolerance: Annotated[float, Field(ge=0)] = 0.1
-    num_threads: Annotated[int, Field(ge=1)] | None = None  # torch intra-op threads (None: torch's default)
-    # Where the middle layers compute: "auto" = the first CUDA GPU if torch sees one, else the CPU.
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # Pipeline stages (app/worker/pipeline.py): P processes, each with a contiguous slice of the middle layers chosen by
-    # Jupiter's layer partition over per-layer times profiled at start-up; this process is stage 0.
-    stages: Annotated[int, Field(ge=1, le=16)] = 1
-    stage_threads: list[Annotated[int, Field(ge=1)]] | None = None  # torch threads per stage (None: num_threads)
-    # Memory cap per stage (GiB) for the layer partition: a stage's layers' weights plus their KV reserve for
-    # max_sessions x max_context must fit. None: no cap (on CUDA each stage is still capped by its free GPU memory).
-    stage_memory_gib: list[Annotated[float, Field(gt=0)]] | None = None
-    # Stage 0 starts stages 1..P-1 on this host; false: they are started by hand (`--stage-rank s`, across hosts).
-    spawn_stages: bool = True
-    master_addr: str = "127.0.0.1"  # the stages' rendezvous (stage 0 hosts it)
-    master_port: Annotated[int, Field(ge=0, le=65535)] = 0  # 0: a free port (only when stage 0 spawns the stages)
-    stage_timeout: Annotated[float, Field(gt=0)] = 300.0  # the longest any stage waits on a peer
-    max_inflight: Annotated[int, Field(ge=1)] | None = None  # micro-batches in the pipeline at once (None: P)
-    # Start-up timing rounds of every middle layer on every stage (stages in turn; each layer's least time is kept,
-    # so a burst of other work on the box does not starve a stage of layers). Fewer: a faster start, a noisier split;
-    # 0: no timing, every layer counts the same on every stage (memory caps still apply).
-    stage_probe_rounds: Annotated[int, Field(ge=0, le=10)] = 3
-    # How stage 0 re-splits a prefill frame for the pipeline: "dp" = Jupiter's sequence partition over the stages'
-    # profiled τ(x | y) (exact flow-shop makespan), "equal" = equal pieces (best count), "off" = as the device sent it.
-    sequence_partition: Literal["dp", "equal", "off"] = "dp"
-    # Profile the prefill cost τ(x | y) at start-up (app/worker/prefill_cost.py; devices get it at OPEN and plan
-    # their chunks with it under chunking = "dp"). None: a staged worker does (its sequence partition needs τ at
-    # once), a single-process one does not (several seconds per start on the default model). Either way τ is then
-    # fitted from the lone prefill pieces the worker runs.
-    prefill_profile: bool | None = None
-
-    @model_validator(mode="after")
-    def _stages(self) -> WorkerSettings:
-        if self.stage_threads is not None and len(self.stage_threads) != self.stages:
-            raise ValueError(f"stage_threads needs one value per stage ({self.stages}), got {len(self.stage_threads)}")
-        if self.stage_memory_gib is not None and len(self.stage_memory_gib) != self.stages:
-            raise ValueError(
-                f"stage_memory_gib needs one value per stage ({self.stages}), got {len(self.stage_memory_gib)}"
-            )
-        if self.stages > 1 and not self.spawn_stages and self.master_port == 0:
-            raise ValueError("stages started by hand need a fixed master_port to find stage 0")
-        return self
-
-    # A profile from `tandem profile` (JSON): g starts from its measured middle-layer times instead of nothing.
-    profile: str | None = None
-
-    def limits(self) -> EngineLimits:
-        return EngineLimits(
-            max_sessions=self.max_sessions,
-            max_context=self.max_context,
-            idle_timeout=self.idle_timeout,
-            max_frame_bytes=self.max_frame_bytes,
-            max_session_bytes=self.max_session_bytes,
-            max_session_frames=self.max_session_frames,
-            max_batch_tokens=self.max_batch_tokens,
-            wire_dtype=wire.dtype_by_name(self.dtype),
-            batch_invariant=self.batch_invariant,
-            batching=self.batching,
-            subchunk_overhead=self.subchunk_overhead,
-            max_defer=self.max_defer,
-            status_tolerance=self.status_tolerance,
-        )
 
 
 class Worker:
@@ -213,7 +116,7 @@ class Worker:
             pipeline, first, seeds = start_pipeline(model, s, device)
             del model
             self._model = None
-            engine = Engine(first, s.limits(), model_name=s.model, frame_hook=self.frame_hook, pipeline=pipeline)
+            engine = Engine(first, s, model_name=s.model, frame_hook=self.frame_hook, pipeline=pipeline)
             for tokens, seconds in seeds:  # whole-middle passes timed at start-up seed g (Eq. 2)
                 engine.stats.g.update(tokens, seconds)
             try:
@@ -226,7 +129,7 @@ class Worker:
         middle.to(device)
         del model
         self._model = None
-        engine = Engine(middle, s.limits(), model_name=s.model, frame_hook=self.frame_hook)
+        engine = Engine(middle, s, model_name=s.model, frame_hook=self.frame_hook)
         engine.start()
         if s.prefill_profile:
             engine.call(engine.profile_prefill).result()

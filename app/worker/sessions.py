@@ -1,10 +1,10 @@
 """What a HAT worker session is and what a device's frame must be before the engine (app/worker/engine.py) takes it.
 
-Limits, refusal reasons and their errors, the OPEN parameters a device may send, a session's state and what it does
-with its own frames (their sequence order, the STATUS it is due, the control frames ROLLBACK, TREE and KEEP, and the
-pairing of a TREE with its DRAFT), and the checks a frame passes on arrival (size, header, kind, dtype, shape, finite
-values, positions). Checks and session methods raise or return EngineError and count nothing: the engine counts each
-refusal once, by its reason.
+Refusal reasons and their errors, the OPEN parameters a device may send, a session's state and what it does with its
+own frames (their sequence order, the STATUS it is due, the control frames ROLLBACK, TREE and KEEP, and the pairing of
+a TREE with its DRAFT), and the checks a frame passes on arrival (size, header, kind, dtype, shape, finite values,
+positions) against the limits the engine is given (app/worker/settings.py's EngineLimits). Checks and session methods
+raise or return EngineError and count nothing: the engine counts each refusal once, by its reason.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ DEVICE_KINDS = frozenset(
     {wire.Kind.PREFILL_CHUNK, wire.Kind.DRAFT, wire.Kind.ROLLBACK, wire.Kind.CLOSE, wire.Kind.TREE, wire.Kind.KEEP}
 )
 OPEN_MAX_BYTES = 16 * 1024
+MAX_REORDER = 64  # how far ahead of the next expected seq a frame may arrive
 
 
 class Reason(enum.StrEnum):
@@ -59,40 +60,6 @@ class EngineError(Exception):
         self.status = status
         self.reason = reason
         self.message = message
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    max_sessions: int = 16
-    max_context: int = 4096  # positions per session (capped by the model's max_position_embeddings)
-    idle_timeout: float = 300.0  # seconds without a frame before a session is dropped
-    # Payload bytes of one frame; None: a whole context of hidden states (no frame can carry more positions).
-    max_frame_bytes: int | None = None
-    # What one session may have waiting (held behind a sequence gap or queued for the engine thread); a frame
-    # past either bound fails alone with 429. None: a context's worth of states plus a quarter (a device has at
-    # most its prompt's chunks in flight at once, then one verification round at a time).
-    max_session_bytes: int | None = None
-    max_session_frames: int = 256
-    max_batch_tokens: int = 4096  # tokens per forward pass (a single larger frame still runs, alone)
-    wire_dtype: torch.dtype = torch.float32  # dtype of hidden states in both directions
-    max_reorder: int = 64  # how far ahead of the next expected seq a frame may arrive
-    min_rows: int = 4  # pad the packed batch to at least this many rows (BLAS's blocked path; faster for 2-3 rows)
-    # Pad a lone 1-token row too, so every row's result is independent of the batch it ran in (bit-identical to
-    # running alone). Costs ~1.8x on a lone 1-token forward (plain U-shape decode); HAT rounds send >= 2 tokens.
-    batch_invariant: bool = True
-    # How pending frames are grouped into passes: "planned" = shortest first, grouped by an exact DP for the least
-    # mean completion time under the fitted g, long prefill frames split into sub-chunks (policies/worker_batching.py);
-    # "greedy" = one frame per session per pass, up to max_batch_tokens.
-    batching: Literal["planned", "greedy"] = "planned"
-    subchunk_overhead: float = 0.2  # planned: a sub-chunk spends at most this share of its pass on g's fixed cost
-    min_subchunk: int = 16  # planned: never split a prefill frame into pieces smaller than this
-    # planned: a frame left out of this many passes in a row goes into the next one. 0: every session's next piece
-    # runs in every pass (a prefill a sub-chunk at a time beside the decode rounds): met both of the issue's targets
-    # where 1 left the prefiller's TTFT at 1.58× greedy's (BENCHMARKS.md, worker batching).
-    max_defer: int = 0
-    # A STATUS frame (mu, g) goes with a VERIFY_RESULT when mu, or g's prediction for that round, moved by more
-    # than this share since the session was last told (OPEN or an earlier STATUS). 0: with every change.
-    status_tolerance: float = 0.1
 
 
 class OpenParams(BaseModel):

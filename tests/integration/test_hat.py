@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import json
 import threading
 import time
@@ -27,7 +26,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from app.launcher import free_port
-from app.worker.server import WorkerSettings, create_worker, uvicorn_config_kwargs
+from app.worker.server import create_worker, uvicorn_config_kwargs
+from app.worker.settings import WorkerSettings
 from clients.base import BackendError, GenerationRequest, TokenEvent
 from clients.hat import wire
 from clients.hat.adapter import draft_files
@@ -562,7 +562,7 @@ async def test_two_devices_batched_in_one_forward_equal_running_alone(worker: Wo
     # Greedy packing puts both devices' frames in every pass; the planner may rightly run them apart (its choice
     # depends on the fitted pass time: tests/integration/test_worker_planner.py).
     planned = engine.limits
-    engine.limits = dataclasses.replace(planned, batching="greedy")
+    engine.limits = planned.model_copy(update={"batching": "greedy"})
     backends = [worker.backend(model, tok, SMOL) for _ in prompts]
     for b in backends:
         await b.start()

@@ -13,7 +13,8 @@ import pytest
 
 from app.cli import main as tandem
 from app.profiling import replay as rp
-from app.worker.server import Worker, WorkerSettings
+from app.worker.server import Worker
+from app.worker.settings import WorkerSettings
 from clients.hat.device import HATBackend
 from clients.hat.options import HATOptions
 from clients.hat.profile import ProfileError, load_profile

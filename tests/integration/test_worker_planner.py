@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.worker.engine import Engine
-from app.worker.sessions import EngineLimits
+from app.worker.settings import EngineLimits
 from clients.hat import wire
 from clients.hat.split import SplitModel, split_model
 from tests.integration.hf_fixtures import SMOL, chat_prompt, load

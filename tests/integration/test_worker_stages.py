@@ -26,8 +26,7 @@ import torch
 
 from app.worker.engine import Engine
 from app.worker.layer_placement import GIB, layer_memory
-from app.worker.server import WorkerSettings
-from app.worker.sessions import EngineLimits
+from app.worker.settings import EngineLimits, WorkerSettings
 from clients.hat import wire
 from clients.hat.adapter import draft_files
 from clients.hat.split import SplitModel, split_model

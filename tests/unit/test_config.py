@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -147,7 +148,159 @@ def test_an_embedded_worker_and_a_worker_url_are_refused_together(tmp_path):
 
 
 def test_max_defer_is_a_worker_setting():
-    from app.worker.server import WorkerSettings
+    from app.worker.settings import EngineLimits, WorkerSettings
 
-    assert WorkerSettings(max_defer=1).limits().max_defer == 1
-    assert WorkerSettings().limits().max_defer == 0
+    assert isinstance(WorkerSettings(), EngineLimits)  # the engine takes the worker's section as its limits
+    assert WorkerSettings(max_defer=1).max_defer == 1
+    assert WorkerSettings().max_defer == 0
+
+
+# --- the worker's settings (`tandem worker`): file, environment, flags --------------------------------------------
+
+
+@pytest.fixture
+def worker_env(monkeypatch):
+    """No TANDEM_WORKER* variable from the shell running the tests; the test sets its own."""
+    for name in [n for n in os.environ if n.startswith("TANDEM_WORKER")]:
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_environment_variables_reach_the_worker_settings(worker_env):
+    from app.config import load_worker_settings
+
+    worker_env.setenv("TANDEM_WORKER__MAX_SESSIONS", "32")
+    worker_env.setenv("TANDEM_WORKER__BATCHING", "greedy")
+    worker_env.setenv("TANDEM_WORKER__STAGES", "2")
+    worker_env.setenv("TANDEM_WORKER__STAGE_THREADS", "[2, 1]")
+    worker_env.setenv("TANDEM_WORKER__PREFILL_PROFILE", "false")
+    s = load_worker_settings()
+    assert (s.max_sessions, s.batching, s.stages, s.stage_threads, s.prefill_profile) == (
+        32,
+        "greedy",
+        2,
+        [2, 1],
+        False,
+    )
+    worker_env.setenv("TANDEM_GATEWAY__PORT", "9000")  # the gateway's variables are not the worker's business
+    assert load_worker_settings().port == 8100
+
+
+def test_a_flag_beats_the_environment_which_beats_the_file(tmp_path, worker_env):
+    from app.config import load_worker_settings
+
+    path = write(tmp_path, "[worker]\nmax_sessions = 4\nm = 3\nport = 9001\n[gateway]\nport = 1")
+    worker_env.setenv("TANDEM_WORKER__M", "5")
+    worker_env.setenv("TANDEM_WORKER__PORT", "9002")
+    s = load_worker_settings(path, {"port": 9003, "host": None})
+    assert (s.max_sessions, s.m, s.port, s.host) == (4, 5, 9003, "127.0.0.1")
+    # Validated once, merged: a flag may make valid what the environment alone is not.
+    worker_env.setenv("TANDEM_WORKER__STAGE_THREADS", "[1, 1]")
+    assert load_worker_settings(path, {"stages": 2}).stage_threads == [1, 1]
+
+
+def test_tandem_worker_reads_the_flags_over_the_environment(tmp_path, worker_env):
+    import app.worker.server
+    from app.cli import main
+
+    started = []
+    worker_env.setattr(app.worker.server, "serve_worker", started.append)
+    worker_env.setenv("TANDEM_WORKER__PORT", "9002")
+    worker_env.setenv("TANDEM_WORKER__MAX_CONTEXT", "1024")
+    assert main(["worker", "--config", str(write(tmp_path, "[worker]\nport = 9001\nm = 3"))]) == 0
+    assert main(["worker", "--config", str(tmp_path / "c.toml"), "--port", "9003", "--stage-threads", "2"]) == 0
+    assert [(s.port, s.m, s.max_context, s.stage_threads) for s in started] == [
+        (9002, 3, 1024, None),
+        (9003, 3, 1024, [2]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "flags", "names"),
+    [
+        ("[worker]\nmax_sessions = 0", {}, {}, "worker.max_sessions"),
+        ("[worker]\nmax_sesions = 3", {}, {}, "worker.max_sesions"),  # a typo is refused, not ignored
+        ("", {"TANDEM_WORKER__BATCHING": "eager"}, {}, "worker.batching"),
+        ("", {"TANDEM_WORKER__MAX_CONTEXT": "lots"}, {}, "worker.max_context"),
+        ("", {}, {"stage_threads": ["2", "x"]}, "worker.stage_threads.1"),
+        ("[worker]\nstages = 2\nstage_threads = [1]", {}, {}, "worker: stage_threads needs one value per stage"),
+        ("worker = 3", {}, {}, "worker: must be a table"),
+    ],
+)
+def test_a_bad_worker_value_is_named(tmp_path, worker_env, toml, env, flags, names):
+    from app.config import load_worker_settings
+
+    for name, value in env.items():
+        worker_env.setenv(name, value)
+    with pytest.raises(ConfigError) as info:
+        load_worker_settings(write(tmp_path, toml), flags)
+    assert names in str(info.value)
+
+
+def test_tandem_worker_names_a_bad_value_and_exits_2(tmp_path, worker_env, capsys):
+    from app.cli import main
+
+    assert main(["worker", "--config", str(write(tmp_path, "[worker]\nm = 0"))]) == 2
+    assert "worker.m" in capsys.readouterr().err
+    assert main(["worker", "--device", "tpu"]) == 2
+    assert "worker.device" in capsys.readouterr().err
+    assert main(["worker", "--config", str(tmp_path / "absent.toml")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variable", ["TANDEM_WORKER__AUTH_TOKEN", "TANDEM_WORKER_AUTH_TOKEN"])
+def test_the_worker_token_comes_from_either_variable(tmp_path, worker_env, variable):
+    from app.config import load_worker_settings
+
+    assert load_worker_settings().auth_token is None
+    worker_env.setenv(variable, "tok-5c1e")
+    s = load_worker_settings(write(tmp_path, "[worker]\nauth_token = 'from-the-file'"))
+    assert s.auth_token is not None and s.auth_token.get_secret_value() == "tok-5c1e"
+    assert "tok-5c1e" not in repr(s)
+
+
+def test_two_different_worker_tokens_are_refused_without_showing_them(worker_env):
+    from app.config import load_worker_settings
+
+    worker_env.setenv("TANDEM_WORKER__AUTH_TOKEN", "tok-one")
+    worker_env.setenv("TANDEM_WORKER_AUTH_TOKEN", "tok-one")
+    assert load_worker_settings().auth_token.get_secret_value() == "tok-one"  # the same token twice is one token
+    worker_env.setenv("TANDEM_WORKER_AUTH_TOKEN", "tok-two")
+    with pytest.raises(ConfigError) as info:
+        load_worker_settings()
+    assert "worker.auth_token" in str(info.value)
+    assert "tok-one" not in str(info.value) and "tok-two" not in str(info.value)
+
+
+def test_the_embedded_worker_gets_the_gateways_token_only(worker_env):
+    from app.config import EmbeddedWorkerSettings
+    from app.embedded import EmbeddedWorker
+
+    worker_env.setenv("TANDEM_WORKER_AUTH_TOKEN", "some-other-workers")
+    worker_env.setenv("TANDEM_WORKER__AUTH_TOKEN", "some-other-workers")
+    worker_env.setenv("TANDEM_WORKER__MAX_SESSIONS", "8")
+    env = EmbeddedWorker(EmbeddedWorkerSettings(), "m", 2, "gateways-token").environment()
+    assert env["TANDEM_WORKER__AUTH_TOKEN"] == "gateways-token" and "TANDEM_WORKER_AUTH_TOKEN" not in env
+    assert env["TANDEM_WORKER__MAX_SESSIONS"] == "8"
+    unlocked = EmbeddedWorker(EmbeddedWorkerSettings(), "m", 2, None).environment()
+    assert not any(name in unlocked for name in ("TANDEM_WORKER__AUTH_TOKEN", "TANDEM_WORKER_AUTH_TOKEN"))
+
+
+def test_each_engine_knob_has_one_default():
+    """The worker's section inherits the engine's knobs; the batch planner takes them as arguments."""
+    import inspect
+
+    from app.worker.settings import EngineLimits, WorkerSettings
+    from policies.worker_batching import subchunk_tokens
+
+    for name, field in EngineLimits.model_fields.items():
+        inherited = WorkerSettings.model_fields[name]
+        assert (inherited.annotation, inherited.default, inherited.metadata) == (
+            field.annotation,
+            field.default,
+            field.metadata,
+        ), name
+    engine_knobs = WorkerSettings().model_dump(include=set(EngineLimits.model_fields))
+    assert EngineLimits(**engine_knobs) == EngineLimits()
+    planner = inspect.signature(subchunk_tokens).parameters
+    assert all(planner[p].default is inspect.Parameter.empty for p in ("overhead", "min_tokens", "max_tokens"))

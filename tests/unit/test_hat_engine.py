@@ -7,14 +7,14 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from app.worker.engine import Engine
-from app.worker.sessions import EngineError, EngineLimits
+from app.worker.sessions import EngineError
+from app.worker.settings import EngineLimits
 from clients.hat import wire
 from clients.hat.link import DelayLine, LinkProfile
 from clients.hat.split import split_model
@@ -300,7 +300,7 @@ async def test_delay_line_delivers_in_order_after_the_delay() -> None:
 
 def test_worker_compute_device_setting() -> None:
     from app.worker.compute import compute_device
-    from app.worker.server import WorkerSettings
+    from app.worker.settings import WorkerSettings
 
     assert WorkerSettings().device == "auto"
     assert compute_device("cpu") == torch.device("cpu")
@@ -334,7 +334,7 @@ def test_status_rides_with_a_verification_when_mu_or_g_moved(tiny: LlamaForCausa
         )
         # Nothing moved beyond the tolerance: no STATUS.
         s.told = (engine.stats.mu.get(), *engine.stats.g.coefficients())
-        engine.limits = replace(engine.limits, status_tolerance=1e9)
+        engine.limits = engine.limits.model_copy(update={"status_tolerance": 1e9})
         assert [f.kind for f in replies(engine.submit(s, tensor_frame(s, 3, torch.randn(3, H), 43)))] == [
             Kind.VERIFY_RESULT
         ]

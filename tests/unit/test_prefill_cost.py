@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from app.worker.engine import Engine
-from app.worker.sessions import EngineLimits
+from app.worker.settings import EngineLimits
 from clients.hat import wire
 from clients.hat.options import HATOptions
 from clients.hat.prefill_plan import PrefillPlanner, worker_prefill_cost

@@ -54,13 +54,14 @@ def test_forced_frames_run_first_and_the_token_cap_holds() -> None:
 
 def test_subchunk_budget_comes_from_g() -> None:
     # X = c2·(1 − ε)/(ε·c1): a CPU worker's g (0.16 s + 7 ms/token) at ε = 0.2 gives 92 tokens.
-    assert subchunk_tokens(0.007, 0.16, overhead=0.2) == 92
-    assert subchunk_tokens(0.007, 0.16, overhead=0.5) == 23
-    assert subchunk_tokens(0.0, 0.16) == 4096  # no slope yet: no basis for splitting
-    assert subchunk_tokens(1.0, 0.001, min_tokens=16) == 16
-    assert subchunk_tokens(1e-9, 1.0, max_tokens=512) == 512
+    bounds = {"min_tokens": 16, "max_tokens": 4096}
+    assert subchunk_tokens(0.007, 0.16, overhead=0.2, **bounds) == 92
+    assert subchunk_tokens(0.007, 0.16, overhead=0.5, **bounds) == 23
+    assert subchunk_tokens(0.0, 0.16, overhead=0.2, **bounds) == 4096  # no slope yet: no basis for splitting
+    assert subchunk_tokens(1.0, 0.001, overhead=0.2, **bounds) == 16
+    assert subchunk_tokens(1e-9, 1.0, overhead=0.2, min_tokens=16, max_tokens=512) == 512
     with pytest.raises(ValueError):
-        subchunk_tokens(0.01, 0.1, overhead=1.0)
+        subchunk_tokens(0.01, 0.1, overhead=1.0, **bounds)
     for total, piece in [(1024, 92), (128, 64), (7, 100), (1, 1), (100, 33)]:
         parts = split_sizes(total, piece)
         assert sum(parts) == total and max(parts) <= piece and max(parts) - min(parts) <= 1

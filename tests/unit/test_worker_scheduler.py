@@ -9,7 +9,8 @@ from concurrent.futures import Future
 import torch
 
 from app.worker.scheduler import Piece, Scheduler
-from app.worker.sessions import EngineError, EngineLimits, Item, OpenParams, Reason, Session
+from app.worker.sessions import EngineError, Item, OpenParams, Reason, Session
+from app.worker.settings import EngineLimits
 from app.worker.stats import EngineStats
 from clients.hat import wire
 
