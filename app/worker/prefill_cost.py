@@ -3,7 +3,7 @@ a staged worker's sequence partition over it.
 
 One fit serves two readers: a staged worker's sequence partition (`SubsequencePlanner`, below) and the devices,
 which get it in every OPEN reply (`prefill_tau`, one [a, b, c, d] per stage: plain numbers) and plan their own
-prefill chunks with it (`chunking = "dp"`, clients/hat/device.py). g, the decode-delay line the worker also
+prefill chunks with it (`chunking = "dp"`, clients/hat/prefill_plan.py). g, the decode-delay line the worker also
 sends, is fitted on whatever passes ran (mostly a few positions) and has no context term, so it misprices prefill
 chunks; τ is fitted only on lone prefill pieces, with the context and in-piece attention terms.
 
