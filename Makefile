@@ -8,7 +8,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup models serve test lint bench clean
+.PHONY: setup models serve test test-portable lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,4 +38,26 @@ bench: setup
 	$(BIN)/tandem bench gateway
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PORTABLE) .pytest_cache .ruff_cache
+
+# The whole suite on other kernels than this machine's: llama.cpp built for AVX2 only (no AVX-512, whatever this
+# CPU has) and torch on one thread, in a scratch virtualenv. Greedy text may differ between such builds; no test's
+# oracle may (README, "What is exact"). The first run builds llama-cpp-python again (~10 min on 2 cores).
+PORTABLE      := .venv-portable
+PORTABLE_LLAMA := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF \
+	-DGGML_AVX_VNNI=OFF
+
+$(PORTABLE)/.installed: pyproject.toml deploy/constraints.txt
+	$(PYTHON) -m venv $(PORTABLE)
+	$(PORTABLE)/bin/python -m pip install --quiet --upgrade pip wheel
+	$(PORTABLE)/bin/python -m pip install --quiet -c deploy/constraints.txt -e ".[dev]"
+	# --no-cache-dir: pip's wheel cache would hand back the native build of the same sdist
+	CMAKE_ARGS="$(PORTABLE_LLAMA)" $(PORTABLE)/bin/python -m pip install --force-reinstall --no-deps \
+		--no-cache-dir -c deploy/constraints.txt llama-cpp-python
+	$(PORTABLE)/bin/python -c "import llama_cpp, sys; i = llama_cpp.llama_print_system_info().decode(); \
+		print(i); sys.exit('AVX512 = 1' in i)"
+	touch $@
+
+test-portable: models $(PORTABLE)/.installed
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PORTABLE)/bin/python -m pytest

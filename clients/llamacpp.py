@@ -67,6 +67,7 @@ class LlamaCppBackend:
         n_ctx: int = 4096,
         n_threads: int = 2,
         reproducible: bool = False,
+        chunk: int = CANONICAL_CHUNK,
     ):
         self.name = name
         self.model_id = model_id
@@ -82,6 +83,7 @@ class LlamaCppBackend:
         self.evaluations = 0  # generate calls started: the KV cache can only have changed if this moved
         self._pieces: dict[int, bytes] = {}  # token id -> its bytes (logprobs), filled on the model thread
         self.reproducible = reproducible
+        self.chunk = chunk  # the reproducible path's evaluation batch
         # Reproducible path: the KV cache's leading positions that were evaluated as whole canonical chunks.
         self._canonical_end = 0
 
@@ -178,7 +180,7 @@ class LlamaCppBackend:
         """Reproducible path: the cached positions a request for `ids` may keep — whole canonical chunks whose
         tokens match, short of the chunk holding the last token (which is evaluated again, as a fresh request
         would)."""
-        last_start = _last_chunk_start(len(ids))
+        last_start = self._last_chunk_start(len(ids))
         end = min(self._canonical_end, self._llm.n_tokens, last_start)
         held = self._llm.input_ids[:end].tolist()
         n = 0
@@ -186,7 +188,12 @@ class LlamaCppBackend:
             if a != b:
                 break
             n += 1
-        return n - n % CANONICAL_CHUNK
+        return n - n % self.chunk
+
+    def _last_chunk_start(self, n: int) -> int:
+        """Where the last canonical chunk of an n-token input starts (it holds the last token, which is evaluated
+        for the logits the first pick needs)."""
+        return (n - 1) // self.chunk * self.chunk
 
     def _evaluate_canonically(self, ids: list[int]) -> list[int]:
         """Reproducible path: bring the KV cache to the start of the last canonical chunk of `ids`, chunk by chunk
@@ -195,10 +202,10 @@ class LlamaCppBackend:
         keep = self._reusable_chunks(ids)
         self._canonical_end = keep
         llm.n_tokens = keep  # the next eval drops every cached position from here on
-        last_start = _last_chunk_start(len(ids))
-        for start in range(keep, last_start, CANONICAL_CHUNK):
-            llm.eval(ids[start : start + CANONICAL_CHUNK])
-            self._canonical_end = start + CANONICAL_CHUNK
+        last_start = self._last_chunk_start(len(ids))
+        for start in range(keep, last_start, self.chunk):
+            llm.eval(ids[start : start + self.chunk])
+            self._canonical_end = start + self.chunk
         return ids[last_start:]
 
     # -- generation --------------------------------------------------------------------------
@@ -333,7 +340,7 @@ class LlamaCppBackend:
         processors, captured, adjuster = self._logits_processors(request, mask)
         if self.reproducible:
             tail = self._evaluate_canonically(list(ids))
-            whole_tail = len(tail) == CANONICAL_CHUNK  # once evaluated, the last chunk is a canonical one too
+            whole_tail = len(tail) == self.chunk  # once evaluated, the last chunk is a canonical one too
         for token in llm.generate(
             tail if self.reproducible else ids,
             temp=0.0 if greedy else request.temperature,
@@ -376,8 +383,3 @@ class LlamaCppBackend:
             if cancel.is_set():
                 return
 
-
-def _last_chunk_start(n: int) -> int:
-    """Where the last canonical chunk of an n-token input starts (it holds the last token, which is evaluated for
-    the logits the first pick needs)."""
-    return (n - 1) // CANONICAL_CHUNK * CANONICAL_CHUNK

@@ -67,7 +67,9 @@ async def _round(backend: LlamaCppBackend, nonce: int, words: int) -> dict[str, 
 async def _run(args: argparse.Namespace) -> str:
     path = model_path(args.model)
     backends = {
-        mode: LlamaCppBackend(mode, path, args.model, n_ctx=args.n_ctx, n_threads=args.threads, reproducible=on)
+        mode: LlamaCppBackend(
+            mode, path, args.model, n_ctx=args.n_ctx, n_threads=args.threads, reproducible=on, chunk=args.chunk
+        )
         for mode, on in (("fast", False), ("reproducible", True))
     }
     for backend in backends.values():
@@ -88,7 +90,7 @@ async def _run(args: argparse.Namespace) -> str:
 
     lines = [
         f"# Reproducible device path: time to first token against the fast path ({args.model}, "
-        f"{args.threads} threads, chunk {CANONICAL_CHUNK}, {args.rounds} rounds, medians in ms)",
+        f"{args.threads} threads, chunk {args.chunk}, {args.rounds} rounds, medians in ms)",
         "",
         "| prompt (words) | situation | fast | reproducible | reproducible / fast |",
         "|---:|---|---:|---:|---:|",
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--words", type=int, nargs="+", default=[40, 200, 700], help="prompt lengths in words")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=CANONICAL_CHUNK, help="the reproducible path's batch")
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--out", default="var/bench/reproducible.md")
     args = parser.parse_args(argv)
