@@ -47,7 +47,9 @@ Our copy of the paper lost Eqs. 1-4 (see /work/shared/notes/formulas.md); what i
   size (policies/chunking.py) and one frame.
 
 Plans are cached per (profile, N) in a small LRU (`PlanCache`). Pure: numbers in, plain values out; no clock, no
-I/O. Not yet wired into the worker or the device half.
+I/O. The staged worker (app/worker) uses the layer and sequence partitions, the device half
+(clients/hat/prefill_plan.py) the chunk plan. One module past 600 lines on purpose: every part is the same flow-shop
+makespan over the same τ model, and the DP, its exactness argument above and its baselines read best side by side.
 """
 
 from __future__ import annotations
