@@ -25,6 +25,8 @@ import ssl
 import httptools
 import httpx
 
+from clients.deadline import Deadline
+
 _PAUSE_READING_AT = 1 << 18  # bytes received but not yet taken by the reader
 _RESUME_READING_AT = 1 << 16
 
@@ -52,6 +54,7 @@ class _Connection(asyncio.Protocol):
         self._error: httpx.TransportError | None = None
         self._lost = False
         self._waiter: asyncio.Future | None = None
+        self._read_deadline = Deadline(None)  # the request in flight's read timeout, for each wait for bytes
         self._writable: asyncio.Future | None = None
 
     # -- asyncio protocol ----------------------------------------------------------------------------
@@ -81,6 +84,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        self._read_deadline.close()
         if self._head_ready and not self._complete and self._error is None:
             if self._length_known:
                 self._error = httpx.RemoteProtocolError("the server closed the connection before the end of its answer")
@@ -150,7 +154,7 @@ class _Connection(asyncio.Protocol):
     async def _wait(self, what: str) -> None:
         self._waiter = asyncio.get_running_loop().create_future()
         try:
-            async with asyncio.timeout(self.read_timeout):
+            with self._read_deadline:  # per read on the hot path: not asyncio.timeout (clients/deadline.py)
                 await self._waiter
         except TimeoutError:
             raise httpx.ReadTimeout(f"no {what} from the server within {self.read_timeout:g} s") from None
@@ -159,6 +163,8 @@ class _Connection(asyncio.Protocol):
 
     async def send(self, head: bytes, body: bytes, timeouts: dict) -> None:
         self.read_timeout = timeouts.get("read")
+        self._read_deadline.close()
+        self._read_deadline = Deadline(self.read_timeout)
         self._parser = httptools.HttpResponseParser(self)
         self._headers, self._status, self._head_ready = [], None, False
         self._complete = self._length_known = self._keep_alive = False

@@ -21,6 +21,7 @@ class Metrics:
         self.inter_token = Histogram(
             "tandem_inter_token_seconds", "Gap between two tokens", ["backend"], buckets=_ITL_BUCKETS, registry=r
         )
+        self._inter_token_of: dict[str, Histogram] = {}
         self.errors = Counter("tandem_backend_errors", "Backend failures", ["backend", "kind"], registry=r)
         self.tokens = Counter("tandem_tokens", "Tokens processed", ["backend", "phase"], registry=r)
         self.backend_active = Gauge(
@@ -58,6 +59,14 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+
+    def inter_token_of(self, backend: str) -> Histogram:
+        """One backend's inter-token histogram, looked up once: `labels()` takes a lock and checks its labels, a
+        cost paid for every relayed token otherwise."""
+        child = self._inter_token_of.get(backend)
+        if child is None:
+            child = self._inter_token_of[backend] = self.inter_token.labels(backend=backend)
+        return child
 
 class RequestMetricsMiddleware:
     """Counts answered requests by route and status (pure ASGI: no per-chunk overhead on streams)."""

@@ -35,6 +35,7 @@ from app.serving.metrics import Metrics
 from app.serving.relay import Delta, Prefix, Relay
 from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
+from clients.deadline import Deadline
 from policies.cost import role_of
 from policies.dispatch import DispatchPlan
 from policies.estimate import MovingAverage
@@ -263,6 +264,7 @@ class Orchestrator:
         self.disco.observe_request(job.prompt_tokens)
         attempt: Attempt | None = None
         relay: Relay | None = None
+        stall = Deadline(self.stall_timeout)
         try:
             attempt, event = await self._first_token(job)
             relay = Relay(job.gen, time.monotonic(), self.disco.settings.consumption_rate)
@@ -284,13 +286,12 @@ class Orchestrator:
                     attempt, event = moved
                     continue
                 try:
-                    # asyncio.timeout, not wait_for: no extra task per token on the hot path.
-                    async with asyncio.timeout(self.stall_timeout):
+                    with stall:  # not asyncio.timeout: no timer pushed and cancelled per token (clients/deadline.py)
                         following = await anext(attempt.stream)
                 except Exception as exc:
                     attempt, event = await self._recover(job, attempt, exc, relay)
                     continue
-                self.metrics.inter_token.labels(backend=attempt.name).observe(following.t - event.t)
+                self.metrics.inter_token_of(attempt.name).observe(following.t - event.t)
                 self.token_seconds[attempt.name].update(following.t - event.t)
                 event = following
         except Exception as exc:
@@ -302,6 +303,7 @@ class Orchestrator:
                 raise BackendError(f"internal error: {type(exc).__name__}: {exc}", 500) from exc
             raise
         finally:
+            stall.close()
             self.metrics.in_flight.dec()
             for a in job.attempts:
                 if a.outcome == "running":

@@ -1,0 +1,61 @@
+"""clients/deadline.py: asyncio.timeout's semantics for each await of a stream, with one timer handle per period."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from clients.deadline import Deadline
+
+
+async def test_an_await_that_outlasts_the_deadline_raises_timeout_error() -> None:
+    deadline = Deadline(0.05)
+    with pytest.raises(TimeoutError):
+        with deadline:
+            await asyncio.sleep(1)
+    assert not asyncio.current_task().cancelling()  # the cancel it used is taken back
+    await asyncio.sleep(0)  # and no stray cancellation is left for the next await
+
+
+async def test_each_await_gets_the_whole_limit_and_one_timer_serves_many() -> None:
+    loop = asyncio.get_running_loop()
+    armed = []
+    real = loop.call_at
+
+    def counting(when, callback, *args, **kw):
+        if getattr(callback, "__self__", None) is deadline:
+            armed.append(when)
+        return real(when, callback, *args, **kw)
+
+    deadline = Deadline(0.1)
+    loop.call_at = counting
+    try:
+        t0 = loop.time()
+        while loop.time() - t0 < 0.35:  # far longer than the limit in all, each await well within it
+            with deadline:
+                await asyncio.sleep(0.01)
+        deadline.close()
+    finally:
+        del loop.call_at
+    assert 1 <= len(armed) <= 6  # about one per 0.1 s of streaming, not one per await (~35)
+
+
+async def test_another_cancellation_passes_through_unchanged() -> None:
+    deadline = Deadline(10)
+
+    async def waiter() -> None:
+        with deadline:
+            await asyncio.sleep(10)
+
+    task = asyncio.create_task(waiter())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline.close()
+
+
+async def test_no_limit() -> None:
+    with Deadline(None):
+        await asyncio.sleep(0.01)
