@@ -42,7 +42,7 @@ class GenerationRequest:
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     response_format: dict | None = None
-    # Observability and sampling fields (docs: README "Supported request fields"). `logprobs` is None when not
+    # Observability and sampling fields (docs/api.md). `logprobs` is None when not
     # asked, else how many top alternatives each token carries (0..20). Penalties are OpenAI's, counted over the
     # answer's tokens (the delivered prefix included); `logit_bias` is (device token id, bias) pairs.
     logprobs: int | None = None

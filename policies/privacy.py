@@ -1,7 +1,7 @@
 """Where a request's text may go: privacy levels and what each allows.
 
 An endpoint's locality says what leaves the device when it serves: "device" (nothing), "split" (HAT: hidden
-states after the first layers, never token ids or text — though a worker can largely invert them; see README),
+states after the first layers, never token ids or text — though a worker can largely invert them; docs/hat.md),
 "cloud" (the prompt's text). A request's level allows localities up to its own: "device" only the device,
 "split" the device and HAT, "any" everything.
 """

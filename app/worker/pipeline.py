@@ -31,7 +31,7 @@ Jupiter's sequence partition (app/worker/prefill_cost.py's `SubsequencePlanner`)
 A stage that dies (exits, closes its connection, times out, fails a forward): the pipeline reports a failure
 once; the engine answers every frame in flight with an ERROR, closes every session and refuses new ones, and
 /health/ready says not ready, so devices migrate as for any worker fault. The other stages exit on their own
-(their peer's connection closes). Across hosts: see README (worker section): stages 1..P−1 are started by hand
+(their peer's connection closes). Across hosts (docs/hat.md, "Stages across hosts"): stages 1..P−1 are started by hand
 with `tandem worker --stages P --stage-rank s` and the rendezvous address.
 """
 

@@ -45,7 +45,7 @@ class EngineLimits(BaseModel):
     batch_invariant: bool = True
     # How pending frames are grouped into passes: "planned" = shortest first, grouped by an exact DP for the least
     # mean completion time under the fitted g, long prefill frames split into sub-chunks sized from g
-    # (policies/worker_batching.py); "greedy" = one frame per session per pass, up to max_batch_tokens (README,
+    # (policies/worker_batching.py); "greedy" = one frame per session per pass, up to max_batch_tokens (docs/hat.md,
     # "Batching on the worker").
     batching: Literal["planned", "greedy"] = "planned"
     # planned: a sub-chunk spends at most this share of its pass on g's fixed cost.
