@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from app.training.corpus import Example, short_sha
+from app.tools.training.corpus import Example, short_sha
 
 
 @dataclass

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from app.bench.disco_replay import Regime, RunResult, SimConfig
-from app.bench.disco_trace import Trace
+from app.tools.bench.disco_replay import Regime, RunResult, SimConfig
+from app.tools.bench.disco_trace import Trace
 
 
 def _find(results: list[RunResult], policy: str, b: float, mig: bool) -> RunResult | None:

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from app.training.features import Features
-from app.training.report import top1_agreement
+from app.tools.training.features import Features
+from app.tools.training.report import top1_agreement
 
 
 def distillation_loss(

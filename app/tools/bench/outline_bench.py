@@ -16,13 +16,13 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 
-from app.bench.output import publish
+from app.tools import REPO_ROOT
+from app.tools.bench.output import publish
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "deploy" / "outline_questions.txt"
+QUESTIONS = REPO_ROOT / "deploy" / "outline_questions.txt"
 
 
 def _ask(url: str, question: str, max_tokens: int, outline: bool) -> dict:
