@@ -5,19 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from importlib import resources
 from pathlib import Path
-
-
-def embedded_default() -> Path:
-    """The embedded default config, shipped with the code (deploy/embedded.toml)."""
-    return Path(str(resources.files("deploy") / "embedded.toml"))
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.config import ConfigError, load_settings
+    from app.config import ConfigError, embedded_default, load_settings
     from app.http_protocol import HttpProtocol
     from app.serving.gateway import create_gateway
     from deploy.models import ModelError

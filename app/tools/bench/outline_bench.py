@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-pin", action="store_true", help="leave device and cloud unpinned, two threads each (the embedded default)"
     )
     args = parser.parse_args(argv)
-    from app.cli import embedded_default
+    from app.config import embedded_default
     from app.launcher import start_gateway, stop_gateway
 
     questions = [q for q in QUESTIONS.read_text().splitlines() if q.strip()][: args.questions]
