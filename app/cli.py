@@ -1,4 +1,7 @@
-"""tandem serve | models | bench — the one entry point (`tandem` console script)."""
+"""tandem serve | worker | models | train-adapter | profile | bench — the one entry point (`tandem` console script).
+
+The composition root of the product and of the offline tools: `bench`, `train-adapter` and `profile` import app/tools/
+inside their handlers only, so serving never loads the tools (nor their extra's packages)."""
 
 from __future__ import annotations
 

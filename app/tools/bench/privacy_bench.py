@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.tools import REPO_ROOT
+from app.tools import REPO_ROOT, pyplot
 from app.tools.bench.hat_setup import DEFAULT_LINK
 from app.tools.bench.output import publish
 
@@ -586,11 +586,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2 if results.get("noise") else 1, figsize=(11, 4.2), squeeze=False)
     ax = axes[0][0]
     ms = [r["m"] for r in results["by_m"]]

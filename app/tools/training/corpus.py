@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from app.tools import REPO_ROOT
+from app.tools import REPO_ROOT, import_extra
 
 DEFAULT_PROMPTS = REPO_ROOT / "deploy" / "adapter_prompts.txt"
 HELD_OUT_EVERY = 8  # prompt i is held out when i % 8 == 7
@@ -129,8 +129,7 @@ def generate_corpus(
     `prompts` is a list (corpus index = position) or a mapping from corpus index to prompt (the code-reading
     prompts live at app.tools.training.code_prompts.CODE_INDEX_BASE + j); `indices` picks and orders the ones to answer.
     """
-    from tqdm import tqdm
-
+    tqdm = import_extra("tqdm").tqdm
     done = read_corpus(out_path)
     todo = []
     if indices is None:
