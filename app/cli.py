@@ -1,23 +1,20 @@
-"""tandem serve | models | bench — the one entry point (`tandem` console script)."""
+"""tandem serve | worker | models | train-adapter | profile | bench — the one entry point (`tandem` console script).
+
+The composition root of the product and of the offline tools: `bench`, `train-adapter` and `profile` import app/tools/
+inside their handlers only, so serving never loads the tools (nor their extra's packages)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from importlib import resources
 from pathlib import Path
-
-
-def embedded_default() -> Path:
-    """The embedded default config, shipped with the code (deploy/embedded.toml)."""
-    return Path(str(resources.files("deploy") / "embedded.toml"))
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.config import ConfigError, load_settings
+    from app.config import ConfigError, embedded_default, load_settings
     from app.http_protocol import HttpProtocol
     from app.serving.gateway import create_gateway
     from deploy.models import ModelError
@@ -103,13 +100,13 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _train_adapter(args: argparse.Namespace) -> int:
-    from app.training.train_adapter import main
+    from app.tools.training.train_adapter import main
 
     return main(args.rest)
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from app.profiling.main import main
+    from app.tools.profiling.main import main
 
     return main(args.rest)
 
@@ -127,29 +124,29 @@ def _models(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "gateway":
-        from app.bench.gateway import main
+        from app.tools.bench.gateway_bench import main
     elif args.what == "disco":
-        from app.bench.disco_sim import main
+        from app.tools.bench.disco_sim import main
     elif args.what == "disco-live":
-        from app.bench.disco_live import main
+        from app.tools.bench.disco_live import main
     elif args.what == "hat":
-        from app.bench.hat import main
+        from app.tools.bench.hat import main
     elif args.what == "hat-streams":
-        from app.bench.hat_streams import main
+        from app.tools.bench.hat_streams import main
     elif args.what == "device":
-        from app.bench.device import main
+        from app.tools.bench.device_bench import main
     elif args.what == "sd-edge":
-        from app.bench.sd_edge import main
+        from app.tools.bench.sd_edge_bench import main
     elif args.what == "worker-batching":
-        from app.bench.worker_batching import main
+        from app.tools.bench.worker_batching_bench import main
     elif args.what == "privacy":
-        from app.bench.privacy import main
+        from app.tools.bench.privacy_bench import main
     elif args.what == "outline":
-        from app.bench.outline import main
+        from app.tools.bench.outline_bench import main
     elif args.what == "jupiter":
-        from app.bench.jupiter import main
+        from app.tools.bench.jupiter_bench import main
     elif args.what == "reproducible":
-        from app.bench.reproducible import main
+        from app.tools.bench.reproducible import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -379,6 +380,12 @@ def _read_toml(path: str | Path | None) -> dict:
         raise ConfigError(f"config file not found: {path}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def embedded_default() -> Path:
+    """The embedded default config, shipped with the code (deploy/embedded.toml): what `tandem serve` runs without
+    --config."""
+    return Path(str(resources.files("deploy") / "embedded.toml"))
 
 
 def load_settings(path: str | Path | None = None) -> Settings:

@@ -19,7 +19,7 @@ adds where a near-tie ends a round and how the answer ended). From it (`tandem p
 - `replay`: the exact greedy rounds over a rank sequence (each round starts after the previous round's accepted
   drafts and its correction), i.e. the accept length a live run gets on the same prompts;
 - `refine_tree`: Ghidorah's step 5 (swap leaves for frontier nodes while the replayed accept length improves).
-ARCA's width choice over these trees and the profiled round time is `tandem profile`'s (app/profiling/main.py).
+ARCA's width choice over these trees and the profiled round time is `tandem profile`'s (app/tools/profiling/main.py).
 
 Pure: no I/O, no clocks; times are arguments.
 """

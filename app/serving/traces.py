@@ -18,7 +18,7 @@ def plan_kind(plan: DispatchPlan) -> str:
 
 
 def replay_row(job: Job) -> dict:
-    """One line of a recorded trace for `tandem bench disco --trace` (format in app/bench/disco_sim.py):
+    """One line of a recorded trace for `tandem bench disco --trace` (format in app/tools/bench/disco_sim.py):
     each endpoint's time from its own start to its first token, when it got there."""
 
     def ttft(role: str, migration: bool) -> float | None:

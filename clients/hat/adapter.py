@@ -4,7 +4,7 @@ Draft model on the device: w_S = H o Adapter o input_submodel. The adapter has t
 layer's self-attention block (RMSNorm -> q/k/v/o attention with rotary and grouped KV heads -> residual): attention
 is far cheaper than the MLP and still mixes context. It is initialised from layer m's own attention (a probe found
 that init best: 44% held-out top-1 vs 1% for no adapter) and distilled from the LLM by `tandem train-adapter`
-(app/training/), which ships its result next to this module.
+(app/tools/training/), which ships its result next to this module.
 
 Weights are saved with safetensors (never pickle).
 """

@@ -1,4 +1,4 @@
-"""A HAT profile (`tandem profile`, app/profiling/): this machine's measured round-time parts and acceptance, read back.
+"""A `tandem profile` (app/tools/profiling/): this machine's measured round-time parts and acceptance, read back.
 
 The profile is one JSON file (schema "tandem-hat-profile", versioned). The device half (HATOptions.profile) starts
 its draft-length controller from the profile's draft step, head, link latency and bandwidths and replayed
@@ -65,8 +65,8 @@ class HATProfile:
         return [(float(w), t / 1e3) for per in self.middle_ms.values() for w, t in per.items()]
 
     def arca_tree(self) -> tuple[tuple[int, ...], ...] | None:
-        """ARCA's pick from the profile's Table I (app/profiling/main.py): the token tree's rank paths when a tree of
-        3 or more positions has the most modelled tokens per second of every width and shape; None when a chain
+        """ARCA's pick from the profile's Table I (app/tools/profiling/main.py): the token tree's rank paths when a tree
+        of 3 or more positions has the most modelled tokens per second of every width and shape; None when a chain
         does (or the profile has no Table I)."""
         table = (self.raw.get("acceptance") or {}).get("table1") or {}
         rows, trees = table.get("rows") or [], table.get("trees") or {}

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.hat_setup import TABLE5
 from app.cli import main as tandem
+from app.tools.bench.hat_setup import TABLE5
 
 
 def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:

@@ -281,8 +281,8 @@ base_url = "http://127.0.0.1:{free_port()}/v1"
 
 def test_recorded_trace_replays_in_the_simulator(disco_gateway, tmp_path):
     """The gateway's JSONL trace is what `tandem bench disco --trace` replays."""
-    from app.bench.disco_sim import main
-    from app.bench.disco_trace import load_trace
+    from app.tools.bench.disco_sim import main
+    from app.tools.bench.disco_trace import load_trace
 
     knobs(disco_gateway, policy="disco-s", constrained_side="server", budget=1.0, migration=False)
     stream_chunks(disco_gateway, MESSAGES, max_tokens=3)  # a race: both TTFTs can be recorded

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from app.cli import main as tandem
-from app.profiling import replay as rp
+from app.tools.profiling import replay as rp
 from app.worker.server import Worker
 from app.worker.settings import WorkerSettings
 from clients.hat.device import HATBackend
@@ -179,7 +179,7 @@ STAR = tuple((k,) for k in range(7))
 
 
 async def test_offline_replay_of_acceptance_equals_the_live_runs(replay_worker: WorkerServer) -> None:
-    """Greedy HAT on real weights, round by round: the accepted drafts of every live round equal app/profiling's
+    """Greedy HAT on real weights, round by round: the accepted drafts of every live round equal app/tools/profiling's
     replay over the same answers, for chains under HAT's eta rule (the default) and for a token tree."""
     model, tok = load(SMOL)
     split = split_model(model, 2)

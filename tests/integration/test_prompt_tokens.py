@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from llama_cpp import Llama
 
-from app.training.corpus import ROOT, load_prompts
+from app.tools import REPO_ROOT
+from app.tools.training.corpus import load_prompts
 from clients.chat_template import render_chat
 from clients.prompt_tokens import PromptTokenizer
 from deploy.models import model_path
@@ -25,7 +26,7 @@ def test_cached_pieces_give_llama_cpp_s_tokens(qwen: Llama) -> None:
     tokenizer = PromptTokenizer(qwen)
     assert tokenizer.cached  # Qwen's special tokens allow it
     template = qwen.metadata["tokenizer.chat_template"]
-    prompts = load_prompts(ROOT / "deploy" / "adapter_prompts.txt")
+    prompts = load_prompts(REPO_ROOT / "deploy" / "adapter_prompts.txt")
     assert len(prompts) > 500
     history: list[dict] = [{"role": "system", "content": "You answer briefly."}]
     texts = []

@@ -121,7 +121,7 @@ def test_verification_first_bit_identical_and_subchunked_prefill_exact(
 
 def test_bench_worker_batching_measures_pure_decode_throughput(tmp_path) -> None:
     """`tandem bench worker-batching --decode-only`: both modes serve the decoders and the report compares them."""
-    from app.bench.worker_batching import main
+    from app.tools.bench.worker_batching_bench import main
 
     out = tmp_path / "report.md"
     args = ["--model", "smollm2-135m-instruct", "--decoders", "2", "--warmup", "0.3", "--decode-only", "1.0"]

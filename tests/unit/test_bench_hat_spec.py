@@ -1,5 +1,5 @@
-"""`tandem bench hat`'s speculation sections (widths, eq7, defaults; app/bench/hat_spec.py): their pure parts — the
-shapes swept and their HATOptions, ARCA's pick from a profile, Ghidorah's decomposition, the within-5% verdict, and
+"""`tandem bench hat`'s speculation sections (widths, eq7, defaults; app/tools/bench/hat_spec.py): their pure parts —
+the shapes swept and their HATOptions, ARCA's pick from a profile, Ghidorah's decomposition, the within-5% verdict, and
 the tables. The sections themselves run on real weights only in the manual runs recorded in BENCHMARKS.md (the
 suite's time budget has no room for another real-weight bench run)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.bench import hat_spec as spec
-from app.bench.hat_setup import SD_ONLY, U_SHAPE
+from app.tools.bench import hat_spec as spec
+from app.tools.bench.hat_setup import SD_ONLY, U_SHAPE
 from clients.hat.profile import SCHEMA, VERSION, parse_profile
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-from app.training.code_prompts import CODE_INDEX_BASE, build_code_prompts, is_code_index, stdlib_files
-from app.training.corpus import is_held_out
+from app.tools.training.code_prompts import CODE_INDEX_BASE, build_code_prompts, is_code_index, stdlib_files
+from app.tools.training.corpus import is_held_out
 
 ROOT = Path(__file__).resolve().parents[2]
 

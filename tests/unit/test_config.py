@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from app.cli import embedded_default
-from app.config import ConfigError, load_settings
+from app.config import ConfigError, embedded_default, load_settings
 
 
 def write(tmp_path, text: str):

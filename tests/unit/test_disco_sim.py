@@ -10,10 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.bench.disco_replay import SimConfig, primed_estimators, simulate
-from app.bench.disco_sim import main
-from app.bench.disco_timing import literal_alg2, literal_alg3, timing
-from app.bench.disco_trace import SERVER_PRESETS, Trace, load_trace, mape_of_lognormal, sigma_from_mape, synthetic_trace
+from app.tools.bench.disco_replay import SimConfig, primed_estimators, simulate
+from app.tools.bench.disco_sim import main
+from app.tools.bench.disco_timing import literal_alg2, literal_alg3, timing
+from app.tools.bench.disco_trace import (
+    SERVER_PRESETS,
+    Trace,
+    load_trace,
+    mape_of_lognormal,
+    sigma_from_mape,
+    synthetic_trace,
+)
 from policies.cost import QWEN2_5_0_5B, CostModel, DeviceEnergy, TokenPrices, cloud_prices, usd_per_pflop
 from policies.dispatch import DiscoD, DiscoS, DispatchPlan, DispatchPolicy, make_policy
 

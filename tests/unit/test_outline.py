@@ -69,8 +69,8 @@ def test_points_go_where_they_finish_first():
 def test_bench_pins_device_and_cloud_to_separate_cores_one_thread_each() -> None:
     import tomllib
 
-    from app.bench.outline import pinned
-    from app.cli import embedded_default
+    from app.config import embedded_default
+    from app.tools.bench.outline_bench import pinned
 
     cfg = tomllib.loads(pinned(embedded_default().read_text(), 0, 1))
     assert cfg["device"]["n_threads"] == 1

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.bench.privacy import (
+from app.config import HATCloudSettings
+from app.tools.bench.privacy_bench import (
     AttackData,
     LinearProbe,
     agreement,
@@ -17,7 +18,6 @@ from app.bench.privacy import (
     train_inverter,
     windows,
 )
-from app.config import HATCloudSettings
 from clients.hat.noise import add_noise, noise_generator
 from clients.hat.split import InputSubmodel
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app.profiling import replay as rp
-from app.profiling.main import default_out, interp
+from app.tools.profiling import replay as rp
+from app.tools.profiling.main import default_out, interp
 from clients.hat.profile import SCHEMA, VERSION, ProfileError, load_profile, parse_profile
 from policies import trees
 from policies.drafting import (

@@ -1,4 +1,4 @@
-"""`tandem train-adapter` (app/training/) on tiny data: SmolLM2-135M, a handful of prompts, a few steps; the loss
+"""`tandem train-adapter` (app/tools/training/) on tiny data: SmolLM2-135M, a handful of prompts, a few steps; the loss
 and the trainer's learning also on a tiny random Llama (no weights needed)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from app.training import train_adapter as ta
-from app.training.code_prompts import is_code_index
-from app.training.corpus import (
+from app.tools.training import train_adapter as ta
+from app.tools.training.code_prompts import is_code_index
+from app.tools.training.corpus import (
     DEFAULT_PROMPTS,
     CorpusConfig,
     Example,
@@ -25,9 +25,9 @@ from app.training.corpus import (
     load_tokenizer,
     read_corpus,
 )
-from app.training.features import Features, compute_features, load_features
-from app.training.report import accept_length, simulate_rounds, top1_agreement
-from app.training.trainer import Trainer, TrainOptions, batch_indices, distillation_loss, lr_at
+from app.tools.training.features import Features, compute_features, load_features
+from app.tools.training.report import accept_length, simulate_rounds, top1_agreement
+from app.tools.training.trainer import Trainer, TrainOptions, batch_indices, distillation_loss, lr_at
 from clients.hat.adapter import Adapter, draft_files, shipped_adapter_path
 from clients.hat.split import split_model
 from deploy.models import model_path

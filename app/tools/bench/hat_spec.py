@@ -6,7 +6,7 @@
   round; and whether ARCA's pick is within 5% of the best swept shape's TBT.
 - eq7 (c): the Eq. 7 draft-length controller ("eq7", "eq7+eta") against fixed chains of 1..8 drafts and today's
   default ("eta") at several RTTs: median TBT, accepted drafts per round, the ratio to the default.
-- defaults (d): Tables 4 and 5 (app/bench/hat_sections.py's own code) with the profile-driven configuration
+- defaults (d): Tables 4 and 5 (app/tools/bench/hat_sections.py's own code) with the profile-driven configuration
   ("eq7+eta", the profile, `arca = true`) against U-shape and today's default in the same run; Table 4 repeated
   --defaults-runs times, the speedup's median reported.
 
@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.bench.hat_sections import table4_rows, table5_rows
-from app.bench.hat_setup import SD_ONLY, U_SHAPE, Bench, Variant, run_request, started
+from app.tools.bench.hat_sections import table4_rows, table5_rows
+from app.tools.bench.hat_setup import SD_ONLY, U_SHAPE, Bench, Variant, run_request, started
 
 SD_PC = Variant(True, True, False)  # today's default HAT configuration (chunked prefill, eta chain, no trees)
 TOLERANCE = 0.05  # ARCA's live TBT may be this much above the best swept shape's (issue 14)

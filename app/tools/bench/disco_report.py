@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from app.bench.disco_replay import Regime, RunResult, SimConfig
-from app.bench.disco_trace import Trace
+from app.tools import pyplot
+from app.tools.bench.disco_replay import Regime, RunResult, SimConfig
+from app.tools.bench.disco_trace import Trace
 
 
 def _find(results: list[RunResult], policy: str, b: float, mig: bool) -> RunResult | None:
@@ -159,11 +160,7 @@ def write_report(
 
 
 def _plot(regime: Regime, budgets: tuple[float, ...], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     labels = sorted({r.policy for r in regime.results if r.policy not in ("server-only", "device-only")})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for i, label in enumerate(labels):

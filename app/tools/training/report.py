@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from app.training.features import Features
+from app.tools.training.features import Features
 
 
 @torch.inference_mode()
@@ -225,7 +225,7 @@ def side_by_side(
 ) -> dict[str, Any]:
     """Each (adapter, draft vocabulary) on the held-out chat prompts and the held-out code-reading prompts apart:
     top-1 agreement over its vocabulary and the accept length of greedy HAT rounds at eta (max 8 drafts)."""
-    from app.training.code_prompts import is_code_index
+    from app.tools.training.code_prompts import is_code_index
 
     groups = {
         "chat": [f for f in held if not is_code_index(f.index)],

@@ -9,7 +9,7 @@ What it writes (schema "tandem-hat-profile", version 1; read back by clients/hat
 - device: draft_step_ms[r] (one batched draft step for r rows), head_ms[r] (the LM head over r rows);
 - worker: middle_ms[context][w] (the middle layers' compute for w positions), compute_device;
 - link: rtt_ms, up_bytes_per_s, down_bytes_per_s (null = too fast to measure), token_bytes;
-- acceptance (app/profiling/replay.py), calibrated on held-out chat prompts and transferred to held-out code-reading
+- acceptance (replay.py), calibrated on held-out chat prompts and transferred to held-out code-reading
   prompts: alpha (chain / eta / confident, what the draft-length controller starts from), the eta rule's replayed
   accept length, rank_cdf (per depth d, P(rank of the LLM's token <= k | the previous d-1 drafts right), for
   chains and trees), path_counts (how often each rank path is on the true path: exact node probabilities for
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from app.profiling import replay as rp
+from app.tools.profiling import replay as rp
 from clients.hat.profile import SCHEMA, VERSION
 from policies import trees
 
@@ -97,8 +97,8 @@ def _generate(model: Any, prompt_ids: list[int], n: int, eos: set[int]) -> list[
 
 def calibration_texts(args: argparse.Namespace, model: Any, tok: Any, eos: set[int]) -> dict[str, list[tuple]]:
     """{"chat": [(prompt ids, answer ids)], "code": [...]}: held-out prompts only (never trained on)."""
-    from app.training.code_prompts import build_code_prompts, is_code_index
-    from app.training.corpus import DEFAULT_PROMPTS, chat_ids, is_held_out, load_prompts, read_corpus
+    from app.tools.training.code_prompts import build_code_prompts, is_code_index
+    from app.tools.training.corpus import DEFAULT_PROMPTS, chat_ids, is_held_out, load_prompts, read_corpus
 
     if args.corpus:
         records = [e for e in read_corpus(args.corpus).values() if e.held_out and e.temperature == 0.0]
@@ -252,7 +252,7 @@ def acceptance(args: argparse.Namespace, texts: dict[str, list[rp.RankedText]], 
 
 
 async def _measure(args: argparse.Namespace, backend: Any, model_name: str) -> tuple[dict, dict, dict]:
-    from app.profiling.measure import WorkerProbe, device_times, worker_times
+    from app.tools.profiling.measure import WorkerProbe, device_times, worker_times
     from clients.hat.link import LinkProfile
 
     device = await backend.thread.run(device_times, backend.half, args.rows, min(args.contexts), args.repeats)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.bench.disco_trace import DEVICE_PRESETS, ServerPreset, Trace
+from app.tools.bench.disco_trace import DEVICE_PRESETS, ServerPreset, Trace
 from policies.cost import (
     PAPER_LAMBDA_DEVICE_CONSTRAINED,
     PAPER_LAMBDA_SERVER_CONSTRAINED,

@@ -28,7 +28,7 @@ Sections (`--sections`, all by default):
   device -> link -> worker pipeline (HATOptions.chunking = "dp").
 - trees: chains vs token trees of --tree-widths positions (SD alone), accept length and median TBT on the held-out
   chat prompts and on code-reading prompts of --tree-code-lengths tokens, with U-shape in the same run.
-- widths, eq7, defaults (issue 14's bench spec (b)-(d); app/bench/hat_spec.py, run only when named): a live sweep
+- widths, eq7, defaults (issue 14's bench spec (b)-(d); app/tools/bench/hat_spec.py, run only when named): a live sweep
   over verification widths with ARCA's pick and Ghidorah's decomposition; the Eq. 7 controller against fixed draft
   lengths at several RTTs; Tables 4 and 5 with the profile-driven configuration. They plan from --profile, or from
   a `tandem profile` run at their start against this bench's worker and link.
@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from app.bench.hat_sections import (
+from app.tools.bench.hat_sections import (
     DRAFT_LENGTH_MODES,
     chunks,
     components,
@@ -64,8 +64,8 @@ from app.bench.hat_sections import (
     throughput,
     trees,
 )
-from app.bench.hat_setup import TABLE5, U_SHAPE, Bench, RawDevice, add_bench_options
-from app.bench.hat_spec import defaults, eq7, report_defaults, report_eq7, report_widths, widths
+from app.tools.bench.hat_setup import TABLE5, U_SHAPE, Bench, RawDevice, add_bench_options
+from app.tools.bench.hat_spec import defaults, eq7, report_defaults, report_eq7, report_widths, widths
 
 
 def report(results: dict[str, Any]) -> str:

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from app.bench.hat_setup import add_bench_options
-from app.bench.output import publish
+from app.tools.bench.hat_setup import add_bench_options
+from app.tools.bench.output import publish
 
 MODES = ("solo", "one group", "Alg. 1", "2 groups")
 DEFAULT_OUT = Path("var/bench/hat-streams/report.md")
@@ -180,8 +180,8 @@ def report(rows: list[dict[str, Any]], setup: dict[str, Any], cmd: str) -> str:
 
 
 async def amain(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from app.bench.hat import _cpu_name
-    from app.bench.hat_setup import Bench
+    from app.tools.bench.hat import _cpu_name
+    from app.tools.bench.hat_setup import Bench
 
     bench = Bench(args)
     await bench.start_worker()  # before pinning ourselves: the worker is pinned on its own

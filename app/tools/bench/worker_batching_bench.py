@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from app.bench.output import publish
+from app.tools.bench.output import publish
 from app.worker.settings import EngineLimits
 
 DEFAULT_OUT = Path("var/bench/worker-batching/report.md")

@@ -16,13 +16,13 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 
-from app.bench.output import publish
+from app.tools import REPO_ROOT
+from app.tools.bench.output import publish
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "deploy" / "outline_questions.txt"
+QUESTIONS = REPO_ROOT / "deploy" / "outline_questions.txt"
 
 
 def _ask(url: str, question: str, max_tokens: int, outline: bool) -> dict:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-pin", action="store_true", help="leave device and cloud unpinned, two threads each (the embedded default)"
     )
     args = parser.parse_args(argv)
-    from app.cli import embedded_default
+    from app.config import embedded_default
     from app.launcher import start_gateway, stop_gateway
 
     questions = [q for q in QUESTIONS.read_text().splitlines() if q.strip()][: args.questions]

@@ -1,6 +1,6 @@
 """Offline replay of HAT's acceptance, exact for greedy decoding, for chains and token trees.
 
-Why one teacher-forced pass suffices (app/training/report.py has the chain argument): in greedy HAT the accepted
+Why one teacher-forced pass suffices (app/tools/training/report.py has the chain argument): in greedy HAT the accepted
 text is the LLM's greedy text G. A draft node at depth d of a round starting after G[:p+1] is accepted only if
 every node on its path was, i.e. its path spells G[p+1 .. p+d]; the draft model's distribution below that node is
 then its teacher-forced distribution along G at position p+d-1, whatever other branches the tree has. So a node is
@@ -19,7 +19,7 @@ From it (the tree arithmetic is policies/trees.py's, on `RankedText.answer()`):
   HAT's eta rule through the live controller's own bookkeeping (the acceptance rates its plan uses).
 
 A position where the LLM's fp32 argmax is not the text's next token (the text was generated with other arithmetic;
-a near-tie broke the other way) ends a round there and is counted as a tie break, as in app/training/report.py.
+a near-tie broke the other way) ends a round there and is counted as a tie break, as in app/tools/training/report.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from app.training.corpus import Example, short_sha
+from app.tools import import_extra
+from app.tools.training.corpus import Example, short_sha
 
 
 @dataclass
@@ -57,8 +58,7 @@ def load_features(
     """Features of `examples`, read from `cache_dir` (one safetensors file per sequence) or computed and cached."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
-    from tqdm import tqdm
-
+    tqdm = import_extra("tqdm").tqdm
     cache_dir.mkdir(parents=True, exist_ok=True)
     out = []
     for ex in tqdm(examples, desc=desc, unit="seq", disable=not progress, dynamic_ncols=True):

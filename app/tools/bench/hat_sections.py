@@ -1,4 +1,4 @@
-"""The sections of `tandem bench hat` (what each measures: app/bench/hat.py), one coroutine each."""
+"""The sections of `tandem bench hat` (what each measures: app/tools/bench/hat.py), one coroutine each."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from app.bench.hat_setup import SD_ONLY, SD_PD, TABLE5, U_SHAPE, Bench, RawDevice, Variant, run_request, started
-from app.profiling.measure import median_ms
+from app.tools.bench.hat_setup import SD_ONLY, SD_PD, TABLE5, U_SHAPE, Bench, RawDevice, Variant, run_request, started
+from app.tools.profiling.measure import median_ms
 
 REPEATS = 7  # timed calls per device component (after one untimed)
 

@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository
-DEFAULT_PROMPTS = ROOT / "deploy" / "adapter_prompts.txt"
+from app.tools import REPO_ROOT, import_extra
+
+DEFAULT_PROMPTS = REPO_ROOT / "deploy" / "adapter_prompts.txt"
 HELD_OUT_EVERY = 8  # prompt i is held out when i % 8 == 7
 
 
@@ -126,10 +127,9 @@ def generate_corpus(
     """Answer every prompt not yet in `out_path` with llama.cpp, appending one JSON line per answer.
 
     `prompts` is a list (corpus index = position) or a mapping from corpus index to prompt (the code-reading
-    prompts live at app.training.code_prompts.CODE_INDEX_BASE + j); `indices` picks and orders the ones to answer.
+    prompts live at app.tools.training.code_prompts.CODE_INDEX_BASE + j); `indices` picks and orders the ones to answer.
     """
-    from tqdm import tqdm
-
+    tqdm = import_extra("tqdm").tqdm
     done = read_corpus(out_path)
     todo = []
     if indices is None:
@@ -197,7 +197,7 @@ def generate_corpus(
 
 
 def corpus_stats(corpus: dict[int, Example]) -> dict[str, Any]:
-    from app.training.code_prompts import is_code_index
+    from app.tools.training.code_prompts import is_code_index
 
     train = [e for e in corpus.values() if not e.held_out]
     held = [e for e in corpus.values() if e.held_out]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from app.bench.output import publish
+from app.tools.bench.output import publish
 
 DEVICE_MODEL = "qwen2.5-coder-0.5b-instruct"
 PROMPT = (
@@ -77,7 +77,8 @@ def _serve_in_process(model: str, n_ctx: int, n_threads: int) -> None:
 
 class _InProcess:
     def __init__(self, model: Path, n_ctx: int, n_threads: int) -> None:
-        cmd = [sys.executable, "-m", "app.bench.device", "--in-process", str(model), str(n_ctx), str(n_threads)]
+        cmd = [sys.executable, "-m", "app.tools.bench.device_bench", "--in-process"]
+        cmd += [str(model), str(n_ctx), str(n_threads)]
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if self.process.stdout.readline().strip() != "ready":
             raise RuntimeError("the in-process baseline did not start")

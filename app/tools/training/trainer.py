@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from app.training.features import Features
-from app.training.report import top1_agreement
+from app.tools import import_extra
+from app.tools.training.features import Features
+from app.tools.training.report import top1_agreement
 
 
 def distillation_loss(
@@ -253,8 +254,7 @@ class Trainer:
 
     def fit(self, checkpoint_dir: Path | None, progress: bool = True, fresh: bool = True) -> str:
         """Train until total_steps or the time budget; returns why it stopped ("steps" | "time budget")."""
-        from tqdm import tqdm
-
+        tqdm = import_extra("tqdm").tqdm
         opts = self.opts
         start = time.monotonic()
         timed: list[float] = []

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from app.bench.output import publish
+from app.tools.bench.output import publish
 
 # --- the fast deterministic upstream ------------------------------------------------------------
 
@@ -273,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     ports = {"fast": free_port(), "paced": free_port()}
     gaps = {"fast": 0.0, "paced": 0.01}
     children = [
-        subprocess.Popen([sys.executable, "-m", "app.bench.gateway", "--upstream", str(ports[m]), str(gaps[m])])
+        subprocess.Popen(
+            [sys.executable, "-m", "app.tools.bench.gateway_bench", "--upstream", str(ports[m]), str(gaps[m])]
+        )
         for m in ports
     ]
     direct = {m: f"http://127.0.0.1:{p}/v1" for m, p in ports.items()}

@@ -48,11 +48,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.bench.hat_setup import DEFAULT_LINK
-from app.bench.output import publish
-
-ROOT = Path(__file__).resolve().parents[2]  # the repository (held-out text)
-
+from app.tools import REPO_ROOT, pyplot
+from app.tools.bench.hat_setup import DEFAULT_LINK
+from app.tools.bench.output import publish
 
 # --- attack math ------------------------------------------------------------------------------------
 
@@ -263,8 +261,8 @@ def fit_texts() -> dict[str, list[str]]:
 
 def held_out_texts() -> dict[str, list[str]]:
     """This repository's Python code and its prose documentation."""
-    code = [p.read_text() for d in ("clients", "app", "policies") for p in sorted((ROOT / d).rglob("*.py"))]
-    prose = [(ROOT / f).read_text() for f in ("README.md", "ARCHITECTURE.md") if (ROOT / f).is_file()]
+    code = [p.read_text() for d in ("clients", "app", "policies") for p in sorted((REPO_ROOT / d).rglob("*.py"))]
+    prose = [(REPO_ROOT / f).read_text() for f in ("README.md", "ARCHITECTURE.md") if (REPO_ROOT / f).is_file()]
     return {"code": code, "prose": prose}
 
 
@@ -436,9 +434,9 @@ def adapter_note(model: str, m: int) -> dict[str, Any]:
 
 async def live_noise(args: argparse.Namespace, model: Any, tok: Any, levels: list[float]) -> list[dict[str, Any]]:
     """Accept length, TBT and greedy agreement with the noiseless output, per noise level, through a real worker."""
-    from app.bench.hat_setup import run_request
     from app.config import EmbeddedWorkerSettings
     from app.embedded import EmbeddedWorker
+    from app.tools.bench.hat_setup import run_request
     from clients.hat.adapter import draft_files
     from clients.hat.device import HATBackend
     from clients.hat.link import LinkProfile
@@ -506,7 +504,7 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str,
 
 
 def held_out_prompts(tok: Any, n: int) -> list[list[int]]:
-    from app.training.corpus import DEFAULT_PROMPTS, chat_ids, is_held_out, load_prompts
+    from app.tools.training.corpus import DEFAULT_PROMPTS, chat_ids, is_held_out, load_prompts
 
     prompts = load_prompts(DEFAULT_PROMPTS)
     return [chat_ids(tok, p) for i, p in enumerate(prompts) if is_held_out(i)][:n]
@@ -588,11 +586,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2 if results.get("noise") else 1, figsize=(11, 4.2), squeeze=False)
     ax = axes[0][0]
     ms = [r["m"] for r in results["by_m"]]

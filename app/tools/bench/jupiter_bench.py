@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.bench.output import publish
+from app.tools.bench.output import publish
 
 DEFAULT_OUT = Path("var/bench/jupiter/report.md")
 CONFIGS = ("i", "ii", "iii", "iv", "v")

@@ -26,7 +26,7 @@ the paper publishes no fitted parameters, so:
   the real Qwen2.5-0.5B architecture (our bundled device model); λ = 0.3 and 5
   USD/PFLOP for the server- and device-constrained regimes (App. E).
 
-Recorded traces are read in the format that `tandem bench disco --trace` documents (app/bench/disco_sim.py).
+Recorded traces are read in the format that `tandem bench disco --trace` documents (app/tools/bench/disco_sim.py).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def synthetic_trace(
 
 
 def load_trace(path: Path, *, seed: int = 0, device: DevicePreset = DEVICE_PRESETS["xiaomi14-qwen0.5b"]) -> Trace:
-    """Read a JSONL trace recorded by the gateway (format in app/bench/disco_sim.py, which reads it for `--trace`)."""
+    """Read a JSONL trace recorded by the gateway (format in disco_sim.py, which reads it for `--trace`)."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.bench.output import publish
+from app.tools.bench.output import publish
 from policies.sd_edge import (
     LLAMA_1_1B,
     LLAMA_7B,

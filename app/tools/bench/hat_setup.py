@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository
+from app.tools import REPO_ROOT
+
 DEFAULT_LINK = "latency=10ms,up=7.5MB/s,down=12.5MB/s"  # the HAT benches' link: 20 ms RTT, 7.5 / 12.5 MB/s
 
 
@@ -80,20 +81,20 @@ class Bench:
         import shlex
         import sys
 
-        from app.profiling.main import default_out
+        from app.tools.profiling.main import default_out
         from clients.hat.profile import load_profile
 
         a = self.args
         if a.profile:
             path = Path(a.profile)
         else:
-            path = ROOT / default_out(a.model, a.m, prefix="bench-")
+            path = REPO_ROOT / default_out(a.model, a.m, prefix="bench-")
             cmd = [sys.executable, "-m", "app.cli", "profile", "--model", a.model, "--m", str(a.m),
                    "--worker-url", self.url, "--link", a.link, "--threads", "1", "--out", str(path),
                    *(["--quick"] if a.profile_quick else []), *shlex.split(a.profile_args)]  # fmt: skip
             print(f"  profile: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL)
+            proc = await asyncio.create_subprocess_exec(*cmd, cwd=REPO_ROOT, stdout=asyncio.subprocess.DEVNULL)
             if await proc.wait() != 0:
                 raise SystemExit(f"tandem profile failed (exit {proc.returncode}): {shlex.join(cmd[1:])}")
             self.results["profile_seconds"] = round(time.perf_counter() - t0, 1)
@@ -163,7 +164,7 @@ class Bench:
 
     def code_prompt(self, length: int) -> list[int]:
         """Exactly `length` tokens: a chat-templated request to explain a slice of this repository's code."""
-        code = "\n".join((ROOT / f).read_text() for f in _CODE_FILES)
+        code = "\n".join((REPO_ROOT / f).read_text() for f in _CODE_FILES)
         marker = "\u2063"
         text = self.tok.apply_chat_template(
             [{"role": "user", "content": f"Explain what this code does, briefly:\n```python\n{marker}\n```"}],
@@ -180,7 +181,7 @@ class Bench:
         return [*ids_head, *body[:room], *ids_tail]
 
     def held_out_prompts(self, n: int) -> list[list[int]]:
-        from app.training.corpus import DEFAULT_PROMPTS, chat_ids, is_held_out, load_prompts
+        from app.tools.training.corpus import DEFAULT_PROMPTS, chat_ids, is_held_out, load_prompts
 
         prompts = load_prompts(DEFAULT_PROMPTS)
         held = [p for i, p in enumerate(prompts) if is_held_out(i)]

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from app.bench.disco_trace import SERVER_PRESETS
+from app.tools.bench.disco_trace import SERVER_PRESETS
 from policies.dispatch import DEFAULT_ALPHA, DiscoD, DiscoS, DispatchPolicy
 
 

@@ -2,16 +2,16 @@
 
 Stages (each resumable; `--stage all` runs them in order):
 
-corpus  The LLM answers every prompt of deploy/adapter_prompts.txt (app.training.corpus): training prompts
+corpus  The LLM answers every prompt of deploy/adapter_prompts.txt (app.tools.training.corpus): training prompts
         sampled, held-out prompts (every 8th) greedily, appended to corpus.jsonl as they are done.
 train   Teacher features of every sequence from the fp32 HF model split after layer m, cached in features/
-        (app.training.features); the adapter trained with HAT's Eq. 4 (app.training.trainer). Checkpoints
+        (app.tools.training.features); the adapter trained with HAT's Eq. 4 (app.tools.training.trainer). Checkpoints
         (checkpoint/) every N steps and at the end; `--resume` continues from one and reproduces the uninterrupted
         run's batches and vocab slices. `--time-budget` shrinks the schedule to what fits once the step time is
         known, and stops at the budget.
 report  Held-out prompts: top-1 agreement and the accept length of simulated greedy HAT rounds for no adapter /
         the untrained adapter / the trained one, and optionally for reduced draft vocabularies (the K most frequent
-        corpus tokens) (app.training.report). Written to report.json.
+        corpus tokens) (app.tools.training.report). Written to report.json.
 
 `--ship` copies the trained adapter, in float16, where the device half finds it, with a JSON record of how it
 was made and how it scores. Only safetensors and JSON are written or read here: never pickle.
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from app.training.code_prompts import CODE_INDEX_BASE, build_code_prompts
-from app.training.corpus import (
+from app.tools.training.code_prompts import CODE_INDEX_BASE, build_code_prompts
+from app.tools.training.corpus import (
     DEFAULT_PROMPTS,
     CorpusConfig,
     common_prefix_len,
@@ -45,8 +45,8 @@ from app.training.corpus import (
     read_corpus,
     split_corpus,
 )
-from app.training.features import load_features
-from app.training.report import (
+from app.tools.training.features import load_features
+from app.tools.training.report import (
     accept_length,
     predict,
     print_report,
@@ -55,7 +55,7 @@ from app.training.report import (
     time_draft_step,
     top1_agreement,
 )
-from app.training.trainer import Trainer, TrainOptions
+from app.tools.training.trainer import Trainer, TrainOptions
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_M = 2

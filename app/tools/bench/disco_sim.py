@@ -6,7 +6,7 @@ cannot sweep that. The simulator runs the *same* policy objects as the gateway
 (`policies.dispatch`, `policies.migration`, `policies.estimate`, `policies.cost`);
 it only supplies the clock and the endpoints' timings from the trace.
 
-The pieces: app/bench/disco_trace.py (synthetic and recorded traces), disco_replay.py (what one request
+The pieces: app/tools/bench/disco_trace.py (synthetic and recorded traces), disco_replay.py (what one request
 does; every policy x budget x migration), disco_report.py (tables, acceptance numbers, plots, JSON) and
 disco_timing.py (`--timing`: policy compute time instead).
 
@@ -31,10 +31,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from app.bench.disco_replay import BUDGETS, SimConfig, run_bench
-from app.bench.disco_report import write_report
-from app.bench.disco_timing import timing
-from app.bench.disco_trace import DEVICE_PRESETS, SERVER_PRESETS, load_trace, synthetic_trace
+from app.tools.bench.disco_replay import BUDGETS, SimConfig, run_bench
+from app.tools.bench.disco_report import write_report
+from app.tools.bench.disco_timing import timing
+from app.tools.bench.disco_trace import DEVICE_PRESETS, SERVER_PRESETS, load_trace, synthetic_trace
 from policies.cost import PAPER_LAMBDA_DEVICE_CONSTRAINED, PAPER_LAMBDA_SERVER_CONSTRAINED
 from policies.dispatch import DEFAULT_ALPHA
 from policies.migration import READING_RATE

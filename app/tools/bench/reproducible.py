@@ -20,7 +20,7 @@ import asyncio
 import statistics
 import time
 
-from app.bench.output import publish
+from app.tools.bench.output import publish
 from clients.base import GenerationRequest
 from clients.llamacpp import CANONICAL_CHUNK, LlamaCppBackend
 from deploy.models import model_path

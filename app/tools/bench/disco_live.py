@@ -26,7 +26,7 @@ import time
 
 import httpx
 
-from app.bench.output import publish
+from app.tools.bench.output import publish
 
 _WORDS = ("data", "model", "token", "stream", "cloud", "device", "cache", "queue", "graph", "tensor", "route")
 

@@ -1,1 +1,0 @@
-"""`tandem profile`: this device half and a HAT worker measured, acceptance replayed offline (app/profiling/main.py)."""
