@@ -31,7 +31,7 @@ from deploy.models import model_path, resolve_model
 from endpoints import budget, embeddings, openai, ops, responses
 from endpoints.errors import install_error_handlers
 from endpoints.guard import RequestGuard
-from endpoints.serving import ApiOptions
+from endpoints.options import ApiOptions
 from policies import cost
 
 # Architectures of the bundled models (checked against their GGUF metadata in the tests);
