@@ -1,4 +1,4 @@
-"""What the import contracts (.importlinter, `lint-imports` in `make test`) cannot see.
+"""What the import contracts (pyproject.toml's [tool.importlinter], `lint-imports` in `make test`) do not check.
 
 import-linter checks which layer may import which. It does not fail on a circle inside one layer, and the
 contract lets each service's factory (app/serving/gateway.py, app/worker/server.py: composition roots that sit in
