@@ -37,6 +37,7 @@ serve: $(SERVE_STAMP) models
 
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 lint: $(DEV_STAMP)

@@ -15,16 +15,15 @@ from typing import NamedTuple
 import anyio
 from fastapi import Request
 
+from app.serving.errors import Refused
 from app.serving.job import Job
 from app.serving.relay import Delta
 from app.serving.tool_calls import ToolCall
 from clients.base import BackendError, TokenLogprob
-from endpoints.errors import ApiError
+from endpoints.errors import ApiError, refusal
+from endpoints.options import ApiOptions
+from endpoints.serving import Serving
 from endpoints.sse import SSEResponse
-
-
-def gateway_of(request: Request):
-    return request.app.state.gateway
 
 
 async def _client_gone(request: Request) -> None:
@@ -76,10 +75,10 @@ def before_first_token(exc: BackendError, request_id: str) -> ApiError:
     )
 
 
-async def begin(request: Request, job: Job) -> tuple[Delta, AsyncIterator[Delta]]:
+async def begin(request: Request, serving: Serving, job: Job) -> tuple[Delta, AsyncIterator[Delta]]:
     """Start the answer and wait for its first token (an error before it is a real HTTP error, carrying the
     id of its trace): (first delta, the rest of the stream)."""
-    stream = gateway_of(request).answer(job)
+    stream = serving.answer(job)
     try:
         return await while_connected(request, anext(stream), "before the first token"), stream
     except ApiError as exc:
@@ -87,14 +86,20 @@ async def begin(request: Request, job: Job) -> tuple[Delta, AsyncIterator[Delta]
         with anyio.CancelScope(shield=True):
             await stream.aclose()
         raise
+    except Refused as exc:  # a sub-request of outline decoding refused
+        error = refusal(exc)
+        error.headers["x-request-id"] = job.id
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+        raise error from exc
     except BackendError as exc:
         await stream.aclose()
         raise before_first_token(exc, job.id) from exc
 
 
-def streamed(request: Request, headers: dict[str, str], body: AsyncIterator[bytes], **options) -> SSEResponse:
+def streamed(api: ApiOptions, headers: dict[str, str], body: AsyncIterator[bytes], **options) -> SSEResponse:
     """The answer's bytes as the response, with the gateway's keep-alive pings (`options`: SSEResponse's)."""
-    return SSEResponse(body, headers, gateway_of(request).settings.gateway.ping_seconds, **options)
+    return SSEResponse(body, headers, api.ping_seconds, **options)
 
 
 class Collected(NamedTuple):

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from fastapi import Request
 
 from endpoints.errors import ApiError
+from endpoints.options import ApiOptionsDep
 
 
 def bearer(authorization: str | None) -> bytes:
@@ -39,11 +40,11 @@ def matches_any(given: bytes, keys: Iterable[bytes]) -> bool:
     return matching(given, keys) is not None
 
 
-async def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request, options: ApiOptionsDep) -> None:
     """Every /v1 route but the budget's. Sets `request.state.key_privacy`: the matched key's privacy level, if
     it has one."""
     request.state.key_privacy = None
-    keys = request.app.state.gateway.settings.gateway.api_keys
+    keys = options.api_keys
     if not keys:
         return
     given = bearer(request.headers.get("authorization"))

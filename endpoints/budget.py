@@ -26,16 +26,17 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from app.serving.budget import BudgetValidationError
-from app.serving.ledger import Ledger, LedgerStateError
+from app.serving.ledger import LedgerStateError
 from endpoints.auth import bearer, matches_any, secret
 from endpoints.errors import ApiError
+from endpoints.options import ApiOptionsDep
+from endpoints.serving import ServingDep
 
 
-async def require_reader_key(request: Request) -> None:
+async def require_reader_key(request: Request, options: ApiOptionsDep) -> None:
     """GET: admin keys if configured, else the gateway's API keys if configured, else open."""
-    gw_settings = request.app.state.gateway.settings.gateway
-    admin = list(gw_settings.admin_keys)
-    keys = admin or list(gw_settings.api_keys)
+    admin = list(options.admin_keys)
+    keys = admin or list(options.api_keys)
     if not keys:
         return
     given = bearer(request.headers.get("authorization"))
@@ -45,10 +46,9 @@ async def require_reader_key(request: Request) -> None:
     raise _unauthorized(what, given)
 
 
-async def require_admin_key(request: Request) -> None:
+async def require_admin_key(request: Request, options: ApiOptionsDep) -> None:
     """PUT and DELETE: an admin key whenever the gateway has any key; open only on a keyless gateway."""
-    gw_settings = request.app.state.gateway.settings.gateway
-    admin, api = list(gw_settings.admin_keys), list(gw_settings.api_keys)
+    admin, api = list(options.admin_keys), list(options.api_keys)
     if not admin and not api:
         return
     given = bearer(request.headers.get("authorization"))
@@ -72,23 +72,12 @@ def _unauthorized(what: str, given: bytes) -> ApiError:
     return ApiError(401, message, code="invalid_api_key", type="authentication_error")
 
 
-def _ledger(request: Request) -> Ledger:
-    return request.app.state.gateway.ledger
-
-
 router = APIRouter(prefix="/v1", tags=["budget"])
 
 
-def _snapshot(request: Request) -> dict[str, Any]:
-    """The ledger's knobs and spend, the constrained side in force for the configured policy, and DiSCo's live
-    state (thresholds, estimates)."""
-    disco = request.app.state.gateway.disco
-    return {**_ledger(request).snapshot(), "effective_side": disco.side(), "dispatch": disco.describe()}
-
-
 @router.get("/budget", dependencies=[Depends(require_reader_key)])
-async def get_budget(request: Request) -> dict[str, Any]:
-    return _snapshot(request)
+async def get_budget(serving: ServingDep) -> dict[str, Any]:
+    return serving.budget_snapshot()
 
 
 _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
@@ -99,19 +88,19 @@ def _reject_constant(name: str) -> Any:
 
 
 @router.delete("/budget", dependencies=[Depends(require_admin_key)])
-async def reset_budget(request: Request) -> dict[str, Any]:
+async def reset_budget(serving: ServingDep) -> dict[str, Any]:
     try:
-        _ledger(request).reset()
+        serving.ledger.reset()
     except LedgerStateError as exc:
         raise ApiError(500, f"The budget was not reset: {exc}", code="state_write_failed", retry=True) from None
     except Exception as exc:
         raise ApiError(500, f"The budget was reset but applying it failed: {exc}", code="apply_failed") from exc
-    return _snapshot(request)
+    return serving.budget_snapshot()
 
 
 @router.put("/budget", dependencies=[Depends(require_admin_key)])
-async def put_budget(request: Request) -> dict[str, Any]:
-    ledger = _ledger(request)
+async def put_budget(request: Request, serving: ServingDep) -> dict[str, Any]:
+    ledger = serving.ledger
     raw = await request.body()
     if not raw.strip():
         raise ApiError(400, "The request body is missing; send a JSON object of budget fields.", code="invalid_request")
@@ -141,4 +130,4 @@ async def put_budget(request: Request) -> dict[str, Any]:
         raise ApiError(
             500, f"The budget was saved but applying it failed: {exc}", code="apply_failed", retry=False
         ) from exc
-    return _snapshot(request)
+    return serving.budget_snapshot()

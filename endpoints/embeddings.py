@@ -8,26 +8,18 @@ from __future__ import annotations
 
 import base64
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 
 from endpoints.auth import require_api_key
-from endpoints.errors import ApiError
 from endpoints.schemas import EmbeddingRequest
+from endpoints.serving import ServingDep
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
 @router.post("/embeddings")
-async def embeddings(body: EmbeddingRequest, request: Request):
-    embedder = await request.app.state.gateway.embedding_model()
-    if body.model != embedder.model_id:
-        raise ApiError(
-            404,
-            f"The embedding model '{body.model}' does not exist. Available: {embedder.model_id}.",
-            param="model",
-            code="model_not_found",
-        )
-    vectors, tokens = await embedder.embed(body.texts)
+async def embeddings(body: EmbeddingRequest, serving: ServingDep):
+    vectors, tokens = await serving.embed(body.model, body.texts)
     if body.encoding_format == "base64":
         encoded = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vectors]
     else:
@@ -35,6 +27,6 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     return {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
-        "model": embedder.model_id,
+        "model": body.model,  # the embedding model's id: anything else was refused
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }

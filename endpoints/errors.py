@@ -2,7 +2,8 @@
 
 Clients parse `{"error": {"message", "type", "param", "code"}}`; FastAPI's own
 `{"detail": ...}` would surface in the SDK as an unhelpful generic error, so
-validation errors, unknown routes and our own failures all go through here.
+validation errors, unknown routes, the serving core's refusals (app/serving/errors.py)
+and our own failures all go through here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.serving.errors import NotFound, NotReady, Refused
 
 _TYPES = {
     400: "invalid_request_error",
@@ -49,6 +52,13 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def refusal(exc: Refused) -> ApiError:
+    """The serving core's refusal as the HTTP error it is."""
+    if isinstance(exc, NotReady):
+        return ApiError(503, exc.message, code=exc.code, headers={"Retry-After": str(exc.retry_after)})
+    return ApiError(404 if isinstance(exc, NotFound) else 400, exc.message, param=exc.param, code=exc.code)
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
@@ -92,6 +102,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
         return exc.response()
+
+    @app.exception_handler(Refused)
+    async def _refused(_: Request, exc: Refused):
+        return refusal(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):

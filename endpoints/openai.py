@@ -24,14 +24,15 @@ from endpoints.answer import (
     before_first_token,
     begin,
     collect,
-    gateway_of,
     streamed,
     while_connected,
 )
 from endpoints.auth import require_api_key
 from endpoints.errors import ApiError
 from endpoints.logprobs import LogprobsRenderer
+from endpoints.options import ApiOptions, ApiOptionsDep
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
+from endpoints.serving import Serving, ServingDep, chat_input, completion_input
 from endpoints.sse import ChatChunks, stream_answer, stream_choices
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -72,14 +73,14 @@ def _completion(body, chat: bool, request_id: str, choices: list[dict], usage: U
     )
 
 
-async def _answer(request: Request, body, job: Job, chat: bool):
+async def _answer(request: Request, serving: Serving, api: ApiOptions, body, job: Job, chat: bool):
     """Stream or collect one answer; the first token decides between an HTTP error and a 200."""
     if body.choices > 1:
-        return await _answer_choices(request, body, job, chat)
-    first, stream = await begin(request, job)
+        return await _answer_choices(request, serving, api, body, job, chat)
+    first, stream = await begin(request, serving, job)
     if body.stream:
         chunks = ChatChunks(job.id, body.model, chat, body.include_usage, logprobs=body.logprobs_top is not None)
-        return streamed(request, answer_headers(job), stream_answer(job, first, stream, chunks))
+        return streamed(api, answer_headers(job), stream_answer(job, first, stream, chunks))
     answer = await while_connected(request, collect(job, first, stream), "mid-answer")
     return _completion(body, chat, job.id, [_choice(body, chat, 0, answer)], job.usage, job.backend or "")
 
@@ -123,13 +124,12 @@ async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _answer_choices(request: Request, body, job: Job, chat: bool):
+async def _answer_choices(request: Request, serving: Serving, api: ApiOptions, body, job: Job, chat: bool):
     """n answers to one request. The first token of any choice decides between an HTTP error and a 200; a
     choice that fails later is an SSE error event (streamed) or an error answer (not streamed)."""
-    orchestrator = gateway_of(request).orchestrator
     jobs = [job.choice(i) for i in range(body.choices)]
     if body.stream:
-        merged = _merge([orchestrator.generate(j) for j in jobs])
+        merged = _merge([serving.answer(j) for j in jobs])
         try:
             first = await while_connected(request, anext(merged), "before the first token")
         except ApiError as exc:
@@ -148,10 +148,10 @@ async def _answer_choices(request: Request, body, job: Job, chat: bool):
             ChatChunks(job.id, body.model, chat, body.include_usage, index=i, logprobs=lp) for i in range(len(jobs))
         ]
         headers = {"x-request-id": job.id, "x-tandem-backend": jobs[first[0]].backend or ""}
-        return streamed(request, headers, stream_choices(job.id, first, merged, chunks, lambda: _summed_usage(jobs)))
+        return streamed(api, headers, stream_choices(job.id, first, merged, chunks, lambda: _summed_usage(jobs)))
 
     async def one(j: Job):
-        stream = orchestrator.generate(j)
+        stream = serving.answer(j)
         try:
             first = await anext(stream)
         except BackendError as exc:
@@ -180,27 +180,21 @@ async def _answer_choices(request: Request, body, job: Job, chat: bool):
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    job = await gateway_of(request).prepare_chat(body, request.state.key_privacy)
-    return await _answer(request, body, job, chat=True)
+async def chat_completions(body: ChatCompletionRequest, request: Request, serving: ServingDep, api: ApiOptionsDep):
+    job = await serving.prepare(chat_input(body, request.state.key_privacy))
+    return await _answer(request, serving, api, body, job, chat=True)
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, request: Request):
-    job = await gateway_of(request).prepare_completion(body, request.state.key_privacy)
-    return await _answer(request, body, job, chat=False)
+async def completions(body: CompletionRequest, request: Request, serving: ServingDep, api: ApiOptionsDep):
+    job = await serving.prepare(completion_input(body, request.state.key_privacy))
+    return await _answer(request, serving, api, body, job, chat=False)
 
 
 @router.get("/requests/{request_id}")
-async def request_trace(request_id: str, request: Request):
+async def request_trace(request_id: str, serving: ServingDep):
     """The trace of a recent request: plan, endpoints and timings, migrations, cost."""
-    traces = gateway_of(request).orchestrator.traces
-    trace = traces.get(request_id)
-    if trace is None and f"{request_id}-0" in traces:  # a request with n > 1: one trace per choice
-        choices = []
-        while (t := traces.get(f"{request_id}-{len(choices)}")) is not None:
-            choices.append(t)
-        trace = {"id": request_id, "choices": choices}
+    trace = serving.trace(request_id)
     if trace is None:
         raise ApiError(
             404,
@@ -212,12 +206,10 @@ async def request_trace(request_id: str, request: Request):
 
 
 @router.get("/models")
-async def list_models(request: Request):
-    gw = gateway_of(request)
+async def list_models(serving: ServingDep):
     return {
         "object": "list",
         "data": [
-            {"id": m, "object": "model", "created": gw.created, "owned_by": "tandem"}
-            for m in [*gw.model_ids(), *([gw.embedder.model_id] if gw.embedder is not None else [])]
+            {"id": m, "object": "model", "created": serving.created, "owned_by": "tandem"} for m in serving.models()
         ],
     }

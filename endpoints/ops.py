@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from endpoints.serving import ServingDep
 
 router = APIRouter()
 
@@ -15,16 +17,15 @@ async def health():
 
 
 @router.get("/health/ready")
-async def ready(request: Request):
-    gw = request.app.state.gateway
-    backends = await gw.readiness()
+async def ready(serving: ServingDep):
+    backends, error = await serving.readiness()
     ok = bool(backends) and all(backends.values())
     body = {"status": "ready" if ok else "loading", "backends": backends}
-    if gw.startup_error:
-        body["status"], body["error"] = "failed", gw.startup_error
+    if error:
+        body["status"], body["error"] = "failed", error
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @router.get("/metrics")
-async def metrics(request: Request):
-    return Response(request.app.state.gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+async def metrics(serving: ServingDep):
+    return Response(serving.render_metrics(), media_type=CONTENT_TYPE_LATEST)

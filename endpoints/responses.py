@@ -1,6 +1,6 @@
 """POST /v1/responses: the OpenAI Responses API, stateless, on top of the chat path.
 
-A request is translated into a ChatCompletionRequest (`chat_request`), prepared by the gateway like any chat
+A request is translated into a ChatCompletionRequest (`chat_request`), prepared by the serving core like any chat
 request and answered by the same orchestrator, so DiSCo's routing, racing and migration apply unchanged. Only
 the wire differs: a `response` object, or named SSE events (`event:` + `data:`, numbered by `sequence_number`,
 no [DONE]). As on the chat path the HTTP status waits for the first token; a failure after it is a
@@ -17,11 +17,13 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from app.serving.errors import Refused
 from app.serving.job import Job
 from clients.base import Usage
-from endpoints.answer import answer_headers, begin, collect, gateway_of, streamed, while_connected
+from endpoints.answer import answer_headers, begin, collect, streamed, while_connected
 from endpoints.auth import require_api_key
-from endpoints.errors import ApiError
+from endpoints.errors import refusal
+from endpoints.options import ApiOptionsDep
 from endpoints.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -38,6 +40,7 @@ from endpoints.schemas import (
     Tool,
     ToolCall,
 )
+from endpoints.serving import ServingDep, chat_input
 from endpoints.sse import stream_answer
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -300,17 +303,18 @@ class _Response:
 
 
 @router.post("/responses")
-async def create_response(body: ResponsesRequest, request: Request):
+async def create_response(body: ResponsesRequest, request: Request, serving: ServingDep, api: ApiOptionsDep):
     try:
-        job = await gateway_of(request).prepare_chat(chat_request(body), request.state.key_privacy, id_prefix="resp_")
-    except ApiError as exc:
-        exc.param = _param(exc.param)  # named as this API names it (e.g. the prompt as a whole is `input`)
-        raise
+        job = await serving.prepare(chat_input(chat_request(body), request.state.key_privacy, id_prefix="resp_"))
+    except Refused as exc:
+        error = refusal(exc)
+        error.param = _param(error.param)  # named as this API names it (e.g. the prompt as a whole is `input`)
+        raise error from exc
     response = _Response(job, body)
-    first, stream = await begin(request, job)
+    first, stream = await begin(request, serving, job)
     if body.stream:
         events = stream_answer(job, first, stream, response)
-        return streamed(request, answer_headers(job), events, last=lambda _: response.finished)
+        return streamed(api, answer_headers(job), events, last=lambda _: response.finished)
     answer = await while_connected(request, collect(job, first, stream), "mid-answer")
     # The same steps as a stream's build the output items (their events are not sent).
     if answer.text:

@@ -20,8 +20,8 @@ import anyio
 
 from app.serving.job import Job
 from app.serving.relay import Delta
+from app.serving.requests import ChatInput
 from clients.base import BackendError, Usage
-from endpoints.schemas import ChatCompletionRequest, ChatMessage, TandemOptions
 from policies.outline import assign, parse_outline
 
 _OUTLINE_PROMPT = (
@@ -37,10 +37,9 @@ _OUTLINE_TOKENS = 120
 
 @dataclass
 class OutlineRequest:
-    """What outline decoding needs of a request whose gate said yes (set by Gateway.prepare_chat)."""
+    """What outline decoding needs of a request whose gate said yes (set by ServingCore when it prepares it)."""
 
-    body: ChatCompletionRequest
-    key_privacy: str | None
+    request: ChatInput
     question: str
 
 
@@ -48,32 +47,39 @@ def _head(points: list[str], i: int) -> str:
     return ("\n\n" if i else "") + f"{i + 1}. **{points[i]}**\n"
 
 
+def _message(role: str, text: str) -> dict:
+    return {"role": role, "content": text}
+
+
 class OutlineDecoding:
-    def __init__(self, gateway) -> None:
-        self.gateway = gateway
-        self.orchestrator = gateway.orchestrator
+    def __init__(self, core) -> None:
+        self.core = core  # app/serving/core.py's ServingCore: prepares the sub-requests
+        self.orchestrator = core.orchestrator
 
     async def _sub_job(
-        self, job: Job, suffix: str, messages: list[ChatMessage], max_tokens: int, endpoint: str | None = None
+        self, job: Job, suffix: str, messages: tuple[dict, ...], max_tokens: int, endpoint: str | None = None
     ) -> Job:
         """A sub-request routed like the request (`endpoint` None) or started on `endpoint` (with the request's
-        fallback and migration rules still applying)."""
-        plan = job.outline
-        body = plan.body
-        route = {"decoding": "sequential", "privacy": job.privacy}
+        fallback and migration rules still applying). It keeps the request's model, key, temperature, top_p and
+        seed; nothing else of it (the gate only lets plain requests through)."""
+        request = job.outline.request
+        route = {"policy": request.policy, "cloud": request.cloud}
         if endpoint is not None:
             route["policy"] = "device" if endpoint == self.orchestrator.device else "cloud"
             route["cloud"] = job.cloud if endpoint == self.orchestrator.device else endpoint
-        sub = ChatCompletionRequest(
-            model=body.model,
+        sub = ChatInput(
+            model=request.model,
+            key_privacy=request.key_privacy,
+            privacy=job.privacy,
+            decoding="sequential",
             messages=messages,
             max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            tandem=(body.tandem or TandemOptions()).model_copy(update=route),
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            **route,
         )
-        part = await self.gateway.prepare_chat(sub, plan.key_privacy)
+        part = await self.core.prepare(sub)
         part.id = f"{job.id}-{suffix}"
         return part
 
@@ -82,7 +88,7 @@ class OutlineDecoding:
         outline_job = await self._sub_job(
             job,
             "outline",
-            [ChatMessage(role="system", content=_OUTLINE_PROMPT), ChatMessage(role="user", content=plan.question)],
+            (_message("system", _OUTLINE_PROMPT), _message("user", plan.question)),
             _OUTLINE_TOKENS,
         )
         parts = [outline_job]
@@ -101,9 +107,7 @@ class OutlineDecoding:
         point_jobs = []
         for i, (point, endpoint) in enumerate(zip(points, where, strict=True)):
             text = _POINT_PROMPT.format(question=plan.question, outline=listing, number=i + 1, point=point)
-            point_jobs.append(
-                await self._sub_job(job, f"p{i}", [ChatMessage(role="user", content=text)], per_point, endpoint)
-            )
+            point_jobs.append(await self._sub_job(job, f"p{i}", (_message("user", text),), per_point, endpoint))
         parts += point_jobs
         job.decoding["points"] = [
             {"id": p.id, "endpoint": e, "title": t} for p, e, t in zip(point_jobs, where, points, strict=True)

@@ -19,8 +19,9 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from app.serving.errors import InvalidRequest
+from app.serving.requests import ChatInput
 from clients.grammar import GrammarError, check_grammar
-from endpoints.errors import ApiError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -46,10 +47,6 @@ class Structure:
     # failed inside a call (the call was not delivered, so it is written again, and written whole).
     call_grammar: str | None = None
 
-    @property
-    def calls_tools(self) -> bool:
-        return bool(self.tools)
-
 
 def _arguments(value: str):
     """A call's arguments as the templates want them (an object), from the wire's JSON string."""
@@ -59,14 +56,26 @@ def _arguments(value: str):
         return value
 
 
-def template_messages(messages: Sequence, knows_tools: bool) -> list[dict]:
-    """Chat messages as the device's chat template takes them. A template that knows tools gets assistant
-    `tool_calls` (arguments as objects) and `tool` messages; one that does not gets the same turns as text."""
+def message_text(message: dict) -> str:
+    """A chat message's text: its content, or the texts of its content parts joined."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
+def template_messages(messages: Sequence[dict], knows_tools: bool) -> list[dict]:
+    """Chat messages (OpenAI's shape) as the device's chat template takes them. A template that knows tools gets
+    assistant `tool_calls` (arguments as objects) and `tool` messages; one that does not gets the same turns as
+    text."""
     out: list[dict] = []
     for m in messages:
-        role = "system" if m.role == "developer" else m.role
-        text = m.text()
-        calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in m.tool_calls or ()]
+        role = "system" if m["role"] == "developer" else m["role"]
+        text = message_text(m)
+        calls = [
+            {"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}
+            for c in m.get("tool_calls") or ()
+        ]
         if knows_tools:
             item = {"role": role, "content": text}
             if calls:
@@ -110,11 +119,11 @@ def _json_rule(schema: dict) -> str:
 
 def _checked(schema, param: str) -> dict:
     if not isinstance(schema, dict):
-        raise ApiError(400, "A JSON schema must be an object.", param=param)
+        raise InvalidRequest("A JSON schema must be an object.", param=param)
     try:
         check_grammar("start: " + _json_rule(schema))
     except GrammarError as exc:
-        raise ApiError(400, f"This JSON schema cannot be enforced: {exc}", param=param) from None
+        raise InvalidRequest(f"This JSON schema cannot be enforced: {exc}", param=param) from None
     return schema
 
 
@@ -136,49 +145,48 @@ def tool_call_grammar(
     return "\n".join(rules)
 
 
-def structure_of(body, marker: Callable[[str], str] = _literal) -> Structure:
-    """The Structure of a validated ChatCompletionRequest; 400 naming the field for what cannot be enforced."""
-    tools = tuple(t.model_dump(exclude_none=True) for t in body.tools or ())
+def structure_of(chat: ChatInput, marker: Callable[[str], str] = _literal) -> Structure:
+    """The Structure a chat request asks for; InvalidRequest naming the field for what cannot be enforced."""
+    tools = chat.tools
     for i, tool in enumerate(tools):
         _checked(tool["function"].get("parameters") or {"type": "object"}, f"tools[{i}].function.parameters")
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
-        raise ApiError(400, "Tool function names must be unique.", param="tools")
-    choice = body.tool_choice
-    choice_wire = choice.model_dump() if hasattr(choice, "model_dump") else choice
+        raise InvalidRequest("Tool function names must be unique.", param="tools")
+    choice = chat.tool_choice
     grammar = None
     if choice is not None and not isinstance(choice, str):
-        if choice.function.name not in names:
-            raise ApiError(
-                400, f"tool_choice names '{choice.function.name}', which is not in tools.", param="tool_choice"
-            )
-        called = [choice.function.name]
+        name = choice["function"]["name"]
+        if name not in names:
+            raise InvalidRequest(f"tool_choice names '{name}', which is not in tools.", param="tool_choice")
+        called = [name]
     else:
         called = names if choice == "required" else []
     if choice is not None and not tools:
-        raise ApiError(400, "tool_choice needs tools.", param="tool_choice")
-    parallel = body.parallel_tool_calls is not False
+        raise InvalidRequest("tool_choice needs tools.", param="tool_choice")
+    parallel = chat.parallel_tool_calls is not False
     if called:
         # Forced calls repeat on small models once one is allowed to follow another (Qwen2.5-0.5B calls the same
         # function until max_tokens): as llama.cpp's server does, a grammar allows several only when asked to.
-        several = body.parallel_tool_calls is True and len(called) == len(names) and choice == "required"
+        several = chat.parallel_tool_calls is True and len(called) == len(names) and choice == "required"
         grammar = tool_call_grammar(tools, called, several, marker)
-    fmt = body.response_format
-    fmt_wire = fmt.model_dump(exclude_none=True, by_alias=True) if fmt is not None else None
-    if fmt is not None and fmt.type != "text":
+    fmt = chat.response_format
+    if fmt is not None and fmt["type"] != "text":
         if grammar is not None:
-            raise ApiError(
-                400, "response_format cannot go with a forced tool call (tool_choice).", param="response_format"
+            raise InvalidRequest(
+                "response_format cannot go with a forced tool call (tool_choice).", param="response_format"
             )
         schema = {"type": "object"}
-        if fmt.type == "json_schema":
-            schema = _checked(fmt.json_schema.schema_ or {"type": "object"}, "response_format.json_schema.schema")
+        if fmt["type"] == "json_schema":
+            schema = _checked(
+                fmt["json_schema"].get("schema") or {"type": "object"}, "response_format.json_schema.schema"
+            )
         grammar = "start: " + _json_rule(schema)
     else:
-        fmt_wire = None
+        fmt = None
     offered = tools if choice != "none" else ()
-    if offered and body.logprobs:
+    if offered and chat.logprobs is not None:
         # Logprobs line up with the content's tokens, and the tokens of a call are not content.
-        raise ApiError(400, "logprobs cannot be combined with tools.", param="logprobs")
-    call_grammar = tool_call_grammar(tools, names, body.parallel_tool_calls is True, marker) if offered else None
-    return Structure(offered, choice_wire, parallel, fmt_wire, grammar, call_grammar)
+        raise InvalidRequest("logprobs cannot be combined with tools.", param="logprobs")
+    call_grammar = tool_call_grammar(tools, names, chat.parallel_tool_calls is True, marker) if offered else None
+    return Structure(offered, choice, parallel, fmt, grammar, call_grammar)

@@ -1,12 +1,11 @@
 """GET/PUT /v1/budget on a minimal app: round trip, the error envelope, admin auth, persistence.
 
-Why a stand-in gateway: the router only needs `app.state.gateway.ledger`, `.disco` (DiSCo's runtime: pure
-logic) and `.settings.gateway.{admin_keys, api_keys}`, so the tests pin that contract without loading models.
+Why a serving core without backends: the router only needs the core's ledger and budget snapshot (the ledger and
+DiSCo's runtime: pure logic) and the keys of endpoints/options.py's ApiOptions, so the tests pin that contract
+without loading models.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 from fastapi import FastAPI
@@ -16,9 +15,11 @@ from pydantic import SecretStr
 import endpoints.auth as auth_mod
 import endpoints.budget as budget
 from app.serving.budget import BudgetSettings, Price
+from app.serving.core import CoreOptions, ServingCore
 from app.serving.disco import DiscoRuntime
 from app.serving.ledger import Ledger
 from endpoints.errors import install_error_handlers
+from endpoints.options import ApiOptions
 from policies.cost import QWEN2_5_0_5B
 
 ADMIN = "adm-secret-1"
@@ -28,9 +29,12 @@ def make_app(ledger: Ledger, *, admin_keys=(), api_keys=()) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
     app.include_router(budget.router)
-    gw = SimpleNamespace(admin_keys=[SecretStr(k) for k in admin_keys], api_keys=[SecretStr(k) for k in api_keys])
+    app.state.api_options = ApiOptions(
+        api_keys=tuple(SecretStr(k) for k in api_keys), admin_keys=tuple(SecretStr(k) for k in admin_keys)
+    )
     disco = DiscoRuntime(ledger, "cloud", QWEN2_5_0_5B)
-    app.state.gateway = SimpleNamespace(ledger=ledger, disco=disco, settings=SimpleNamespace(gateway=gw))
+    options = CoreOptions("tandem", 256, 2048, "any", "sequential")
+    app.state.serving = ServingCore(options, None, {}, None, ledger, disco, None, None, created=0)
     return app
 
 

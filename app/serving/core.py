@@ -1,0 +1,348 @@
+"""The serving core's one front: everything endpoints/ asks of it (the `Serving` protocol of endpoints/serving.py).
+
+A request's input (app/serving/requests.py) becomes a Job: its route (a pinned model, the policy, the cloud endpoint,
+the privacy level), the chat template rendered with its tools and tokenised (long prompts on a worker thread), the
+context checked, the grammar it must follow (app/serving/structured.py). Its answer comes from outline decoding when
+the gate says so, else from the orchestrator. A request the core cannot serve raises app/serving/errors.py's types.
+The gateway's composition root (app/serving/gateway.py) builds the parts and runs the start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from app.serving.disco import DiscoRuntime
+from app.serving.errors import InvalidRequest, NotFound, NotReady
+from app.serving.job import Job
+from app.serving.ledger import Ledger
+from app.serving.metrics import Metrics
+from app.serving.orchestrator import Orchestrator
+from app.serving.outline import OutlineDecoding, OutlineRequest
+from app.serving.relay import Delta
+from app.serving.requests import ChatInput, CompletionInput, RequestInput
+from app.serving.structured import Structure, add_tools_prompt, message_text, structure_of, template_messages
+from clients.base import Backend, GenerationRequest
+from clients.embeddings import SentenceEmbedder
+from deploy.models import resolve_model
+from policies.dispatch import canonical_name
+from policies.outline import gate
+from policies.privacy import allows, effective_level
+
+# Prompts longer than this (in characters) are tokenised off the event loop (~1 ms of tokenising at most here).
+_INLINE_TOKENIZE_CHARS = 16_384
+
+
+@dataclass(frozen=True)
+class CoreOptions:
+    """The settings the core reads on every request."""
+
+    model_name: str  # the gateway's own model name: DiSCo routes it
+    default_max_tokens: int
+    n_ctx: int  # the device's context window
+    privacy: str  # the gateway's privacy level
+    decoding: str  # sequential | outline | auto, unless a request says
+
+
+class Readiness(NamedTuple):
+    backends: dict[str, bool]  # each backend: can it serve now
+    error: str | None  # why the start-up failed, if it did
+
+
+class ServingCore:
+    def __init__(
+        self,
+        options: CoreOptions,
+        device: Backend,
+        backends: Mapping[str, Backend],
+        orchestrator: Orchestrator,
+        ledger: Ledger,
+        disco: DiscoRuntime,
+        metrics: Metrics,
+        embedder: SentenceEmbedder | None,
+        created: int,
+    ):
+        self.options = options
+        self.device = device
+        self.backends = backends
+        self.orchestrator = orchestrator
+        self.ledger = ledger
+        self.disco = disco
+        self.metrics = metrics
+        self.embedder = embedder
+        self._embedder_lock = asyncio.Lock()
+        self.created = created
+        # Set by the start-up (app/serving/gateway.py): requests wait for `loaded`, readiness reports the error.
+        self.loaded = asyncio.Event()
+        self.startup_error: str | None = None
+
+    # -- what the endpoints ask --------------------------------------------------------------------------------------
+    async def prepare(self, request: ChatInput | CompletionInput) -> Job:
+        """The request's job, ready to answer."""
+        if isinstance(request, ChatInput):
+            return await self._prepare_chat(request)
+        return await self._prepare_completion(request)
+
+    def answer(self, job: Job) -> AsyncIterator[Delta]:
+        """The answer's deltas: by outline decoding when its gate said yes, else the orchestrator's."""
+        if job.outline is not None:
+            return OutlineDecoding(self).generate(job)
+        return self.orchestrator.generate(job)
+
+    def trace(self, request_id: str) -> dict | None:
+        """The trace of a recent request (a request with n > 1: one trace per choice), None when there is none."""
+        traces = self.orchestrator.traces
+        trace = traces.get(request_id)
+        if trace is None and f"{request_id}-0" in traces:
+            choices = []
+            while (t := traces.get(f"{request_id}-{len(choices)}")) is not None:
+                choices.append(t)
+            trace = {"id": request_id, "choices": choices}
+        return trace
+
+    def models(self) -> list[str]:
+        """Every model id a request may name, the embedding model's included."""
+        return [*self._model_ids(), *([self.embedder.model_id] if self.embedder is not None else [])]
+
+    async def readiness(self) -> Readiness:
+        if not self.loaded.is_set():
+            return Readiness({name: False for name in self.backends}, self.startup_error)
+        names = list(self.backends)
+        states = await asyncio.gather(*(self.backends[n].ready() for n in names))
+        return Readiness(dict(zip(names, states, strict=True)), self.startup_error)
+
+    async def embed(self, model: str, texts: list[str]) -> tuple[np.ndarray, int]:
+        """Unit-length vectors of `texts` by the embedding model `model` names, and the tokens embedded."""
+        embedder = await self._embedding_model()
+        if model != embedder.model_id:
+            raise NotFound(
+                f"The embedding model '{model}' does not exist. Available: {embedder.model_id}.",
+                param="model",
+                code="model_not_found",
+            )
+        return await embedder.embed(texts)
+
+    def budget_snapshot(self) -> dict:
+        """The ledger's knobs and spend, the constrained side in force for the configured policy, and DiSCo's live
+        state (thresholds, estimates)."""
+        return {**self.ledger.snapshot(), "effective_side": self.disco.side(), "dispatch": self.disco.describe()}
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
+    # -- embeddings --------------------------------------------------------------------------------------------------
+    async def _embedding_model(self) -> SentenceEmbedder:
+        """The device's embedding model, loaded at its first use (most gateways never embed)."""
+        if self.embedder is None:
+            raise NotFound("Embeddings are not enabled on this gateway ([embeddings] enabled = false).")
+        async with self._embedder_lock:
+            if not self.embedder.ready:
+                # Fetched and verified like every bundled model (a no-op once `make setup` has run).
+                await asyncio.to_thread(resolve_model, self.embedder.model_id)
+                await self.embedder.start()
+        return self.embedder
+
+    # -- preparing a job ---------------------------------------------------------------------------------------------
+    def _model_ids(self) -> list[str]:
+        ids = [self.options.model_name]
+        for backend in self.backends.values():
+            ids += [backend.name, backend.model_id]
+        return list(dict.fromkeys(ids))
+
+    def _route(self, request: RequestInput) -> tuple[str | None, str, str | None, str]:
+        """(pinned backend, policy, cloud endpoint, privacy level) for a request."""
+        model = request.model
+        pinned = None
+        if model != self.options.model_name:
+            pinned = next((n for n, b in self.backends.items() if model in (n, b.model_id)), None)
+            if pinned is None:
+                raise NotFound(
+                    f"The model '{model}' does not exist. Available: {', '.join(self._model_ids())}.",
+                    param="model",
+                    code="model_not_found",
+                )
+        chosen = request.policy or self.ledger.settings.policy
+        try:
+            canonical = canonical_name(chosen)
+        except ValueError as exc:
+            raise InvalidRequest(f"Unknown routing policy: {exc}", param="tandem.policy") from None
+        clouds = [n for n in self.backends if n != self.device.name]
+        cloud = request.cloud or self.orchestrator.cloud
+        if pinned is not None and pinned != self.device.name:
+            cloud = pinned
+        if request.cloud is not None and request.cloud not in clouds:
+            raise InvalidRequest(
+                f"Unknown cloud endpoint '{request.cloud}'; configured: {', '.join(clouds) or 'none'}.",
+                param="tandem.cloud",
+            )
+        if canonical != "device-only" and cloud is None and pinned is None:
+            raise InvalidRequest(
+                f"Policy '{chosen}' needs a cloud backend, and none is configured.", param="tandem.policy"
+            )
+        requested = request.privacy
+        key_privacy = request.key_privacy
+        privacy = effective_level(self.options.privacy, key_privacy, requested)
+        if pinned is not None and not allows(privacy, self.backends[pinned].locality):
+            whose = "this request's" if requested == privacy else "this API key's" if key_privacy else "the gateway's"
+            raise InvalidRequest(
+                f"The model '{model}' is served by {pinned} ({self.backends[pinned].locality}), which {whose} "
+                f"privacy level '{privacy}' does not allow.",
+                param="tandem.privacy" if requested == privacy else "model",
+            )
+        return pinned, chosen, cloud, privacy
+
+    def _require_loaded(self) -> None:
+        if not self.loaded.is_set():
+            detail = f" (start-up failed: {self.startup_error})" if self.startup_error else "; retry shortly"
+            raise NotReady("Tandem is still loading its models" + detail)
+
+    def _job(self, prefix: str, gen: GenerationRequest, prompt_tokens: int, route) -> Job:
+        pinned, policy, cloud, privacy = route
+        return Job(
+            id=f"{prefix}{uuid.uuid4().hex[:24]}",
+            gen=gen,
+            prompt_tokens=prompt_tokens,
+            policy=policy,
+            pinned=pinned,
+            cloud=cloud,
+            privacy=privacy,
+        )
+
+    def _limits(self, request: RequestInput, prompt_tokens: int) -> int:
+        limit = request.max_tokens or self.options.default_max_tokens
+        n_ctx = self.options.n_ctx
+        if prompt_tokens >= n_ctx:
+            raise InvalidRequest(
+                f"This prompt is {prompt_tokens} tokens, more than the context window of {n_ctx} tokens.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return limit
+
+    async def _tokenize_prompt(self, text: str) -> tuple[int, ...]:
+        """A long prompt is tokenised on a worker thread: seconds of tokenising must not hold up every other
+        stream's tokens on the event loop. A short one (nearly every chat turn, mostly from the prompt cache) is
+        tokenised here, where it costs less than the hop to a thread."""
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return tuple(self.device.tokenize_prompt(text))
+        return tuple(await asyncio.to_thread(self.device.tokenize_prompt, text))
+
+    def _generation(
+        self,
+        request: RequestInput,
+        prompt_text: str,
+        prompt_ids: tuple[int, ...],
+        messages=None,
+        structure: Structure | None = None,
+    ) -> GenerationRequest:
+        if not prompt_ids:
+            raise InvalidRequest(
+                "The prompt is empty: send at least one token of prompt.", param="prompt", code="invalid_value"
+            )
+        return GenerationRequest(
+            prompt_text=prompt_text,
+            prompt_ids=prompt_ids,
+            messages=messages,
+            max_tokens=self._limits(request, len(prompt_ids)),
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            stop=request.stop,
+            seed=request.seed,
+            **(_structured_fields(structure) if structure is not None else {}),
+            logprobs=request.logprobs,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            logit_bias=self._logit_bias(request),
+        )
+
+    def _logit_bias(self, request: RequestInput) -> tuple[tuple[int, float], ...]:
+        pairs = request.logit_bias
+        vocab = self.device.vocab_size if pairs else 0
+        for tok, _ in pairs:
+            if tok >= vocab:
+                raise InvalidRequest(
+                    f"logit_bias names token id {tok}, out of range for the device model's vocabulary of {vocab}.",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+        return pairs
+
+    def _tag(self, text: str) -> str:
+        """A tool-call tag in a grammar: the device vocabulary's own token for it where there is one."""
+        special = getattr(self.device, "special_token", None)
+        token = special(text) if special is not None else None
+        return f"<[{token}]>" if token is not None else json.dumps(text)
+
+    async def _prepare_chat(self, chat: ChatInput) -> Job:
+        route = self._route(chat)
+        self._require_loaded()
+        structure = structure_of(chat, self._tag)
+        knows_tools = getattr(self.device, "template_knows_tools", False)
+        rendered = template_messages(chat.messages, knows_tools)
+        if structure.tools and knows_tools:
+            prompt_text = self.device.render_chat(rendered, tools=structure.tools)
+        else:
+            prompt_text = self.device.render_chat(
+                add_tools_prompt(rendered, structure.tools) if structure.tools else rendered
+            )
+        prompt_ids = await self._tokenize_prompt(prompt_text)
+        # A chat upstream gets the conversation as the client sent it (tool calls and results included).
+        gen = self._generation(chat, prompt_text, prompt_ids, chat.messages, structure)
+        job = self._job(chat.id_prefix, gen, len(prompt_ids), route)
+        job.call_grammar = structure.call_grammar
+        self._decoding(job, chat)
+        return job
+
+    def _decoding(self, job: Job, chat: ChatInput) -> None:
+        """Outline decoding's gate (policies/outline.py), when the request or the gateway asks for it."""
+        mode = chat.decoding or self.options.decoding
+        if mode == "sequential":
+            return
+        users = [m for m in chat.messages if m["role"] == "user"]
+        fmt = chat.response_format
+        plain = not (
+            job.gen.tools
+            or (fmt is not None and fmt["type"] != "text")
+            or chat.logprobs is not None
+            or chat.choices > 1
+        )
+        question = message_text(users[-1]) if users else ""
+        verdict = gate(mode, len(users), question, job.gen.max_tokens, plain)
+        job.decoding = {"mode": mode, "outline": verdict.use, "reason": verdict.reason}
+        if verdict.use:
+            job.outline = OutlineRequest(chat, question)
+
+    async def _prepare_completion(self, completion: CompletionInput) -> Job:
+        route = self._route(completion)
+        self._require_loaded()
+        if isinstance(completion.prompt, str):
+            prompt_text = completion.prompt
+            prompt_ids = await self._tokenize_prompt(prompt_text)
+        else:
+            prompt_ids = completion.prompt
+            vocab = self.device.vocab_size
+            if max(prompt_ids) >= vocab:
+                raise InvalidRequest(
+                    f"Token ID {max(prompt_ids)} is out of range for a vocabulary of {vocab}.",
+                    param="prompt",
+                    code="invalid_value",
+                )
+            prompt_text = self.device.detokenize(prompt_ids)
+        gen = self._generation(completion, prompt_text, prompt_ids)
+        return self._job("cmpl-", gen, len(prompt_ids), route)
+
+
+def _structured_fields(structure: Structure) -> dict:
+    return {
+        "grammar": structure.grammar,
+        "tools": structure.tools,
+        "tool_choice": structure.tool_choice,
+        "parallel_tool_calls": structure.parallel_tool_calls,
+        "response_format": structure.response_format,
+    }

@@ -1,0 +1,31 @@
+"""A request the serving core refuses, and why: the core's own error type, free of HTTP.
+
+endpoints/errors.py maps each kind to its status and the OpenAI envelope. `param` names the field of the request
+the refusal concerns, as the chat API names it; `code` is a stable machine-readable reason.
+"""
+
+from __future__ import annotations
+
+
+class Refused(Exception):
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequest(Refused):
+    """The request asks for something this gateway cannot serve as asked (an HTTP 400)."""
+
+
+class NotFound(Refused):
+    """It names a model, or a service, this gateway does not have (a 404)."""
+
+
+class NotReady(Refused):
+    """The gateway is still loading its models: worth retrying after `retry_after` seconds (a 503)."""
+
+    def __init__(self, message: str, retry_after: int = 2):
+        super().__init__(message, code="not_ready")
+        self.retry_after = retry_after
