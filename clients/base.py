@@ -32,7 +32,7 @@ class GenerationRequest:
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()  # enforced by the gateway's relay, not by backends (why: clients/token_emitter.py)
     seed: int | None = None
     # Tools and structured output (app/serving/structured.py). The tools are in `prompt_text` already; a chat
     # upstream gets them, `tool_choice` and `response_format` as the client sent them.

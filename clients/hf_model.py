@@ -9,6 +9,9 @@ sees a half-written cache.
 
 No model hub is reachable from these machines, so everything here runs with
 the Hugging Face offline switches set and `local_files_only=True`.
+
+Beside the loader, what its backends (clients/torch_local.py, clients/hat/device.py) share of the tokenizer: the
+HFTokenizerMixin and the IncrementalDetokenizer their tokens' text goes out through (clients/token_emitter.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,3 +270,37 @@ class HFTokenizerMixin:
 
     def count_tokens(self, text: str) -> tuple[int, bool]:
         return len(self.tokenize(text)), True
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a multi-byte UTF-8 character.
+
+    Byte-level BPE pieces can end mid-character; decoding them alone yields U+FFFD. We decode a short window
+    (a few tokens of context + the unread tokens) and emit only the part that extends the window's already-read
+    text and does not end in U+FFFD. The context (the prompt's or prefix's last tokens) keeps decoding of the
+    first generated tokens identical to decoding them in place (leading spaces, merges).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = (), context_len: int = 6):
+        self._decode = decode
+        self.ids: list[int] = list(context[-context_len:])
+        self._prefix_offset = 0
+        self._read_offset = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end decodes as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self.ids)
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""

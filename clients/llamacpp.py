@@ -34,15 +34,16 @@ import codecs
 import logging
 import random
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from clients.base import BackendError, GenerationRequest, TokenEvent
 from clients.chat_template import render_chat
-from clients.grammar import GrammarError, LlamaVocabGrammars, TokenMask
+from clients.grammar import LlamaVocabGrammars, TokenMask
 from clients.logprobs import NumpyLogitAdjuster, entry_from_logprobs, log_softmax
 from clients.prompt_tokens import PromptTokenizer
+from clients.token_emitter import TokenEmitter
 
 log = logging.getLogger(__name__)
 
@@ -227,14 +228,7 @@ class LlamaCppBackend:
             raise BackendError(f"device model {self.model_id} is not loaded yet", status=503, backend=self.name)
         prompt, prefix = self._input_ids(request)
         ids = prompt + prefix
-        mask = None
-        if request.grammar is not None:
-            try:
-                mask = await asyncio.to_thread(self._grammars.mask, request.grammar)  # the first builds the vocab
-                if request.grammar_covers_prefix:
-                    mask.advance(prefix)
-            except GrammarError as exc:
-                raise BackendError(f"grammar: {exc}", status=400, backend=self.name) from exc
+        mask = await self._grammars.for_request(request, lambda: prefix, self.name)
         room = self.n_ctx - len(ids)
         if room <= 0:
             raise BackendError(
@@ -333,8 +327,7 @@ class LlamaCppBackend:
         seed = request.seed if request.seed is not None else random.getrandbits(31)
         llm.set_seed(seed)
         greedy = request.temperature <= 0
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        produced = 0
+        emitter = TokenEmitter(PieceDetokenizer(lambda tok: llm.detokenize([tok])), self._is_eog, max_tokens, mask)
         cached: int | None = self.cached_prefix(ids)
         self.evaluations += 1
         processors, captured, adjuster = self._logits_processors(request, mask)
@@ -355,31 +348,34 @@ class LlamaCppBackend:
                 self._canonical_end = len(ids)
             if cancel.is_set():
                 return
-            if self._is_eog(token):
-                emit(TokenEvent(text=decoder.decode(b"", final=True), finish_reason="stop", cached_tokens=cached))
-                return
-            produced += 1
-            self.tokens_generated += 1
-            text = decoder.decode(llm.detokenize([token]))
-            complete = False
-            if mask is not None:
-                mask.accept(token)
-                complete = mask.finished  # the grammar allows nothing more: the answer ends with this token
-            last = produced >= max_tokens or complete
-            if last:
-                text += decoder.decode(b"", final=True)
             lps = None
             if processors is not None:
                 if adjuster is not None:
                     adjuster.accept(token)
                 if captured[0] is not None:
                     lps = (entry_from_logprobs(captured[0], token, request.logprobs, self._piece),)
-            finish = ("stop" if complete else "length") if last else None
-            emit(TokenEvent(text, token, finish_reason=finish, cached_tokens=cached, logprobs=lps))
+            event = emitter.emit(token, lps, cached_tokens=cached)
+            if event.token_id is not None:  # an end token is not emitted
+                self.tokens_generated += 1
+            emit(event)
             cached = None
-            if last:
+            if event.finish_reason is not None:
                 return
             taken.acquire()  # the next token is computed once the reader has this one (lockstep)
             if cancel.is_set():
                 return
 
+
+class PieceDetokenizer:
+    """llama.cpp's token pieces are raw bytes: an incremental UTF-8 decoder holds back a character split over
+    tokens until its last byte is here (clients/token_emitter.py's Detokenizer)."""
+
+    def __init__(self, piece: Callable[[int], bytes]) -> None:
+        self._piece = piece
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._decoder.decode(self._piece(token_id))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)

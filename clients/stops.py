@@ -1,5 +1,5 @@
-"""Stop sequences, matched across token boundaries. One implementation for the gateway's relay
-(which enforces stops for every endpoint, also across a migration) and the torch backend."""
+"""Stop sequences, matched across token boundaries: the gateway's relay (app/serving/relay.py) enforces them for every
+endpoint, also across a migration, and is the only place that does (why: clients/token_emitter.py)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,48 +34,14 @@ from typing import Any
 import torch
 
 from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent
-from clients.grammar import GrammarError, HFTokenizerGrammars, TokenMask
-from clients.hf_model import HFTokenizerMixin, open_token_source
+from clients.grammar import HFTokenizerGrammars, TokenMask
+from clients.hf_model import HFTokenizerMixin, IncrementalDetokenizer, open_token_source
 from clients.sampling import LogitAdjuster, sample_next, seeded_generator, token_logprob
-from clients.stops import StopMatcher
+from clients.token_emitter import TokenEmitter
 
 log = logging.getLogger(__name__)
 
 _PREFILL_CHUNK = 256  # tokens per prefill step: bounds how long a cancel or another stream waits
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas that never split a multi-byte UTF-8 character.
-
-    Byte-level BPE pieces can end mid-character; decoding them alone yields U+FFFD. We decode a short window
-    (a few tokens of context + the unread tokens) and emit only the part that extends the window's already-read
-    text and does not end in U+FFFD. The context (the prompt's or prefix's last tokens) keeps decoding of the
-    first generated tokens identical to decoding them in place (leading spaces, merges).
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = (), context_len: int = 6):
-        self._decode = decode
-        self.ids: list[int] = list(context[-context_len:])
-        self._prefix_offset = 0
-        self._read_offset = len(self.ids)
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self.ids[self._prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self.ids)
-            return delta
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the very end decodes as U+FFFD)."""
-        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self.ids[self._prefix_offset :])
-        self._prefix_offset = self._read_offset = len(self.ids)
-        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
 @dataclass
@@ -86,7 +52,6 @@ class _Job:
     emit: Callable[[Any], None]
     cancel: threading.Event = field(default_factory=threading.Event)
     steps: Iterator[None] | None = None
-    generated: int = 0
     mask: TokenMask | None = None  # the request's grammar, if any
 
 
@@ -178,11 +143,8 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
 
     Pass `gguf_path` (loaded through clients.hf_model, cached) or an already-loaded `model` + `tokenizer`.
 
-    Event contract: one TokenEvent per generated token (token_id set; text may be "" while a multi-byte character
-    or a possible stop string is held back, and is then carried by a later event). Ends: EOS -> a final event with
-    token_id None, finish_reason "stop" and any held-back text (the EOS token itself is not emitted); a stop string
-    -> the completing token's event, text cut before the stop string, finish_reason "stop"; max_tokens -> the last
-    token's event with finish_reason "length". Stop strings are matched in newly generated text only.
+    Event contract: one TokenEvent per generated token, and how the answer ends: clients/token_emitter.py (which
+    says why stop sequences are the relay's, not a backend's).
     """
 
     can_continue = True
@@ -305,15 +267,8 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
                 status=400,
                 backend=self.name,
             )
-        mask = None
-        if request.grammar is not None:
-            assert self._grammars is not None
-            try:
-                mask = await asyncio.to_thread(self._grammars.mask, request.grammar)  # the first builds the vocab
-                if request.grammar_covers_prefix:
-                    mask.advance(self.answer_prefix_ids(request))
-            except GrammarError as exc:
-                raise BackendError(f"grammar: {exc}", status=400, backend=self.name) from exc
+        assert self._grammars is not None
+        mask = await self._grammars.for_request(request, lambda: self.answer_prefix_ids(request), self.name)
 
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Any] = asyncio.Queue()
@@ -348,8 +303,9 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
         if self.max_context is not None:
             max_tokens = min(max_tokens, self.max_context - len(context))
         generator = seeded_generator(req.temperature, req.seed)
-        detok = IncrementalDetokenizer(self.detokenize, context)
-        stops = StopMatcher(req.stop)
+        emitter = TokenEmitter(
+            IncrementalDetokenizer(self.detokenize, context), self.eos_ids.__contains__, max_tokens, job.mask
+        )
         adjust = LogitAdjuster(req, self.answer_prefix_ids(req)) if req.adjusts_logits else None
         lps = None
         if max_tokens <= 0:
@@ -368,7 +324,7 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
             yield  # lets other streams and the cancel flag in between prefill chunks
         assert logits is not None
         mask = job.mask
-        for i in range(max_tokens):
+        while True:
             scores = logits if adjust is None else adjust.apply(logits)
             if mask is not None:
                 scores = mask.apply(scores)
@@ -377,27 +333,11 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
                 adjust.accept(token)
             if req.logprobs is not None:
                 lps = (token_logprob(logits, token, req.logprobs, self.token_bytes),)
-            job.generated += 1
             self.tokens_generated += 1
-            if token in self.eos_ids:  # not emitted as a token: the final event carries any held-back text
-                tail, hit = stops.feed(detok.flush())
-                job.emit(TokenEvent(text=tail if hit else tail + stops.flush(), finish_reason="stop"))
+            event = emitter.emit(token, lps)
+            job.emit(event)
+            if event.finish_reason is not None:
                 return
-            complete = False
-            if mask is not None:
-                mask.accept(token)
-                complete = mask.finished  # the grammar allows nothing more: the answer ends with this token
-            text, stopped = stops.feed(detok.push(token))
-            if stopped:
-                job.emit(TokenEvent(text=text, token_id=token, finish_reason="stop", logprobs=lps))
-                return
-            if i == max_tokens - 1 or complete:
-                tail, hit = stops.feed(detok.flush())
-                text += tail if hit else tail + stops.flush()
-                finish = "stop" if hit or complete else "length"
-                job.emit(TokenEvent(text=text, token_id=token, finish_reason=finish, logprobs=lps))
-                return
-            job.emit(TokenEvent(text=text, token_id=token, logprobs=lps))
             yield  # the cancel flag is checked here, before the next forward pass
             with torch.inference_mode():
                 out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)

@@ -1,7 +1,8 @@
 """One answer's delivered state, token by token, whichever endpoints produce it.
 
 The relay turns the serving endpoint's `TokenEvent`s into the deltas the client gets: stop sequences and the token
-limit enforced here, so every endpoint, and an answer that moves between endpoints, ends the same way; tool calls
+limit enforced here, so every endpoint, and an answer that moves between endpoints, ends the same way (stop sequences
+here only, no backend matches them: clients/token_emitter.py says why); tool calls
 held until whole (app/serving/tool_calls.py); text released on token boundaries with its tokens' logprobs when they
 were asked (clients/logprobs.py). It keeps what a migration target continues from (the answer's token ids while
 every token came with one, its text, its token count) and the consumption clock t_first + i/r_c: how many tokens

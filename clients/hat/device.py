@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent
-from clients.grammar import GrammarError, HFTokenizerGrammars, TokenMask
+from clients.grammar import HFTokenizerGrammars, TokenMask
 from clients.hat import wire
 from clients.hat.drafting import Drafter, DraftState
 from clients.hat.half import DeviceHalf
@@ -81,10 +81,9 @@ from clients.hat.rounds import DecodeRounds
 from clients.hat.session import FrameSession
 from clients.hat.station import DraftingStation, StreamSlot
 from clients.hat.transport import LinkOptions, WorkerAddress
-from clients.hf_model import HFTokenizerMixin, open_token_source
+from clients.hf_model import HFTokenizerMixin, IncrementalDetokenizer, open_token_source
 from clients.sampling import LogitAdjuster, sample_next, seeded_generator, token_logprob
-from clients.stops import StopMatcher
-from clients.torch_local import IncrementalDetokenizer
+from clients.token_emitter import TokenEmitter
 from policies.drafting import DraftLengthController, DraftStopRule
 from policies.estimate import MovingAverage
 from policies.trees import DraftTree, from_paths, greedy_tree, prior_probabilities
@@ -264,7 +263,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if not self._ready:
             raise BackendError(f"{self.name}: model not loaded", status=503, backend=self.name)
         context = self.context_ids(request)
-        mask = await self._grammar_mask(request) if request.grammar is not None else None
+        assert self._grammars is not None
+        mask = await self._grammars.for_request(request, lambda: self.answer_prefix_ids(request), self.name)
         self.active += 1
         transport = self.address.transport(self.link_options)
         link = FrameSession(transport, self.link_options, self.hidden_size)
@@ -298,22 +298,6 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             self.stats.bytes_up += transport.bytes_up
             self.stats.bytes_down += transport.bytes_down
 
-    async def _grammar_mask(self, request: GenerationRequest) -> TokenMask:
-        """The request's grammar over the device's vocabulary, advanced over the delivered prefix when the grammar
-        covers it (a 400 when it does not compile or the prefix does not fit it)."""
-        assert self._grammars is not None and request.grammar is not None
-
-        def build() -> TokenMask:
-            mask = self._grammars.mask(request.grammar)  # the first builds the vocabulary (~2 s)
-            if request.grammar_covers_prefix:
-                mask.advance(self.answer_prefix_ids(request))
-            return mask
-
-        try:
-            return await asyncio.to_thread(build)
-        except GrammarError as exc:
-            raise BackendError(f"grammar: {exc}", status=400, backend=self.name) from exc
-
     async def _generate(
         self,
         link: FrameSession,
@@ -330,9 +314,9 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             yield TokenEvent(text="", finish_reason="length")
             return
         generator = seeded_generator(req.temperature, req.seed)
-        detok = IncrementalDetokenizer(self.detokenize, context)
-        stops = StopMatcher(req.stop)
-        emitted = 0
+        emitter = TokenEmitter(
+            IncrementalDetokenizer(self.detokenize, context), self.eos_ids.__contains__, max_tokens, mask
+        )
         # Penalties / logit_bias: applied to the head's logits before every pick, also in verification (each
         # verified position with the drafts before it counted), so speculative decoding stays on and exact.
         adjust = LogitAdjuster(req, self.answer_prefix_ids(req)) if req.adjusts_logits else None
@@ -352,30 +336,14 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 lps = None if pending_lps is None else (pending_lps[j],)
                 if adjust is not None:
                     adjust.accept(token)
-                emitted += 1
                 self.tokens_generated += 1
-                if token in self.eos_ids:
-                    tail, hit = stops.feed(detok.flush())
-                    yield TokenEvent(text=tail if hit else tail + stops.flush(), finish_reason="stop")
+                event = emitter.emit(token, lps)
+                yield event
+                if event.finish_reason is not None:
                     return
-                complete = False
-                if mask is not None:
-                    mask.accept(token)
-                    complete = mask.finished  # the grammar allows nothing more: the answer ends with this token
-                text, stopped = stops.feed(detok.push(token))
-                if stopped:
-                    yield TokenEvent(text=text, token_id=token, finish_reason="stop", logprobs=lps)
-                    return
-                if emitted >= max_tokens or complete:
-                    tail, hit = stops.feed(detok.flush())
-                    text += tail if hit else tail + stops.flush()
-                    finish = "stop" if hit or complete else "length"
-                    yield TokenEvent(text=text, token_id=token, finish_reason=finish, logprobs=lps)
-                    return
-                yield TokenEvent(text=text, token_id=token, logprobs=lps)
             last = pending[-1]
             cap = (
-                min(self._draft_cap(link), max_tokens - emitted - 1, limit - position - 1)
+                min(self._draft_cap(link), emitter.remaining - 1, limit - position - 1)
                 if self.options.speculative
                 else 0
             )

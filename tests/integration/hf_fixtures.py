@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from app.serving.relay import Relay
+from clients.base import GenerationRequest, TokenEvent
 from deploy.models import model_path
 
 # One intra-op thread: batch-1 CPU inference is memory-bound (2 threads are no faster), and on a shared 2-core box
@@ -59,3 +61,16 @@ def smollm() -> tuple[Any, Any]:
 def qwen05() -> tuple[Any, Any]:
     """(model, tokenizer) of Qwen2.5-Coder-0.5B-Instruct, fp32."""
     return load(QWEN05)
+
+
+def relayed(request: GenerationRequest, events: list[TokenEvent]) -> tuple[str, str | None, int]:
+    """What the gateway's relay (app/serving/relay.py), the one place stop sequences are enforced, delivers of a
+    backend's `events`: its text, finish reason, and how many events it took to end the answer."""
+    relay = Relay(request, t_first=0.0, consumption_rate=1.0)
+    text = ""
+    for n, event in enumerate(events, 1):
+        delta = relay.feed(event, 0.0)
+        text += delta.text
+        if delta.finish_reason is not None:
+            return text, delta.finish_reason, n
+    return text, None, len(events)

@@ -37,7 +37,7 @@ from clients.hat.link import LinkProfile
 from clients.hat.options import HATOptions
 from clients.hat.split import split_model
 from clients.sampling import LogitAdjuster
-from tests.integration.hf_fixtures import QWEN05, SMOL, chat_prompt, load
+from tests.integration.hf_fixtures import QWEN05, SMOL, chat_prompt, load, relayed
 
 Kind = wire.Kind
 TOKEN = "worker-token-5c1e"
@@ -676,11 +676,18 @@ async def test_hat_backend_streams_token_events(worker: WorkerServer, smol, refe
     prefix_text = tok.decode(ref[:8], skip_special_tokens=True)
     assert token_ids(await collect(backend, ids, prefix_text=prefix_text, max_tokens=4)) == ref[8:12]
 
-    # Stop strings end the stream on the token that completes them, with the text cut before them.
+    # Stop strings are the relay's (clients/token_emitter.py): the stream goes on past them, and the relay fed it
+    # ends the answer on the token that completes one, with the text cut before it.
     full_text = tok.decode(ref, skip_special_tokens=True)
     stop = full_text[12:16]
-    events = await collect(backend, ids, stop=(stop,))
-    assert events[-1].finish_reason == "stop" and "".join(e.text for e in events) == full_text[: full_text.find(stop)]
+    request = GenerationRequest(prompt_text="", prompt_ids=tuple(ids), max_tokens=N, temperature=0.0, stop=(stop,))
+    events = [e async for e in backend.stream(request)]
+    streamed = "".join(e.text for e in events)
+    assert streamed.startswith(full_text[: full_text.find(stop) + len(stop)])  # not cut by the backend
+    text, finish, ended_at = relayed(request, events)
+    assert finish == "stop" and text == full_text[: full_text.find(stop)]
+    before = "".join(e.text for e in events[: ended_at - 1])
+    assert stop not in before and stop in before + events[ended_at - 1].text  # ended on the token completing it
 
     # Cancellation: closing the stream closes the worker session promptly.
     stream = backend.stream(GenerationRequest(prompt_text="", prompt_ids=tuple(ids), max_tokens=200, temperature=0))

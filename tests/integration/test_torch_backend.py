@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent
-from clients.torch_local import IncrementalDetokenizer, StopMatcher, TorchBackend
-from tests.integration.hf_fixtures import chat_prompt, smollm  # noqa: F401
+from clients.hf_model import IncrementalDetokenizer
+from clients.torch_local import TorchBackend
+from tests.integration.hf_fixtures import chat_prompt, relayed, smollm  # noqa: F401
 
 N = 16
 
@@ -183,9 +184,13 @@ async def test_stop_strings_and_errors(smollm: tuple[Any, Any]) -> None:  # noqa
             e.text for e in await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=N, temperature=0))
         )
         assert "\n" in free
-        stopped = await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=N, temperature=0, stop=("\n",)))
-        assert stopped[-1].finish_reason == "stop"
-        assert "".join(e.text for e in stopped) == free.split("\n")[0]
+        # Stop strings are the relay's (clients/token_emitter.py): the backend streams past them, and the relay fed
+        # its events ends the answer with the text cut before the first one.
+        request = GenerationRequest(prompt_text=prompt, max_tokens=N, temperature=0, stop=("\n",))
+        events = await _collect(b, request)
+        assert "".join(e.text for e in events) == free
+        text, finish, _ = relayed(request, events)
+        assert finish == "stop" and text == free.split("\n")[0]
         with pytest.raises(BackendError) as err:
             await _collect(b, GenerationRequest(prompt_text="", max_tokens=4))
         assert err.value.status == 400
@@ -205,18 +210,6 @@ def test_incremental_detokenizer_never_splits_characters(smollm: tuple[Any, Any]
     assert "".join(pieces) == text
     assert not any("\ufffd" in p for p in pieces)
     assert any(p == "" for p in pieces)  # some byte pieces were held back until their character completed
-
-
-def test_stop_matcher_holds_back_partial_matches() -> None:
-    m = StopMatcher(["END", "\n\n"])
-    assert m.feed("abc E") == ("abc ", False)
-    assert m.feed("N") == ("", False)
-    assert m.feed("x") == ("ENx", False)
-    assert m.feed("y\n") == ("y", False)
-    assert m.feed("\nmore") == ("", True)
-    assert StopMatcher([]).feed("END") == ("END", False)
-    m2 = StopMatcher(["stop"])
-    assert m2.feed("go st") == ("go ", False) and m2.flush() == "st"
 
 
 @pytest.mark.asyncio

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 
 @pytest.fixture(scope="module")
@@ -21,3 +22,17 @@ def tiny() -> LlamaForCausalLM:
         max_position_embeddings=128,
     )
     return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer: the 256 byte tokens (a character outside ASCII spans several), "ab" (256), and
+    <eos> (257)."""
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["ab"] = len(vocab)
+    rust = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=rust, eos_token="<eos>")
+    assert tok.encode("ab") == [256] and tok.eos_token_id == 257
+    return tok

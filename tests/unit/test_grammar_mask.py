@@ -8,8 +8,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from clients.grammar import GrammarError, HFTokenizerGrammars
 
@@ -17,16 +15,9 @@ PAD = 5  # head rows past the tokenizer's vocabulary (padded embeddings)
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    """A byte-level BPE tokenizer: the 256 byte tokens, "ab" (256), and <eos> (257)."""
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["ab"] = len(vocab)
-    rust = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
-    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    rust.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=rust, eos_token="<eos>")
-    assert tok.encode("ab") == [256] and tok.eos_token_id == 257
-    return tok, HFTokenizerGrammars(tok, [257], threading.Lock())
+def tiny(byte_tokenizer):
+    """The byte-level tokenizer (conftest.py) and its grammars, <eos> (257) the end token."""
+    return byte_tokenizer, HFTokenizerGrammars(byte_tokenizer, [257], threading.Lock())
 
 
 def _id(tok, text: str) -> int:

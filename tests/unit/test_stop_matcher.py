@@ -40,3 +40,15 @@ def test_held_text_flushed_at_end():
 
 def test_stop_inside_one_token():
     assert run(["\n\n"], ["line\n\nnext"]) == ("line", True)
+
+
+def test_stop_matcher_holds_back_partial_matches() -> None:
+    m = StopMatcher(["END", "\n\n"])
+    assert m.feed("abc E") == ("abc ", False)
+    assert m.feed("N") == ("", False)
+    assert m.feed("x") == ("ENx", False)
+    assert m.feed("y\n") == ("y", False)
+    assert m.feed("\nmore") == ("", True)
+    assert StopMatcher([]).feed("END") == ("END", False)
+    m2 = StopMatcher(["stop"])
+    assert m2.feed("go st") == ("go ", False) and m2.flush() == "st"
