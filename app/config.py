@@ -40,6 +40,7 @@ from app.serving.budget import (
 )
 from app.serving.budget import from_config as budget_from_config
 from app.worker.settings import WorkerSettings
+from clients.hat.options import HATOptions
 from policies.dispatch import DEFAULT_ALPHA, canonical_name
 
 
@@ -222,55 +223,23 @@ class EmbeddedWorkerSettings(_Strict):
     startup_timeout: Annotated[float, Field(gt=0)] = 300.0
 
 
-class HATCloudSettings(_Strict):
-    """A HAT cloud endpoint: the device half runs here (first m layers, head, adapter), the
-    worker hosts the middle layers; only hidden states cross the network."""
+class HATCloudSettings(HATOptions):
+    """A HAT cloud endpoint: the device half runs here (first m layers, head, adapter), the worker hosts the middle
+    layers; only hidden states cross the network. The device half's knobs are HATOptions' (clients/hat/options.py:
+    their defaults, rules and meaning); these settings are handed to the backend as they are. Here only what the
+    gateway itself decides: which model and adapter files, an embedded worker, the price, the vocabulary."""
 
     kind: Literal["hat"]
-    worker_url: str = "ws://127.0.0.1:8100"  # ws:// (WebSocket) or http:// (POST + SSE)
     model: str = "qwen2.5-coder-0.5b-instruct"  # bundled name or GGUF path; the model the worker splits
-    m: Annotated[int, Field(ge=1)] = 2
     adapter: str = ""  # a trained adapter (safetensors); "" = the shipped one for this model, if any
     # Reduced draft vocabulary (JSON from `tandem train-adapter --save-draft-vocab`): "" = the one shipped with
     # the shipped adapter, if any; "full" = draft over the whole vocabulary; or a path.
     draft_vocab: str = ""
-    auth_token: SecretStr | None = None
-    wire_dtype: Literal["float32", "float16"] = "float32"
-    eta: Annotated[float, Field(gt=0, lt=1)] = 0.6
-    # Draft length per round: "eta" = until confidence < eta, at most max_draft; "eq7" = exactly l*, the argmax of
-    # Eq. 7's tokens per verification over the measured round time; "eq7+eta" = the eta stop capped at l*.
-    draft_length: Literal["eta", "eq7", "eq7+eta"] = "eta"
-    max_draft: Annotated[int, Field(ge=1, le=64)] = 8
-    # Greedy rounds verify a token tree of this many positions over the draft's top-k (clients/hat/tree.py); 0 =
-    # chains. Same output; faster where the worker's pass costs about the same for w positions as for a chain's.
-    tree_width: Annotated[int, Field(ge=0, le=64)] = 0
-    # With a profile: verify the tree (or chain) its ARCA choice names, from replayed acceptance and profiled step
-    # times (`tandem profile`); overrides tree_width.
-    arca: bool = False
-    speculative: bool = True
-    parallel_drafting: bool = False
-    # Concurrent HAT streams: "batched" drafts, verifies and prefills them in shared batched passes (the drafting
-    # station, clients/hat/station.py; output unchanged); "solo" runs each stream's own model calls one at a time.
-    drafting: Literal["batched", "solo"] = "batched"
-    # Prefill chunks: "eq3" = equal chunks of HAT's Eq. 3 size; "dp" = Jupiter's sequence partition over the
-    # device -> link -> worker pipeline (unequal chunks, planned from measured stage times).
-    chunking: Literal["eq3", "dp"] = "eq3"
-    link: str = ""  # emulate a link, e.g. "latency=20ms,jitter=2ms,up=10MB/s,down=15MB/s"
-    # Privacy noise: Gaussian noise of this std relative to each hidden vector's RMS, added to every hidden state
-    # sent to the worker (clients/hat/noise.py). 0 = none (exact output); > 0 trades quality for privacy
-    # (`tandem bench privacy` measures both sides).
-    noise: Annotated[float, Field(ge=0, le=10)] = 0.0
     # "device": the split model shares the device model's vocabulary (the bundled Qwen pair does),
     # so prompts and migrations go by token ids.
     tokenizer: Literal["device", "own"] = "device"
-    # torch intra-op threads of the device half, which runs in the gateway process: with torch's default (one
-    # per core) the llama.cpp device model beside it decodes ~25% slower, even when HAT is idle (BENCHMARKS.md,
-    # device decode speed); HAT's own benchmarks run the device half on one thread.
-    num_threads: Annotated[int, Field(ge=1)] | None = 1
     price: PriceSettings = PriceSettings()
-    # A profile from `tandem profile` (JSON): the device half (and an embedded worker) start from its measured
-    # times and acceptance instead of warm-up priors; "" = online estimates only. Refused for another model / m.
-    profile: str = ""
+    # A profile (HATOptions.profile) also reaches an embedded worker, which starts from its measured times.
     embedded: EmbeddedWorkerSettings | None = None
 
     @model_validator(mode="after")
@@ -282,20 +251,6 @@ class HATCloudSettings(_Strict):
                 "use the embedded one"
             )
         return self
-
-    @field_validator("tree_width")
-    @classmethod
-    def _tree_width(cls, value: int) -> int:
-        if value in (1, 2):
-            raise ValueError("a token tree needs at least 3 positions (0 = chains; 2 positions is a 1-draft chain)")
-        return value
-
-    @field_validator("worker_url")
-    @classmethod
-    def _url(cls, value: str) -> str:
-        if not value.startswith(("ws://", "wss://", "http://", "https://")):
-            raise ValueError(f"must start with ws://, wss://, http:// or https://, got {value!r}")
-        return value.rstrip("/")
 
 
 def _cloud_kind(value) -> str:

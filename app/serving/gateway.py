@@ -144,41 +144,22 @@ class Gateway:
     def _hat_backend(self, name: str, cloud) -> Backend:
         from clients.hat.adapter import draft_files
         from clients.hat.device import HATBackend
-        from clients.hat.link import LinkProfile
-        from clients.hat.options import HATOptions
 
-        url = cloud.worker_url
-        token = cloud.auth_token.get_secret_value() if cloud.auth_token else None
+        options = cloud  # HATCloudSettings are HATOptions (the device half's knobs) plus the gateway's own fields
         if cloud.embedded is not None:
-            worker = EmbeddedWorker(cloud.embedded, cloud.model, cloud.m, token, profile=cloud.profile)
-            url = worker.url
+            token = cloud.auth_token.get_secret_value() if cloud.auth_token else None
+            worker = EmbeddedWorker(cloud.embedded, cloud.model, cloud.m, token, profile=str(cloud.profile))
+            options = cloud.model_copy(update={"worker_url": worker.url})
             self.embedded.append(worker)
         adapter, draft_vocab = draft_files(cloud.model, cloud.m, cloud.adapter, cloud.draft_vocab)
-        options = HATOptions(
-            url,
-            resolve_model(cloud.model),
+        backend = HATBackend(
+            options,
+            gguf_path=resolve_model(cloud.model),
             name=name,
             model_id=f"hat:{cloud.model}",
-            m=cloud.m,
             adapter_path=adapter,
             draft_vocab_path=draft_vocab,
-            auth_token=token,
-            wire_dtype=cloud.wire_dtype,
-            eta=cloud.eta,
-            max_draft=cloud.max_draft,
-            draft_length=cloud.draft_length,
-            tree_width=cloud.tree_width,
-            arca=cloud.arca,
-            speculative=cloud.speculative,
-            parallel_drafting=cloud.parallel_drafting,
-            drafting=cloud.drafting,
-            chunking=cloud.chunking,
-            link=LinkProfile.parse(cloud.link) if cloud.link else None,
-            num_threads=cloud.num_threads,
-            noise=cloud.noise,
-            profile=cloud.profile or None,
         )
-        backend = HATBackend(options)
         backend.accepts_token_ids = cloud.tokenizer == "device"
         return backend
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -94,8 +95,18 @@ log = logging.getLogger(__name__)
 class HATBackend(NoPrefixCache, HFTokenizerMixin):
     """Backend protocol (clients.base) over a HAT worker: the device half of a U-shaped split with drafting.
 
-    Set up by `options` (HATOptions); `model` + `tokenizer` stand in for options.gguf_path with an already-loaded
-    model, which is then shared rather than trimmed to the device's layers.
+    Run as `options` (HATOptions) say, on:
+    gguf_path: the bundled model's GGUF (loaded through clients.hf_model, cached) — or give a loaded `model` +
+        `tokenizer`, which is then shared rather than trimmed to the device's layers. Must be the model the worker
+        splits (checked: hidden size, layer count, m). `cache_root`: where converted models are kept.
+    name, model_id: the backend's name (threads, logs, errors) and its model's (default: the GGUF's stem).
+    adapter_path: a trained adapter (safetensors, clients.hat.adapter.Adapter.save); None = untrained adapter
+        initialised from layer m's attention (correct output, low accept length).
+    draft_vocab_path: a reduced draft vocabulary (JSON {"token_ids": [...]}, `tandem train-adapter
+        --save-draft-vocab`): drafts are chosen among these tokens (plus the end tokens) only, so a draft step's
+        LM head multiplies a few thousand rows instead of the whole vocabulary. Verification always uses the
+        full head, so the output is unchanged (greedy) or still exactly the LLM's distribution (sampling: the
+        draft distribution is simply zero outside the subset). None = draft over the full vocabulary.
     """
 
     can_continue = True
@@ -103,24 +114,37 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     structured_output = "grammar"  # clients/grammar.py: the head's logits masked before every pick, drafts included
     accepts_token_ids = False  # True when the worker's model shares the device's vocabulary (set by the gateway)
 
-    def __init__(self, options: HATOptions, *, model: Any = None, tokenizer: Any = None) -> None:
-        if options.gguf_path is None and (model is None or tokenizer is None):
+    def __init__(
+        self,
+        options: HATOptions,
+        *,
+        gguf_path: str | os.PathLike[str] | None = None,
+        name: str = "hat",
+        model_id: str | None = None,
+        adapter_path: str | os.PathLike[str] | None = None,
+        draft_vocab_path: str | os.PathLike[str] | None = None,
+        cache_root: str | os.PathLike[str] | None = None,
+        model: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
+        if gguf_path is None and (model is None or tokenizer is None):
             raise ValueError("HATBackend needs gguf_path or both model and tokenizer")
-        if options.drafting not in ("batched", "solo"):
-            raise ValueError(f"drafting must be 'batched' or 'solo', got {options.drafting!r}")
         o = self.options = options
         self.address = WorkerAddress.parse(o.worker_url)
         self.transport = self.address.kind
-        self.name = o.name
-        self.model_id = o.model_id or (Path(o.gguf_path).stem if o.gguf_path is not None else o.name)
-        self.model_path = Path(o.gguf_path) if o.gguf_path is not None else None
+        self.name = name
+        self.model_path = Path(gguf_path) if gguf_path is not None else None
+        self.model_id = model_id or (self.model_path.stem if self.model_path is not None else name)
+        self._adapter_path = adapter_path
+        self._draft_vocab_path = draft_vocab_path
+        self._cache_root = cache_root
         self.wire_dtype = wire.dtype_by_name(o.wire_dtype)
         self.link_options = LinkOptions(
-            name=o.name,
-            auth_token=o.auth_token,
+            name=name,
+            auth_token=o.auth_token.get_secret_value() if o.auth_token is not None else None,
             connect_timeout=o.connect_timeout,
             round_timeout=o.round_timeout,
-            max_frame_bytes=o.max_frame_bytes,
+            max_frame_bytes=o.max_frame_bytes or wire.DEFAULT_MAX_FRAME_BYTES,
             wire_dtype=self.wire_dtype,
             profile=o.link,
             noise=o.noise,  # privacy noise on the sent hidden states (clients/hat/noise.py; FrameSession applies it)
@@ -142,9 +166,9 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             up=MovingAverage(value=(link.up_bandwidth if link and link.up_bandwidth else o.beta_up)),
             down=MovingAverage(value=(link.down_bandwidth if link and link.down_bandwidth else o.beta_down)),
         )
-        if o.arca and o.profile is None:
+        if o.arca and not o.profile:
             raise ValueError("arca chooses the verification tree from a profile: set profile (tandem profile) too")
-        if o.profile is not None:  # measured parts instead of warm-up priors (clients/hat/profile.py)
+        if o.profile:  # measured parts instead of warm-up priors (clients/hat/profile.py)
             profile = load_profile(o.profile)
             profile.check_model({self.model_id, self.model_path.name if self.model_path else ""}, o.m)
             self.controller.seed(profile.measured_parts())
@@ -158,7 +182,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self.tokenizer = tokenizer
         self._tok_lock = threading.Lock()
         self._grammars: HFTokenizerGrammars | None = None  # built at load, its tokenizer at the first grammar
-        self.thread = ModelThread(o.name)  # every torch call of the device half runs on it
+        self.thread = ModelThread(name)  # every torch call of the device half runs on it
         self._ready = False
         self._worker_ok: tuple[float, bool] = (0.0, False)
         self.eos_ids: frozenset[int] = frozenset()
@@ -197,28 +221,28 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
 
     def load_half(self, model: Any) -> DeviceHalf:
         """The device's parts of `model` (a subclass may give them another draft head: the tests' oracles)."""
-        o = self.options
-        return DeviceHalf.load(model, o.m, o.adapter_path, trim=self._owns_model)
+        return DeviceHalf.load(model, self.options.m, self._adapter_path, trim=self._owns_model)
 
     def _load(self) -> None:
         t0 = time.monotonic()
         o = self.options
         src = open_token_source(
-            o.gguf_path, o.cache_root, model=self.model, tokenizer=self.tokenizer, num_threads=o.num_threads
+            self.model_path, self._cache_root, model=self.model, tokenizer=self.tokenizer, num_threads=o.num_threads
         )
         self.model, self.tokenizer = src.model, src.tokenizer
         half = self.half = self.load_half(src.model)
         self.drafter = Drafter(half, self.rule, max(1, o.parallel_candidates))
         self.eos_ids, self.max_context = src.eos_ids, src.max_context
         self._grammars = HFTokenizerGrammars(self.tokenizer, self.eos_ids, self._tok_lock)
-        if o.draft_vocab_path:
-            half.load_draft_vocab(o.draft_vocab_path, self.eos_ids)
+        if self._draft_vocab_path:
+            half.load_draft_vocab(self._draft_vocab_path, self.eos_ids)
         if o.drafting == "batched":
             self.station = DraftingStation(half, self.thread, self.rule, self.token_bytes)
         self.link_model.state_bytes = half.hidden_size * torch.empty((), dtype=self.wire_dtype).element_size()
         device_tau = fit_device_tau(self.drafter) if o.chunking == "dp" else None
         self.prefill_planner = PrefillPlanner(o, self.link_model.state_bytes, device_tau)
         self.rounds = DecodeRounds(
+            name=self.name,
             options=o,
             half=half,
             thread=self.thread,

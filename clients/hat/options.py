@@ -2,34 +2,32 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
 
-from clients.hat import wire
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
 from clients.hat.link import LinkProfile
 from policies.drafting import DEFAULT_ETA
 from policies.jupiter import ChunkCost
 
 
-@dataclass(frozen=True)
-class HATOptions:
-    """How a HATBackend is set up (the gateway builds it from a HAT cloud's settings, app/config.py).
+class HATOptions(BaseModel):
+    """How a HATBackend (clients/hat/device.py) runs: the device half's knobs, each with its one default and its rule.
+
+    A HAT cloud's settings (app/config.py's HATCloudSettings) are these plus the gateway's own fields, and the gateway
+    hands them to the backend as they are; a test or benchmark builds them directly. What the backend runs (the
+    model, its adapter and draft vocabulary, its name) is given to HATBackend itself.
 
     worker_url: ws://host:port (WebSocket at /v1/hidden/ws; a full ws URL with a path is used as is) or
         http://host:port (POST + SSE).
-    gguf_path: the bundled model's GGUF (loaded through clients.hf_model, cached) — or give the backend a loaded
-        model + tokenizer. Must be the model the worker splits (checked: hidden size, layer count, m).
-    adapter_path: a trained adapter (safetensors, clients.hat.adapter.Adapter.save); None = untrained adapter
-        initialised from layer m's attention (correct output, low accept length).
-    draft_vocab_path: a reduced draft vocabulary (JSON {"token_ids": [...]}, `tandem train-adapter
-        --save-draft-vocab`): drafts are chosen among these tokens (plus the end tokens) only, so a draft step's
-        LM head multiplies a few thousand rows instead of the whole vocabulary. Verification always uses the
-        full head, so the output is unchanged (greedy) or still exactly the LLM's distribution (sampling: the
-        draft distribution is simply zero outside the subset). None = draft over the full vocabulary.
     auth_token: the worker's token (sent as "Authorization: Bearer ...").
+    m: the device's input layers (the worker holds m..n-1 and checks it).
     wire_dtype: "float32" | "float16" — must match the worker's dtype.
-    eta, max_draft, include_low_confidence: the drafting stop rule (Eq. 5). speculative=False: plain U-shape
-        (one token per round, no drafting) — the baseline HAT is compared against.
+    eta, max_draft, include_low_confidence: the drafting stop rule (Eq. 5). eta 0: no confidence stop (every round
+        drafts its cap). speculative=False: plain U-shape (one token per round, no drafting) — the baseline HAT is
+        compared against.
     draft_length: how long each round's draft is (policies.drafting.DraftLengthController). "eta": until the
         confidence falls below eta, at most max_draft (HAT's rule); "eq7": exactly l* drafts, l* = argmax over
         1..max_draft of Eq. 7's expected tokens per verification over the modelled round time (measured draft
@@ -41,11 +39,16 @@ class HATOptions:
         when the verified correction is one of them, the next round starts with that branch's drafts ready.
     tree_width: verify a token tree of this many positions (the last accepted token + tree_width - 1 drafts over
         the draft head's top-k) in greedy rounds (clients/hat/tree.py); 0 = chains (the draft_length rule). Rounds
-        that sample, penalise, follow a grammar or return logprobs stay chains. Greedy output is unchanged.
+        that sample, penalise, follow a grammar or return logprobs stay chains. Greedy output is unchanged. Faster
+        where the worker's pass costs about the same for w positions as for a chain's.
     tree_paths: the tree's shape as rank paths (e.g. ((0,), (1,), (0, 0)): top-1, top-2, top-1 after top-1), as
         ARCA chose it from a profile; None = shaped greedily from policies.trees' prior for tree_width nodes.
     arca: with a profile, verify the token tree (or the chain) that the profile's ARCA choice names (Ghidorah's
         width chosen from replayed acceptance and profiled step times); overrides tree_width / tree_paths.
+    drafting: "batched": concurrent streams' device work — draft steps, verification heads, prefill chunks — runs
+        batched at the drafting station (clients/hat/station.py), streams grouped by SD-edge's Alg. 1 and
+        pipelined against the worker; each stream's output is what it would be alone. "solo": each stream's own
+        model calls, one at a time.
     chunking: "eq3" = equal chunks of Eq. 3's size; "dp" = Jupiter's sequence partition over the device → link →
         worker pipeline (policies/jupiter.py plan_device_prefill), with the device's own prefill step time fitted
         at load, the measured upload bandwidth and the worker's prefill τ(x | y) from its OPEN reply (its g when
@@ -53,59 +56,79 @@ class HATOptions:
         A fixed chunk_size overrides both.
     chunk_size: fixed prefill chunk; None = Eq. 3 with min_chunk..max_chunk.
     beta_up / beta_down: initial link bandwidth estimates in bytes/s (HAT's devices measure them, e.g. with
-        iperf3); the upload estimate is refined from prefill timings. With a LinkProfile the emulated
+        iperf3); the upload estimate is refined from prefill timings. With a link profile the emulated
         bandwidths are the initial estimates.
-    link: a LinkProfile to emulate latency / jitter / bandwidth on this device's send and receive paths.
+    link: a LinkProfile (or its spec, e.g. "latency=20ms,jitter=2ms,up=10MB/s,down=15MB/s"; "" = none) to emulate
+        latency / jitter / bandwidth on this device's send and receive paths.
     noise: Gaussian noise added to every hidden-state frame the device sends (prefill chunks and drafts), std =
         noise x each vector's RMS (clients/hat/noise.py): makes inverting the states harder (`tandem bench
         privacy`), at a cost in quality — with noise > 0 the output is no longer the LLM's exactly. 0 = none.
-    drafting: "batched" (default): concurrent streams' device work — draft steps, verification heads, prefill
-        chunks — runs batched at the drafting station (clients/hat/station.py), streams grouped by SD-edge's Alg. 1
-        and pipelined against the worker; each stream's output is what it would be alone. "solo": each stream's
-        own model calls, one at a time.
+    noise_seed: seeds every session's noise generator (reproducible tests and benchmarks only: the same noise in
+        every session can be subtracted out); None = a fresh seed from the OS per session.
     profile: a profile of this device and its worker (`tandem profile`, clients/hat/profile.py): the draft-length
         controller starts from its measured draft step, head, link latency and replayed acceptance, and the
         bandwidth estimates from its measured bandwidths, instead of the warm-up priors; refused if it was made
-        for another model or m. None = today's online estimates only.
-    noise_seed: seeds every session's noise generator (reproducible tests and benchmarks only: the same noise in
-        every session can be subtracted out); None = a fresh seed from the OS per session.
+        for another model or m. "" = today's online estimates only.
+    connect_timeout, round_timeout: seconds to open a session, and for the worker to answer a frame.
+    max_frame_bytes: the largest frame the device accepts; None = the wire's default (clients/hat/wire.py; not
+        imported here, so that the settings load without torch).
+    num_threads: torch intra-op threads of the device half (None: torch's default, one per core). In the gateway
+        it shares the process with the llama.cpp device model, which decodes ~25% slower beside torch's default
+        even while HAT is idle (BENCHMARKS.md, device decode speed); HAT's own benchmarks run it on one thread.
     """
 
-    worker_url: str
-    gguf_path: str | os.PathLike[str] | None = None
-    name: str = "hat"
-    model_id: str | None = None
-    m: int = 2
-    adapter_path: str | os.PathLike[str] | None = None
-    draft_vocab_path: str | os.PathLike[str] | None = None
-    auth_token: str | None = None
-    wire_dtype: str = "float32"
-    eta: float = DEFAULT_ETA
-    max_draft: int = 8
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    worker_url: str = "ws://127.0.0.1:8100"
+    auth_token: SecretStr | None = None
+    m: Annotated[int, Field(ge=1)] = 2
+    wire_dtype: Literal["float32", "float16"] = "float32"
+    eta: Annotated[float, Field(ge=0, lt=1)] = DEFAULT_ETA
+    max_draft: Annotated[int, Field(ge=1, le=64)] = 8
     include_low_confidence: bool = True
-    draft_length: str = "eta"  # "eta" | "eq7" | "eq7+eta"
+    draft_length: Literal["eta", "eq7", "eq7+eta"] = "eta"
     speculative: bool = True
     parallel_drafting: bool = False
-    parallel_candidates: int = 3
-    tree_width: int = 0
+    parallel_candidates: Annotated[int, Field(ge=1)] = 3
+    tree_width: Annotated[int, Field(ge=0, le=64)] = 0
     tree_paths: tuple[tuple[int, ...], ...] | None = None
     arca: bool = False
-    drafting: str = "batched"  # "batched" | "solo"
-    chunking: str = "eq3"  # "eq3" | "dp"
-    chunk_size: int | None = None
-    min_chunk: int = 16
-    max_chunk: int = 256
-    beta_up: float = 10e6
-    beta_down: float = 15e6
+    drafting: Literal["batched", "solo"] = "batched"
+    chunking: Literal["eq3", "dp"] = "eq3"
+    chunk_size: Annotated[int, Field(ge=1)] | None = None
+    min_chunk: Annotated[int, Field(ge=1)] = 16
+    max_chunk: Annotated[int, Field(ge=1)] = 256
+    beta_up: Annotated[float, Field(gt=0)] = 10e6
+    beta_down: Annotated[float, Field(gt=0)] = 15e6
     link: LinkProfile | None = None
-    noise: float = 0.0
+    noise: Annotated[float, Field(ge=0, le=10)] = 0.0
     noise_seed: int | None = None
-    profile: str | os.PathLike[str] | None = None
-    connect_timeout: float = 10.0
-    round_timeout: float = 60.0
-    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES
-    cache_root: str | os.PathLike[str] | None = None
-    num_threads: int | None = None
+    profile: str | Path = ""
+    connect_timeout: Annotated[float, Field(gt=0)] = 10.0
+    round_timeout: Annotated[float, Field(gt=0)] = 60.0
+    max_frame_bytes: Annotated[int, Field(ge=4096)] | None = None
+    num_threads: Annotated[int, Field(ge=1)] | None = 1
+
+    @field_validator("worker_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("ws://", "wss://", "http://", "https://")):
+            raise ValueError(f"must start with ws://, wss://, http:// or https://, got {value!r}")
+        return value.rstrip("/")
+
+    @field_validator("tree_width")
+    @classmethod
+    def _tree_width(cls, value: int) -> int:
+        if value in (1, 2):
+            raise ValueError("a token tree needs at least 3 positions (0 = chains; 2 positions is a 1-draft chain)")
+        return value
+
+    @field_validator("link", mode="before")
+    @classmethod
+    def _link(cls, value: object) -> object:
+        if isinstance(value, str):
+            return LinkProfile.parse(value) if value else None
+        return value
 
 
 @dataclass

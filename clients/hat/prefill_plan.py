@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from clients.hat import wire
 from clients.hat.drafting import Drafter
 from clients.hat.options import HATOptions
 from policies.chunking import chunk_bounds, chunk_size, split_prompt
@@ -127,4 +128,5 @@ class PrefillPlanner:
 
     def frame_tokens(self, info: dict[str, Any]) -> int:
         """Most positions one of the worker's frames can carry."""
-        return max(1, int(info.get("max_frame_bytes") or self.options.max_frame_bytes) // self.state_bytes)
+        limit = info.get("max_frame_bytes") or self.options.max_frame_bytes or wire.DEFAULT_MAX_FRAME_BYTES
+        return max(1, int(limit) // self.state_bytes)

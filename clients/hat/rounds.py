@@ -53,6 +53,7 @@ class DecodeRounds:
     def __init__(
         self,
         *,
+        name: str,
         options: HATOptions,
         half: DeviceHalf,
         thread: ModelThread,
@@ -63,7 +64,7 @@ class DecodeRounds:
         tree: DraftTree | None,
         token_bytes: Callable[[int], bytes],
     ) -> None:
-        self.name = options.name
+        self.name = name
         self.options = options
         self.half = half
         self.thread = thread

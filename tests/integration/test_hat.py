@@ -83,10 +83,29 @@ class WorkerServer:
     def engine(self):
         return self.app.state.worker.engine
 
-    def backend(self, model: Any, tok: Any, name: str, url: str | None = None, **kw: Any) -> HATBackend:
+    def backend(
+        self,
+        model: Any,
+        tok: Any,
+        name: str,
+        url: str | None = None,
+        *,
+        adapter_path: Any = None,
+        draft_vocab_path: Any = None,
+        **kw: Any,
+    ) -> HATBackend:
+        """A device half of `model` for this worker; `kw`: HATOptions."""
         kw.setdefault("chunk_size", 16)
         kw.setdefault("auth_token", TOKEN)
-        return HATBackend(HATOptions(url or self.ws, model_id=name, **kw), model=model, tokenizer=tok)
+        options = HATOptions(worker_url=url or self.ws, **kw)
+        return HATBackend(
+            options,
+            model_id=name,
+            adapter_path=adapter_path,
+            draft_vocab_path=draft_vocab_path,
+            model=model,
+            tokenizer=tok,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -611,8 +630,8 @@ async def test_concurrent_streams_drafted_together_equal_running_alone(worker: W
     ]
 
     def backend(**kw: Any) -> OracleHAT:
-        options = HATOptions(worker.ws, model_id=SMOL, auth_token=TOKEN, chunk_size=16, **kw)
-        return OracleHAT(options, model=model, tokenizer=tok, answer=answer)
+        options = HATOptions(worker_url=worker.ws, auth_token=TOKEN, chunk_size=16, **kw)
+        return OracleHAT(options, model_id=SMOL, model=model, tokenizer=tok, answer=answer)
 
     station_backend = backend()
     await station_backend.start()
@@ -794,7 +813,8 @@ async def test_float16_wire(smol, reference) -> None:
 async def test_unreachable_worker_and_cancel_mid_round(worker: WorkerServer, smol) -> None:
     model, tok = smol
     ids = prompt_ids(tok)
-    dead = HATBackend(HATOptions(f"ws://127.0.0.1:{free_port()}", model_id=SMOL), model=model, tokenizer=tok)
+    dead_url = f"ws://127.0.0.1:{free_port()}"
+    dead = HATBackend(HATOptions(worker_url=dead_url), model_id=SMOL, model=model, tokenizer=tok)
     await dead.start()
     with pytest.raises(BackendError) as err:
         await collect(dead, ids, max_tokens=2)
@@ -861,8 +881,8 @@ async def test_accepted_drafts_and_parallel_drafting_keep_greedy_exact(worker: W
     answer = {len(ids) + i: t for i, t in enumerate(ref)}
     outputs = {}
     for parallel in (False, True):
-        options = HATOptions(worker.ws, model_id=SMOL, auth_token=TOKEN, parallel_drafting=parallel)
-        backend = OracleHAT(options, model=model, tokenizer=tok, answer=answer)
+        options = HATOptions(worker_url=worker.ws, auth_token=TOKEN, parallel_drafting=parallel)
+        backend = OracleHAT(options, model_id=SMOL, model=model, tokenizer=tok, answer=answer)
         await backend.start()
         outputs[parallel] = token_ids(await collect(backend, ids))
         stats = backend.stats.summary()
@@ -909,8 +929,8 @@ async def test_eq7_draft_length_keeps_greedy_exact_and_gets_status_mid_session(s
     server = WorkerServer(model, SMOL, status_tolerance=0.0).start()
     try:
         url = server.ws if transport == "ws" else server.http
-        options = HATOptions(url, model_id=SMOL, auth_token=TOKEN, chunk_size=16, draft_length=mode)
-        backend = PlanRecorder(options, model=model, tokenizer=tok, answer=answer)
+        options = HATOptions(worker_url=url, auth_token=TOKEN, chunk_size=16, draft_length=mode)
+        backend = PlanRecorder(options, model_id=SMOL, model=model, tokenizer=tok, answer=answer)
         await backend.start()
         sent_before = server.engine.stats.status_frames
         got = token_ids(await collect(backend, ids))
@@ -952,8 +972,8 @@ async def test_logprobs_and_penalties_through_accepted_drafts(worker: WorkerServ
     ref, gaps = reference
     ids = prompt_ids(tok)
     answer = {len(ids) + i: t for i, t in enumerate(ref)}
-    options = HATOptions(worker.ws, model_id=SMOL, auth_token=TOKEN)
-    backend = OracleHAT(options, model=model, tokenizer=tok, answer=answer)
+    options = HATOptions(worker_url=worker.ws, auth_token=TOKEN)
+    backend = OracleHAT(options, model_id=SMOL, model=model, tokenizer=tok, answer=answer)
     await backend.start()
     try:
         events = [e for e in await collect(backend, ids, max_tokens=12, logprobs=2) if e.token_id is not None]

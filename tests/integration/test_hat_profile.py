@@ -40,8 +40,8 @@ def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _backend(path: Path | None, mode: str = "eq7", m: int = 2, model_id: str = SMOL) -> HATBackend:
     model, tok = load(SMOL)
-    options = HATOptions("ws://127.0.0.1:1", model_id=model_id, m=m, draft_length=mode, profile=path)
-    return HATBackend(options, model=model, tokenizer=tok)
+    options = HATOptions(worker_url="ws://127.0.0.1:1", m=m, draft_length=mode, profile=path)
+    return HATBackend(options, model_id=model_id, model=model, tokenizer=tok)
 
 
 def test_profile_measures_every_part_and_replays_acceptance(profile_path: Path) -> None:
@@ -123,8 +123,8 @@ def test_arca_verifies_the_profiles_choice(profile_path: Path, tmp_path: Path) -
     model, tok = load(SMOL)
 
     def arca_backend(path: Path | None) -> HATBackend:
-        options = HATOptions("ws://127.0.0.1:1", model_id=SMOL, m=2, profile=path, arca=True, tree_width=8)
-        return HATBackend(options, model=model, tokenizer=tok)
+        options = HATOptions(worker_url="ws://127.0.0.1:1", m=2, profile=path, arca=True, tree_width=8)
+        return HATBackend(options, model_id=SMOL, model=model, tokenizer=tok)
 
     for row in table["rows"]:  # make the widest tree the fastest shape on this "hardware"
         row["chain"]["tokens_per_s"] = 1.0
@@ -189,7 +189,8 @@ async def test_offline_replay_of_acceptance_equals_the_live_runs(replay_worker: 
     }
     for name, (options, offline) in configs.items():
         backend = RoundRecorder(
-            HATOptions(replay_worker.ws, model_id=SMOL, auth_token=TOKEN, chunk_size=16, **options),
+            HATOptions(worker_url=replay_worker.ws, auth_token=TOKEN, chunk_size=16, **options),
+            model_id=SMOL,
             model=model,
             tokenizer=tok,
         )

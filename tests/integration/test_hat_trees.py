@@ -55,8 +55,8 @@ def reference(smol):
 
 
 def oracle(worker: WorkerServer, model, tok, answer: dict[int, int], url: str, **kw) -> OracleHAT:
-    options = HATOptions(url, model_id=SMOL, auth_token=TOKEN, chunk_size=16, **kw)
-    return OracleHAT(options, model=model, tokenizer=tok, answer=answer)
+    options = HATOptions(worker_url=url, auth_token=TOKEN, chunk_size=16, **kw)
+    return OracleHAT(options, model_id=SMOL, model=model, tokenizer=tok, answer=answer)
 
 
 async def test_greedy_trees_equal_u_shape_over_both_transports_and_beat_the_chain(worker, smol, reference) -> None:

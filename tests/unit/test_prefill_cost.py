@@ -81,7 +81,7 @@ def test_the_device_reads_tau_as_one_stage_and_refuses_malformed_values() -> Non
 
 def test_dp_chunks_are_planned_with_the_workers_tau_when_it_sends_one() -> None:
     planner = PrefillPlanner(
-        HATOptions("ws://127.0.0.1:1", model_id="tiny", chunking="dp", chunk_size=None),
+        HATOptions(worker_url="ws://127.0.0.1:1", chunking="dp", chunk_size=None),
         state_bytes=H * 4,  # what loading the device half would set (float32 on the wire)
         device_tau=ChunkCost(0.002, 1e-4),
     )

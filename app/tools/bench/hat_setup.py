@@ -143,11 +143,8 @@ class Bench:
         from clients.hat.options import HATOptions
 
         options = HATOptions(
-            self.url,
-            model_id=self.args.model,
+            worker_url=self.url,
             m=self.args.m,
-            adapter_path=self.adapter,
-            draft_vocab_path=None if full_vocab else self.draft_vocab,
             speculative=v.sd,
             parallel_drafting=v.pd,
             draft_length=draft_length,
@@ -156,9 +153,17 @@ class Bench:
             chunk_size=None if v.pc else 1 << 20,  # no chunking = the whole prompt in one frame
             link=self.link if link is None else link,
             round_timeout=600.0,
+            num_threads=None,  # the process's own (amain pins it to one core, or leaves torch's default)
             **options,
         )
-        return HATBackend(options, model=self.model, tokenizer=self.tok)
+        return HATBackend(
+            options,
+            model_id=self.args.model,
+            adapter_path=self.adapter,
+            draft_vocab_path=None if full_vocab else self.draft_vocab,
+            model=self.model,
+            tokenizer=self.tok,
+        )
 
     # --- prompts ------------------------------------------------------------------------------------
 

@@ -57,16 +57,21 @@ def backend_for(bench: Any, mode: str) -> Any:
     from clients.hat.options import HATOptions
 
     options = HATOptions(
-        bench.url,
-        model_id=bench.args.model,
+        worker_url=bench.url,
         m=bench.args.m,
-        adapter_path=bench.adapter,
-        draft_vocab_path=bench.draft_vocab,
         link=bench.link,
         drafting="solo" if mode == "solo" else "batched",
         round_timeout=600.0,
+        num_threads=None,  # the process's own (amain pins it to one core, or leaves torch's default)
     )
-    return HATBackend(options, model=bench.model, tokenizer=bench.tok)
+    return HATBackend(
+        options,
+        model_id=bench.args.model,
+        adapter_path=bench.adapter,
+        draft_vocab_path=bench.draft_vocab,
+        model=bench.model,
+        tokenizer=bench.tok,
+    )
 
 
 def set_grouping(backend: Any, mode: str) -> None:

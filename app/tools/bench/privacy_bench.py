@@ -460,10 +460,12 @@ async def live_noise(args: argparse.Namespace, model: Any, tok: Any, levels: lis
         reference: list[list[int]] = []
         for level in levels:
             options = HATOptions(
-                worker.url, model_id=args.model, m=args.default_m, adapter_path=adapter, draft_vocab_path=vocab,
-                link=LinkProfile.parse(args.link), round_timeout=600.0, noise=level, noise_seed=args.seed,
+                worker_url=worker.url, m=args.default_m, link=LinkProfile.parse(args.link), round_timeout=600.0,
+                noise=level, noise_seed=args.seed,
             )  # fmt: skip
-            backend = HATBackend(options, model=model, tokenizer=tok)
+            backend = HATBackend(
+                options, model_id=args.model, adapter_path=adapter, draft_vocab_path=vocab, model=model, tokenizer=tok
+            )
             await backend.start()
             await run_request(backend, prompts[0], 2)  # warm-up
             runs = []

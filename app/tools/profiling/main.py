@@ -305,10 +305,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model.eval()
     adapter_path, vocab_path = draft_files(args.model, args.m, args.adapter, args.draft_vocab)
     # The device half's own parts, timed in this process; it never connects (the probe talks to the worker).
-    options = HATOptions(
-        "ws://127.0.0.1:1", model_id=args.model, m=args.m, adapter_path=adapter_path, draft_vocab_path=vocab_path
+    options = HATOptions(worker_url="ws://127.0.0.1:1", m=args.m, num_threads=max(1, args.threads))
+    backend = HATBackend(
+        options,
+        model_id=args.model,
+        adapter_path=adapter_path,
+        draft_vocab_path=vocab_path,
+        model=model,
+        tokenizer=tok,
     )
-    backend = HATBackend(options, model=model, tokenizer=tok)
     t0 = time.monotonic()
 
     async def measure() -> tuple[dict, dict, dict]:
