@@ -41,6 +41,10 @@ def test_embedded_default_is_valid():
         ("[gateway]\ncloud = 'nope'\n[clouds.c]\nmodel = 'm'", "gateway.cloud"),
         ("[clouds.h]\nkind = 'hat'\ndraft_length = 'eq8'", "clouds.h.draft_length"),
         ("[clouds.h]\nkind = 'hat'\nmax_draft = 0", "clouds.h.max_draft"),
+        ("[clouds.h]\nkind = 'hat'\nlink = 'latency=fast'", "clouds.h.link"),  # parsed at load (HATOptions' rule)
+        ("[clouds.h]\nkind = 'hat'\ntree_width = 2", "clouds.h.tree_width"),
+        ("[clouds.h]\nkind = 'hat'\nworker_url = 'ftp://x'", "clouds.h.worker_url"),
+        ("[clouds.h]\nkind = 'hat'\nchunk_size = 0", "clouds.h.chunk_size"),
         ("[disco]\nbudget = 1.5", "disco.budget"),  # the budget knobs' rules: BudgetSettings', checked at load
         ("[disco]\nside = 'moon'", "disco.side"),
         ("[gateway]\npolicy = 'disco-s'\n[disco]\nside = 'device'", "disco.side"),
@@ -83,6 +87,31 @@ def test_hat_draft_length_settings(tmp_path):
     assert (s.clouds["h"].draft_length, s.clouds["h"].max_draft) == ("eq7+eta", 12)
     s = load_settings(write(tmp_path, "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'"))
     assert (s.clouds["h"].draft_length, s.clouds["h"].max_draft) == ("eta", 8)
+
+
+def test_a_hat_clouds_settings_are_its_backends_options(tmp_path):
+    """No hand copy: a HAT cloud's settings are HATOptions (the device half's knobs, with their defaults and rules),
+    handed to the backend as they are; it reads every knob from them, device-only ones included."""
+    from clients.hat.device import HATBackend
+    from clients.hat.link import LinkProfile
+    from clients.hat.options import HATOptions
+
+    text = (
+        "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'\nworker_url = 'http://gpu-box:8100/'\nauth_token = 's3cret-tok'\n"
+        "eta = 0.5\nmax_draft = 5\nlink = 'latency=5ms,up=1MB/s'\nround_timeout = 7.5\nchunk_size = 32\n"
+    )
+    cloud = load_settings(write(tmp_path, text)).clouds["h"]
+    assert isinstance(cloud, HATOptions)
+    assert cloud.link == LinkProfile.parse("latency=5ms,up=1MB/s") and cloud.link.latency == 0.005
+    assert "s3cret-tok" not in repr(cloud)
+    backend = HATBackend(cloud, name="h", model=object(), tokenizer=object())
+    assert backend.options is cloud and backend.address.http_base == "http://gpu-box:8100"
+    link = backend.link_options
+    assert (link.name, link.auth_token, link.profile, link.round_timeout) == ("h", "s3cret-tok", cloud.link, 7.5)
+    assert (backend.rule.eta, backend.rule.max_draft) == (0.5, 5)
+    assert backend.link_model.up.value == 1e6  # the emulated link's bandwidth is the first estimate
+    defaults = load_settings(write(tmp_path, "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'")).clouds["h"]
+    assert defaults.model_dump(include=set(HATOptions.model_fields)) == HATOptions().model_dump()
 
 
 def test_hat_profile_setting_reaches_the_embedded_worker(tmp_path):
