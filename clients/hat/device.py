@@ -166,8 +166,6 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             up=MovingAverage(value=(link.up_bandwidth if link and link.up_bandwidth else o.beta_up)),
             down=MovingAverage(value=(link.down_bandwidth if link and link.down_bandwidth else o.beta_down)),
         )
-        if o.arca and not o.profile:
-            raise ValueError("arca chooses the verification tree from a profile: set profile (tandem profile) too")
         if o.profile:  # measured parts instead of warm-up priors (clients/hat/profile.py)
             profile = load_profile(o.profile)
             profile.check_model({self.model_id, self.model_path.name if self.model_path else ""}, o.m)
@@ -231,7 +229,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         )
         self.model, self.tokenizer = src.model, src.tokenizer
         half = self.half = self.load_half(src.model)
-        self.drafter = Drafter(half, self.rule, max(1, o.parallel_candidates))
+        self.drafter = Drafter(half, self.rule, o.parallel_candidates)
         self.eos_ids, self.max_context = src.eos_ids, src.max_context
         self._grammars = HFTokenizerGrammars(self.tokenizer, self.eos_ids, self._tok_lock)
         if self._draft_vocab_path:

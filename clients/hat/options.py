@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from clients.hat.link import LinkProfile
 from policies.drafting import DEFAULT_ETA
@@ -129,6 +129,12 @@ class HATOptions(BaseModel):
         if isinstance(value, str):
             return LinkProfile.parse(value) if value else None
         return value
+
+    @model_validator(mode="after")
+    def _arca_needs_a_profile(self) -> HATOptions:
+        if self.arca and not self.profile:
+            raise ValueError("arca chooses the verification tree from a profile: set profile (tandem profile) too")
+        return self
 
 
 @dataclass

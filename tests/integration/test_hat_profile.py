@@ -122,7 +122,7 @@ def test_arca_verifies_the_profiles_choice(profile_path: Path, tmp_path: Path) -
     table = data["acceptance"]["table1"]
     model, tok = load(SMOL)
 
-    def arca_backend(path: Path | None) -> HATBackend:
+    def arca_backend(path: Path | str) -> HATBackend:
         options = HATOptions(worker_url="ws://127.0.0.1:1", m=2, profile=path, arca=True, tree_width=8)
         return HATBackend(options, model_id=SMOL, model=model, tokenizer=tok)
 
@@ -142,7 +142,7 @@ def test_arca_verifies_the_profiles_choice(profile_path: Path, tmp_path: Path) -
     chain_profile.write_text(json.dumps(data))
     assert arca_backend(chain_profile).tree is None
     with pytest.raises(ValueError, match="arca chooses the verification tree from a profile"):
-        arca_backend(None)
+        arca_backend("")  # no profile
 
 
 # --- the offline replay against live runs -------------------------------------------------------------------

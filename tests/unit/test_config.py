@@ -45,6 +45,7 @@ def test_embedded_default_is_valid():
         ("[clouds.h]\nkind = 'hat'\ntree_width = 2", "clouds.h.tree_width"),
         ("[clouds.h]\nkind = 'hat'\nworker_url = 'ftp://x'", "clouds.h.worker_url"),
         ("[clouds.h]\nkind = 'hat'\nchunk_size = 0", "clouds.h.chunk_size"),
+        ("[clouds.h]\nkind = 'hat'\narca = true", "clouds.h"),  # ARCA's choice is read from a profile
         ("[disco]\nbudget = 1.5", "disco.budget"),  # the budget knobs' rules: BudgetSettings', checked at load
         ("[disco]\nside = 'moon'", "disco.side"),
         ("[gateway]\npolicy = 'disco-s'\n[disco]\nside = 'device'", "disco.side"),
@@ -97,8 +98,9 @@ def test_a_hat_clouds_settings_are_its_backends_options(tmp_path):
     from clients.hat.options import HATOptions
 
     text = (
-        "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'\nworker_url = 'http://gpu-box:8100/'\nauth_token = 's3cret-tok'\n"
-        "eta = 0.5\nmax_draft = 5\nlink = 'latency=5ms,up=1MB/s'\nround_timeout = 7.5\nchunk_size = 32\n"
+        "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'\nworker_url = 'http://gpu-box:8100/'\n"
+        "auth_token = 's3cret-tok'\neta = 0.5\nmax_draft = 5\nlink = 'latency=5ms,up=1MB/s'\n"
+        "round_timeout = 7.5\nchunk_size = 32\n"
     )
     cloud = load_settings(write(tmp_path, text)).clouds["h"]
     assert isinstance(cloud, HATOptions)
