@@ -38,7 +38,7 @@ def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _backend(path: Path | None, mode: str = "eq7", m: int = 2, model_id: str = SMOL) -> HATBackend:
+def _backend(path: Path | str, mode: str = "eq7", m: int = 2, model_id: str = SMOL) -> HATBackend:
     model, tok = load(SMOL)
     options = HATOptions(worker_url="ws://127.0.0.1:1", m=m, draft_length=mode, profile=path)
     return HATBackend(options, model_id=model_id, model=model, tokenizer=tok)
@@ -91,7 +91,7 @@ def test_the_device_half_plans_from_the_profile(profile_path: Path, tmp_path: Pa
     long_plan = _backend(fast).controller.plan(link)
     assert long_plan == implied(0.97, parts.step, parts.head_row, 0.2) and long_plan > ctl.plan(link)
     # Without a profile: the warm-up priors.
-    plain = _backend(None).controller
+    plain = _backend("").controller
     assert plain.step is None and plain.rtt is None
 
 
