@@ -6,18 +6,8 @@ import pytest
 import torch
 
 from app.config import HATCloudSettings
-from app.tools.bench.privacy_bench import (
-    AttackData,
-    LinearProbe,
-    agreement,
-    nearest_rows,
-    recovery_rate,
-    run_attacks,
-    sequences,
-    shallow_states,
-    train_inverter,
-    windows,
-)
+from app.tools.bench.inversion import LinearProbe, nearest_rows, recovery_rate, train_inverter, windows
+from app.tools.bench.privacy_bench import AttackData, agreement, run_attacks, sequences, shallow_states
 from clients.hat.noise import add_noise, noise_generator
 from clients.hat.split import InputSubmodel
 
