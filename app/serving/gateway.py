@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 
 from fastapi import FastAPI
 
@@ -25,6 +24,7 @@ from app.serving.metrics import Metrics, RequestMetricsMiddleware
 from app.serving.orchestrator import Orchestrator
 from clients.base import Backend, GenerationRequest
 from clients.embeddings import SentenceEmbedder
+from clients.gguf_meta import read_arch
 from clients.openai_compat import OpenAICompatBackend, UpstreamOptions
 from deploy import models as bundled
 from deploy.models import model_path, resolve_model
@@ -32,25 +32,8 @@ from endpoints import budget, embeddings, openai, ops, responses
 from endpoints.errors import install_error_handlers
 from endpoints.guard import RequestGuard
 from endpoints.options import ApiOptions
-from policies import cost
-
-# Architectures of the bundled models (checked against their GGUF metadata in the tests);
-# reading a GGUF's metadata takes ~10 s in Python, so other models pay that at start-up.
-_BUNDLED_ARCH = {
-    "qwen2.5-coder-0.5b-instruct": cost.QWEN2_5_0_5B,
-    "qwen2.5-coder-1.5b-instruct": cost.QWEN2_5_1_5B,
-    "smollm2-135m-instruct": cost.SMOLLM2_135M,
-}
 
 log = logging.getLogger(__name__)
-
-
-def _device_arch(spec: str, path: Path) -> cost.ModelArch:
-    if spec in _BUNDLED_ARCH:
-        return _BUNDLED_ARCH[spec]
-    from clients.gguf_meta import read_arch
-
-    return read_arch(path)
 
 
 def _device_backend(settings: Settings) -> Backend:
@@ -109,7 +92,7 @@ class Gateway:
         self.disco = DiscoRuntime(
             self.ledger,
             cloud,
-            _device_arch(settings.device.model, self.device.model_path),
+            read_arch(self.device.model_path),
             window=settings.disco.window,
             recompute_every=settings.disco.recompute_every,
         )
