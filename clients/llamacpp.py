@@ -169,13 +169,7 @@ class LlamaCppBackend:
             return 0
         if self.reproducible:
             return self._reusable_chunks(ids)
-        held = llm.input_ids[: llm.n_tokens].tolist()  # a snapshot
-        n = 0
-        for a, b in zip(held, ids[:-1], strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
+        return _common_prefix(llm.input_ids[: llm.n_tokens].tolist(), ids[:-1])  # a snapshot of the cache
 
     def _reusable_chunks(self, ids) -> int:
         """Reproducible path: the cached positions a request for `ids` may keep — whole canonical chunks whose
@@ -183,12 +177,7 @@ class LlamaCppBackend:
         would)."""
         last_start = self._last_chunk_start(len(ids))
         end = min(self._canonical_end, self._llm.n_tokens, last_start)
-        held = self._llm.input_ids[:end].tolist()
-        n = 0
-        for a, b in zip(held, ids, strict=False):
-            if a != b:
-                break
-            n += 1
+        n = _common_prefix(self._llm.input_ids[:end].tolist(), ids)
         return n - n % self.chunk
 
     def _last_chunk_start(self, n: int) -> int:
@@ -196,11 +185,11 @@ class LlamaCppBackend:
         for the logits the first pick needs)."""
         return (n - 1) // self.chunk * self.chunk
 
-    def _evaluate_canonically(self, ids: list[int]) -> list[int]:
+    def _evaluate_canonically(self, ids: list[int], keep: int) -> list[int]:
         """Reproducible path: bring the KV cache to the start of the last canonical chunk of `ids`, chunk by chunk
-        from the last reusable one; returns that last chunk, for `generate` to evaluate in one batch."""
+        from `keep` (its reusable chunks, `cached_prefix`); returns that last chunk, for `generate` to evaluate in
+        one batch."""
         llm = self._llm
-        keep = self._reusable_chunks(ids)
         self._canonical_end = keep
         llm.n_tokens = keep  # the next eval drops every cached position from here on
         last_start = self._last_chunk_start(len(ids))
@@ -332,7 +321,7 @@ class LlamaCppBackend:
         self.evaluations += 1
         processors, captured, adjuster = self._logits_processors(request, mask)
         if self.reproducible:
-            tail = self._evaluate_canonically(list(ids))
+            tail = self._evaluate_canonically(list(ids), cached)
             whole_tail = len(tail) == self.chunk  # once evaluated, the last chunk is a canonical one too
         for token in llm.generate(
             tail if self.reproducible else ids,
@@ -379,3 +368,13 @@ class PieceDetokenizer:
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
+
+
+def _common_prefix(held, ids) -> int:
+    """How many leading tokens two sequences share."""
+    n = 0
+    for a, b in zip(held, ids, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
