@@ -87,7 +87,7 @@ from clients.sampling import LogitAdjuster, sample_next, seeded_generator, token
 from clients.token_emitter import TokenEmitter
 from policies.drafting import DraftLengthController, DraftStopRule
 from policies.estimate import MovingAverage
-from policies.trees import DraftTree, from_paths, greedy_tree, prior_probabilities
+from policies.trees import DraftTree, best_tree, from_paths, prior_probabilities
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if o.tree_paths:
             self.tree = from_paths(o.tree_paths)
         elif o.tree_width >= 3:
-            self.tree = greedy_tree(o.tree_width, prior_probabilities(min(o.tree_width - 1, o.max_draft)))
+            self.tree = best_tree(o.tree_width, prior_probabilities(min(o.tree_width - 1, o.max_draft)))
         # "eq7" drafts exactly l*: the confidence stop is off (eta 0), only the per-round cap stops a draft.
         rule_eta = 0.0 if o.draft_length == "eq7" else o.eta
         self.rule = DraftStopRule(eta=rule_eta, max_draft=o.max_draft, include_low_confidence=o.include_low_confidence)

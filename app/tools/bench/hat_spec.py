@@ -53,7 +53,7 @@ def chain_shape(width: int, name: str | None = None) -> Shape:
 
 
 def tree_shape(width: int, table1: dict[str, Any] | None, name: str | None = None) -> Shape:
-    """A token tree of `width` positions: the profile's greedy tree for that width (its path counts), else the shape
+    """A token tree of `width` positions: the profile's tree for that width (its path counts), else the shape
     policies/trees.py builds from its prior. The draft cap must reach the tree's depth, or rounds fall back to
     chains (clients/hat/rounds.py, DecodeRounds._tree_for)."""
     paths = ((table1 or {}).get("trees") or {}).get(str(width))
