@@ -95,7 +95,7 @@ class WorkerSettings(EngineLimits):
     stage_probe_rounds: Annotated[int, Field(ge=0, le=10)] = 3
     # How stage 0 re-splits a prefill frame for the pipeline: "dp" = Jupiter's sequence partition over the stages'
     # profiled τ(x | y) (exact flow-shop makespan), "equal" = equal pieces (best count), "off" = as the device sent it.
-    sequence_partition: Literal["dp", "equal", "off"] = "dp"
+    sequence_partition: Literal["dp", "equal", "paper", "off"] = "dp"
     # Profile the prefill cost τ(x | y) at start-up (app/worker/prefill_cost.py; devices get it at OPEN and plan
     # their chunks with it under chunking = "dp"). None: a staged worker does (its sequence partition needs τ at
     # once), a single-process one does not (several seconds per start on the default model). Either way τ is then

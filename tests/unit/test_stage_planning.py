@@ -17,6 +17,7 @@ from policies.jupiter import (
     InfeasiblePlan,
     SequenceProfile,
     equal_lengths,
+    paper_partition,
     partition_layers,
     plan_makespan,
     plan_sequence,
@@ -111,6 +112,10 @@ def test_modes_off_equal_and_short_pieces() -> None:
     assert equal == best and len(set(equal)) == 1
     dp = SubsequencePlanner(fit).lengths(512, 0)
     assert plan_makespan(costs, dp) <= plan_makespan(costs, equal) + 1e-12
+    paper_planner = SubsequencePlanner(fit, mode="paper")  # the paper's own rule, the live baseline
+    paper = paper_planner.lengths(512, 0)
+    assert paper == paper_partition(paper_planner.profile(0), 512) and sum(paper) == 512
+    assert plan_makespan(costs, dp) <= plan_makespan(costs, paper) + 1e-12
 
 
 def test_observed_passes_refit_tau_and_drop_old_plans() -> None:
