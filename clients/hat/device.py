@@ -154,8 +154,9 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if profile is not None:
             profile.check_model({self.model_id, self.model_path.name if self.model_path else ""}, o.m)
         # ARCA (arca = true): the shape with the most modelled tokens per second on this hardware is what runs — a
-        # chain of width w caps every round's draft at w - 1 (the eta / Eq. 7 rule acting within it), a tree is
-        # verified whenever a greedy round's cap reaches its depth.
+        # chain of width w drafts w - 1 tokens a round (the fixed chain ARCA modelled; with draft_length "eq7" or
+        # "eq7+eta" Eq. 7's l* and that mode's confidence stop act within the cap), a tree is verified whenever a
+        # greedy round's cap reaches its depth.
         self.arca = profile.arca_choice() if profile is not None and o.arca else None
         if o.arca and self.arca is None:
             raise ValueError(f"arca: profile {o.profile} has no Table I (acceptance.table1): rerun tandem profile")
@@ -171,8 +172,10 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             self.tree = from_paths(o.tree_paths)
         elif o.tree_width >= 3:
             self.tree = best_tree(o.tree_width, prior_probabilities(min(o.tree_width - 1, self.max_draft)))
-        # "eq7" drafts exactly l*: the confidence stop is off (eta 0), only the per-round cap stops a draft.
-        rule_eta = 0.0 if o.draft_length == "eq7" else o.eta
+        # "eq7" drafts exactly l*, and ARCA's chain under "eta" exactly w - 1: the confidence stop is off (eta 0), only
+        # the per-round cap stops a draft.
+        fixed_chain = self.arca is not None and self.arca.kind == "chain" and o.draft_length == "eta"
+        rule_eta = 0.0 if o.draft_length == "eq7" or fixed_chain else o.eta
         self.rule = DraftStopRule(
             eta=rule_eta, max_draft=self.max_draft, include_low_confidence=o.include_low_confidence
         )

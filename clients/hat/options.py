@@ -44,9 +44,10 @@ class HATOptions(BaseModel):
     tree_paths: the tree's shape as rank paths (e.g. ((0,), (1,), (0, 0)): top-1, top-2, top-1 after top-1), as
         ARCA chose it from a profile; None = shaped greedily from policies.trees' prior for tree_width nodes.
     arca: with a profile, run the verification shape the profile's ARCA choice names (Ghidorah's width chosen from
-        replayed acceptance and profiled step times; clients/hat/profile.py, ArcaChoice): a chain of width w caps
-        every round's draft at w - 1 drafts (replacing max_draft; eta / Eq. 7 act within the cap), a tree is
-        verified in greedy rounds (max_draft raised to its depth if need be); overrides tree_width / tree_paths.
+        replayed acceptance and profiled step times; clients/hat/profile.py, ArcaChoice): a chain of width w drafts
+        w - 1 tokens a round, the fixed chain ARCA modelled (replacing max_draft; under draft_length "eq7" /
+        "eq7+eta", l* and that mode's confidence stop act within the cap), a tree is verified in greedy rounds
+        (max_draft raised to its depth if need be); overrides tree_width / tree_paths.
     drafting: "batched": concurrent streams' device work — draft steps, verification heads, prefill chunks — runs
         batched at the drafting station (clients/hat/station.py), streams grouped by SD-edge's Alg. 1 and
         pipelined against the worker; each stream's output is what it would be alone. "solo": each stream's own

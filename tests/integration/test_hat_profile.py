@@ -146,6 +146,8 @@ def test_arca_runs_the_profiles_choice(profile_path: Path, tmp_path: Path) -> No
         chain = arca_backend(_arca_profile(profile_path, tmp_path / "chain.json", "chain", 4), draft_length=mode)
         assert chain.tree is None and chain.shape == "ARCA: chain w=4 (draft cap 3)"
         assert chain.rule.max_draft == chain.controller.max_len == 3, mode
+        # the fixed chain ARCA modelled under "eta" (no confidence stop); eq7+eta keeps its stop within the cap
+        assert chain.rule.eta == {"eta": 0.0, "eq7": 0.0, "eq7+eta": DEFAULT_ETA}[mode], mode
     u_shape = arca_backend(_arca_profile(profile_path, tmp_path / "u.json", "chain", 1))
     assert not u_shape.speculative and u_shape.tree is None
     with pytest.raises(ValueError, match="arca chooses the verification tree from a profile"):
@@ -155,8 +157,8 @@ def test_arca_runs_the_profiles_choice(profile_path: Path, tmp_path: Path) -> No
 async def test_arcas_chain_caps_the_live_draft_and_its_tree_is_verified_live(
     profile_path: Path, tmp_path: Path, replay_worker: WorkerServer
 ) -> None:
-    """Live rounds against a real worker: with ARCA's chain of width 4 no round drafts more than 3 tokens (eta 0,
-    so without the cap every round would draft max_draft = 8: the rounds reach 3), and with ARCA's tree the
+    """Live rounds against a real worker: with ARCA's chain of width 4 (the default eta rule) rounds draft the fixed
+    chain's 3 tokens, never more (without ARCA, at eta 0, rounds draft up to max_draft = 8), and with ARCA's tree the
     greedy rounds verify the tree."""
     model, tok = load(SMOL)
     ids = prompt_ids(tok, REPLAY_PROMPTS[0])
@@ -164,7 +166,8 @@ async def test_arcas_chain_caps_the_live_draft_and_its_tree_is_verified_live(
     stats = {}
     for name, (shape, width) in runs.items():
         path = _arca_profile(profile_path, tmp_path / f"{shape}.json", shape, width)
-        options = HATOptions(worker_url=replay_worker.ws, auth_token=TOKEN, chunk_size=16, eta=0.0, profile=path,
+        eta = 0.0 if name == "no arca" else DEFAULT_ETA  # without ARCA, eta 0 lets every round draft max_draft
+        options = HATOptions(worker_url=replay_worker.ws, auth_token=TOKEN, chunk_size=16, eta=eta, profile=path,
                              arca=name != "no arca")  # fmt: skip
         backend = HATBackend(options, model_id=SMOL, model=model, tokenizer=tok)
         await backend.start()
