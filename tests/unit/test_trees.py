@@ -155,7 +155,7 @@ def test_best_tree_drafts_a_more_probable_second_rank_without_the_first():
     assert {best_tree(3, deep).path(i) for i in (1, 2)} == {(0,), (0, 0)}
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(4))
 def test_best_tree_is_optimal_on_any_probabilities(seed):
     """Random probabilities in no order at all (children above their parents, parents missing, siblings in any
     rank order): equal to brute force at every width."""
