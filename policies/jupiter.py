@@ -100,7 +100,7 @@ def _per_stage(value: float | Sequence[float] | None, stages: int, default: floa
 
 
 def partition_layers(
-    layer_times: Sequence[float],
+    layer_times: Sequence[float] | Sequence[Sequence[float]],
     stages: int,
     *,
     speeds: Sequence[float] | None = None,
@@ -110,27 +110,24 @@ def partition_layers(
 ) -> LayerPartition:
     """Split L layers into `stages` contiguous ranges minimising the slowest stage's time, within memory caps.
 
-    layer_times: profiled time of each layer on a reference stage. speeds: per-stage speed factors (stage s runs
-    layers i..j in Σ t_l / speed_s; 2.0 = twice as fast as the reference). layer_memory / memory_caps: bytes per
-    layer (weights plus its KV cache at the planned context) and per-stage caps (one number for all stages, or one
-    per stage). allow_empty: a stage may get no layers (a very slow device is then left out). Stages keep their
-    order (the devices' chain). Exact DP:
+    layer_times: profiled time of each layer on a reference stage, with `speeds` per-stage speed factors (stage s
+    runs layers i..j in Σ t_l / speed_s; 2.0 = twice as fast as the reference); or one row per stage, each stage's
+    own time of every layer (stage s runs layers i..j in Σ layer_times[s][l]: exact where the stages differ by more
+    than a factor, e.g. a GPU that speeds the FFN up more than attention); then no speeds. layer_memory /
+    memory_caps: bytes per layer (weights plus its KV cache at the planned context) and per-stage caps (one number
+    for all stages, or one per stage). allow_empty: a stage may get no layers (a very slow device is then left
+    out). Stages keep their order (the devices' chain). Exact DP:
 
         T(k, j) = min_i max(T(k − 1, i), time_k(i..j))   over memory-feasible ranges,   T(0, 0) = 0
 
     O(P·L²) with prefix sums. Ties keep the earliest split. Raises InfeasiblePlan when no partition fits.
     """
-    n = len(layer_times)
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
+    rows = _stage_rows(layer_times, stages, speeds)
+    n = len(rows[0])
     if not allow_empty and n < stages:
         raise InfeasiblePlan(f"{n} layers cannot fill {stages} non-empty stages")
-    times = [float(t) for t in layer_times]
-    if any(t < 0 or not math.isfinite(t) for t in times):
-        raise ValueError("layer times must be finite and >= 0")
-    speed = _per_stage(speeds, stages, 1.0, "speeds")
-    if any(s <= 0 or not math.isfinite(s) for s in speed):
-        raise ValueError("speeds must be finite and > 0")
     mem = [0.0] * n if layer_memory is None else [float(m) for m in layer_memory]
     if len(mem) != n:
         raise ValueError(f"layer_memory needs one value per layer ({n}), got {len(mem)}")
@@ -139,14 +136,14 @@ def partition_layers(
         worst = max(range(n), key=lambda i: mem[i])
         raise InfeasiblePlan(f"layer {worst} needs {mem[worst]:g} bytes, more than any stage's cap ({max(caps):g})")
 
-    pt = list(itertools.accumulate(times, initial=0.0))
+    pts = [list(itertools.accumulate(row, initial=0.0)) for row in rows]
     pm = list(itertools.accumulate(mem, initial=0.0))
     inf = math.inf
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[-1] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for k in range(1, stages + 1):
-        sp, cap = speed[k - 1], caps[k - 1]
+        pt, cap = pts[k - 1], caps[k - 1]
         for j in range(n + 1):
             # stage k takes layers [i, j); i runs downward so the memory check can stop early
             for i in range(j if allow_empty else j - 1, -1, -1):
@@ -155,7 +152,7 @@ def partition_layers(
                 prev = best[k - 1][i]
                 if prev == inf:
                     continue
-                value = max(prev, (pt[j] - pt[i]) / sp)
+                value = max(prev, pt[j] - pt[i])
                 if value < best[k][j] or (value == best[k][j] and i < cut[k][j]):
                     best[k][j], cut[k][j] = value, i
     if best[stages][n] == inf:
@@ -172,9 +169,30 @@ def partition_layers(
     bounds.reverse()
     return LayerPartition(
         bounds=tuple(bounds),
-        stage_times=tuple((pt[e] - pt[s]) / speed[k] for k, (s, e) in enumerate(bounds)),
+        stage_times=tuple(pts[k][e] - pts[k][s] for k, (s, e) in enumerate(bounds)),
         stage_memory=tuple(pm[e] - pm[s] for s, e in bounds),
     )
+
+
+def _stage_rows(
+    layer_times: Sequence[float] | Sequence[Sequence[float]], stages: int, speeds: Sequence[float] | None
+) -> list[list[float]]:
+    """Each stage's time of every layer: the per-stage rows as given, or the reference row over each stage's speed."""
+    per_stage = bool(layer_times) and isinstance(layer_times[0], Sequence)
+    if per_stage:
+        if speeds is not None:
+            raise ValueError("per-stage layer times already hold each stage's speed: give no speeds")
+        rows = [[float(t) for t in row] for row in layer_times]  # type: ignore[union-attr]
+        if len(rows) != stages or len({len(r) for r in rows}) != 1:
+            raise ValueError(f"per-stage layer times need {stages} rows of equal length")
+    else:
+        speed = _per_stage(speeds, stages, 1.0, "speeds")
+        if any(s <= 0 or not math.isfinite(s) for s in speed):
+            raise ValueError("speeds must be finite and > 0")
+        rows = [[float(t) / sp for t in layer_times] for sp in speed]  # type: ignore[arg-type]
+    if any(t < 0 or not math.isfinite(t) for row in rows for t in row):
+        raise ValueError("layer times must be finite and >= 0")
+    return rows
 
 
 # --- the flow-shop objective (§IV-A) ------------------------------------------------------------------------------

@@ -373,41 +373,6 @@ def brute_force_contiguous(
     return best, [[order[t] for t in g] for g in arg]
 
 
-# --- a gateway's HAT streams as SD-edge tasks (the drafting station, clients/hat/station.py) ----------------------
-
-
-def plan_stream_groups(
-    contexts: Sequence[int], device: Runtime, verify: Runtime, rows_per_stream: float, steps: int = 1
-) -> list[list[int]]:
-    """Alg. 1 (corrected) over concurrent decoding streams: which streams the device drafts together, in what order.
-
-    The device stage of a group of b streams (its batched drafting and its head over the verification rows) takes
-    device(b, F) seconds and the verify stage (upload, the worker's pass, download) verify(b, F), F = rows per
-    stream per round (draft length + 1): T(b, F) = c1·F·b + c2 fitted from the station's own timed passes (Eq.
-    17). Every step of a steady decode looks alike, so `steps` copies of one step's times. Returns groups of
-    indices into `contexts`, in drafting order (sorted by context length, as Alg. 1 sorts by input length).
-    """
-    if not contexts:
-        return []
-    n = max(1, int(steps))
-
-    def times(batch: int, _longest: int) -> tuple[np.ndarray, np.ndarray]:
-        return (
-            np.full(n, float(device(batch, rows_per_stream))),
-            np.full(n, float(verify(batch, rows_per_stream))),
-        )
-
-    return plan_batches(contexts, None, 1, 0.0, 1, times=times).batches
-
-
-def stream_groups_latency(groups: Sequence[Sequence[int]], device: Runtime, verify: Runtime, rows: float) -> float:
-    """One pipelined step's completion time (Eq. 20) of a grouping under the fitted stage times."""
-    return pipeline_latency(
-        [np.array([float(device(len(g), rows))]) for g in groups],
-        [np.array([float(verify(len(g), rows))]) for g in groups],
-    )
-
-
 # --- speculation length (Eq. 33) and fixed-size baselines -------------------------------------------------------
 
 

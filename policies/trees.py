@@ -14,8 +14,9 @@ draft distribution given the true prefix (`RankSequence`, recorded by the profil
 adds where a near-tie ends a round and how the answer ended). From it (`tandem profile` uses each one):
 - `path_probabilities`: P(path) = the fraction of start positions whose rank sequence begins with the path —
   conditional on the path by construction (a confident stretch going on is in the data), no independence assumed;
-- `greedy_tree`: Ghidorah's step 4 (add the most probable node next), which is optimal for an
-  ancestor-closed node set because a node is never more probable than its parent;
+- `best_tree`: the tree of w nodes with the most expected tokens, exact for any probabilities (Ghidorah's step 4,
+  "add the most probable node next", is exact only with every child of any rank on its frontier, and only for
+  data where no node is more probable than its parent; otherwise a small knapsack on the trie of paths);
 - `replay`: the exact greedy rounds over a rank sequence (each round starts after the previous round's accepted
   drafts and its correction), i.e. the accept length a live run gets on the same prompts;
 - `refine_tree`: Ghidorah's step 5 (swap leaves for frontier nodes while the replayed accept length improves).
@@ -253,28 +254,98 @@ def expected_tokens(tree: DraftTree, probabilities: dict[RankPath, float]) -> fl
     return 1.0 + sum(probabilities.get(tree.path(i), 0.0) for i in range(1, tree.width))
 
 
-def greedy_tree(width: int, probabilities: dict[RankPath, float]) -> DraftTree:
-    """Ghidorah's step 4: from the root, add the most probable frontier node until the tree has `width` nodes.
+def best_tree(width: int, probabilities: dict[RankPath, float]) -> DraftTree:
+    """The tree of `width` nodes with the most expected tokens (`expected_tokens`) under `probabilities`: exact for
+    any probabilities (a path absent from them counts 0; negative ones are refused).
 
-    The frontier is every child (next rank path) of a node in the tree; a path absent from `probabilities` has
-    probability 0 and is added (lowest rank first, shallowest first) only when nothing more probable is left, so the
-    tree always has exactly `width` nodes. Ties go to the shallower, then lower-ranked path: deterministic.
+    What is maximised is Σ P(node) over an ancestor-closed set of w − 1 rank paths (a node's parent is in the tree;
+    its siblings need not be: rank 1 may be drafted without rank 0). Two algorithms, each exact where it runs:
+
+    * depth-monotone data (every listed path's parent is listed with at least its probability — what
+      `path_probabilities` and `prior_probabilities` produce by construction): the w − 1 most probable paths, ties to
+      the shallower, then lower-ranked one. They are ancestor-closed (a parent sorts before its child), and no set
+      of w − 1 paths sums higher, so this is Ghidorah's step 4 with every child of the tree, of any rank, on its
+      frontier (a frontier holding only the next rank under each parent — the rule this replaces — misses e.g.
+      P((1,)) = 0.5 behind P((0,)) = 0.2 at width 2: 1.2 expected tokens where 1.5 is possible);
+    * anything else: a knapsack over the trie of the listed paths (best value of k nodes in each subtree, children
+      merged by max-plus convolution), O(n·w²) for n listed paths.
+
+    Either way, when fewer than w − 1 paths have a positive probability the tree is filled with zero-probability
+    paths (the lowest unused rank under a node, shallowest first), so it always has exactly `width` nodes.
     """
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
-    chosen: list[RankPath] = []
-    members: set[RankPath] = {()}
-    frontier: set[RankPath] = {(0,)}
-    while len(chosen) < width - 1:
-        best = min(frontier, key=lambda p: (-probabilities.get(p, 0.0), len(p), p))
-        frontier.remove(best)
-        chosen.append(best)
-        members.add(best)
-        frontier.add((*best, 0))  # its first child
-        sibling = (*best[:-1], best[-1] + 1)
-        if sibling not in members:
-            frontier.add(sibling)  # the next rank under the same parent
-    return from_paths(chosen)
+    if any(v < 0 for v in probabilities.values()):
+        raise ValueError("path probabilities must be >= 0")
+    positive = {p: v for p, v in probabilities.items() if p and v > 0}
+    if _depth_monotone(positive):
+        chosen = sorted(positive, key=lambda p: (-positive[p], len(p), p))[: width - 1]
+    else:
+        chosen = _knapsack(positive, width - 1)
+    return from_paths(_fill(set(chosen), width - 1))
+
+
+def _depth_monotone(values: dict[RankPath, float]) -> bool:
+    return all(len(p) == 1 or values.get(p[:-1], -1.0) >= v for p, v in values.items())
+
+
+def _knapsack(values: dict[RankPath, float], budget: int) -> list[RankPath]:
+    """The ancestor-closed set of at most `budget` paths (values >= 0) with the largest sum: tree knapsack over the
+    trie of the listed paths and their ancestors."""
+    if budget <= 0:
+        return []
+    nodes = {p[:d] for p in values if len(p) <= budget for d in range(1, len(p) + 1)}
+    kids: dict[RankPath, list[RankPath]] = {}
+    for p in sorted(nodes, key=lambda p: (len(p), p)):
+        kids.setdefault(p[:-1], []).append(p)
+    best: dict[RankPath, list[float]] = {}  # path -> best[k]: k nodes of its subtree, itself included when k >= 1
+    picks: dict[RankPath, list[list[int]]] = {}  # path -> per child j, per k: nodes given to child j's subtree
+    neg = float("-inf")
+
+    def solve(p: RankPath, cap: int) -> None:  # cap: nodes p's subtree may hold (p itself included, the root not)
+        inner = cap - 1 if p else cap  # what its children's subtrees may hold together
+        merged = [0.0]  # merged[k]: the best k nodes among the subtrees of the children merged so far
+        choice: list[list[int]] = []
+        for c in kids.get(p, []):
+            solve(c, inner)
+            fc = best[c]
+            out = [neg] * (min(inner, len(merged) + len(fc) - 2) + 1)
+            arg = [0] * len(out)
+            for k in range(len(out)):
+                for t in range(max(0, k - len(merged) + 1), min(k, len(fc) - 1) + 1):
+                    if merged[k - t] + fc[t] > out[k]:
+                        out[k], arg[k] = merged[k - t] + fc[t], t
+            merged = out
+            choice.append(arg)
+        best[p] = [0.0, *(values.get(p, 0.0) + m for m in merged)] if p else merged
+        picks[p] = choice
+
+    def collect(p: RankPath, k: int, out: list[RankPath]) -> None:
+        rest = k if not p else k - 1
+        if p:
+            out.append(p)
+        for c, arg in reversed(list(zip(kids.get(p, []), picks[p], strict=True))):
+            t = arg[rest]
+            if t:
+                collect(c, t, out)
+            rest -= t
+
+    solve((), budget)
+    root = best[()]
+    k = max(range(len(root)), key=lambda i: (root[i], -i))  # values >= 0: the fullest best, ties to fewer nodes
+    out: list[RankPath] = []
+    collect((), k, out)
+    return out
+
+
+def _fill(chosen: set[RankPath], count: int) -> set[RankPath]:
+    """`chosen` grown to `count` paths by zero-probability ones: the lowest unused rank under a node, shallowest
+    first."""
+    members = set(chosen)
+    while len(members) < count:
+        options = [(*p, _next_rank(members, p)) for p in members | {()}]
+        members.add(min(options, key=lambda p: (len(p), p)))
+    return members
 
 
 def replay(tree: DraftTree, answer: Answer) -> list[int]:

@@ -17,7 +17,8 @@ setting is simpler and the DP is exact:
 
 The engine runs only the first group and re-plans at the next tick, when new frames may have arrived. A frame left
 out `max_defer` times in a row is forced into the next pass so a prefill is never starved by a stream of short
-rounds (that constraint keeps the plan feasible, not provably optimal).
+rounds (that constraint keeps the plan feasible, not provably optimal). With the worker's default max_defer = 0
+every frame is forced at once: the plan is then one pass of everything, and only the sub-chunking below acts.
 
 A pass cannot be pre-empted, so prefill frames longer than a pass budget are split into consecutive sub-chunks
 (exact with the KV cache, as chunked prefill is). The budget comes from g, not a constant: the smallest piece whose

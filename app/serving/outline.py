@@ -1,10 +1,12 @@
 """Outline-based parallel decoding (Jupiter §V-B) on top of the orchestrator.
 
 The gate (policies/outline.py) lets a list-style question through; the endpoint DiSCo picks writes a short outline;
-each point is then expanded by a sub-request of its own through the same orchestrator — so dispatch, fallback,
-migration, privacy, accounting and traces apply per point — pinned to the endpoint predicted to finish it first,
-all at once. The answer streams in order: point 1 live, each later point flushed when the ones before it are done.
-An outline that does not parse falls back to the normal answer. Closing the stream cancels every sub-request.
+each point is then expanded by a sub-request of its own (the outline's conversation plus one turn asking for that
+point, so its prompt's prefix is what the outline's endpoint already holds in its KV cache) through the same
+orchestrator — so dispatch, fallback, migration, privacy, accounting and traces apply per point — pinned to the
+endpoint predicted to finish it first, all at once. The answer streams in order: point 1 live, each later point
+flushed when the ones before it are done. An outline that does not parse falls back to the normal answer. Closing
+the stream cancels every sub-request.
 
 Sub-requests' ids are the request's with `-outline` and `-p<i>`; the request's own trace lists them.
 """
@@ -28,9 +30,13 @@ _OUTLINE_PROMPT = (
     "Plan the answer to the user's request as an outline: a numbered list of 3 to 8 short points (at most eight "
     "words each) that a complete answer would cover, in a sensible order. Write only the list."
 )
+# A point's request continues the outline's conversation (system, question, the outline as written), so its prompt
+# begins with exactly the tokens the endpoint that wrote the outline holds in its KV cache, and points on one endpoint
+# share all of it: llama.cpp (device and stand-in cloud alike) reuses the longest cached prefix, and only this last
+# turn is prefilled per point.
 _POINT_PROMPT = (
-    "{question}\n\nThe answer is organised in these points:\n{outline}\n\nWrite the part of the answer for point "
-    '{number} only ("{point}"), in two to four sentences. Do not repeat its title and do not cover the other points.'
+    'Now write the part of the answer for point {number} only ("{point}"), in two to four sentences. Do not repeat '
+    "its title and do not cover the other points."
 )
 _OUTLINE_TOKENS = 120
 
@@ -85,12 +91,8 @@ class OutlineDecoding:
 
     async def generate(self, job: Job) -> AsyncIterator[Delta]:
         plan = job.outline
-        outline_job = await self._sub_job(
-            job,
-            "outline",
-            (_message("system", _OUTLINE_PROMPT), _message("user", plan.question)),
-            _OUTLINE_TOKENS,
-        )
+        asked = (_message("system", _OUTLINE_PROMPT), _message("user", plan.question))
+        outline_job = await self._sub_job(job, "outline", asked, _OUTLINE_TOKENS)
         parts = [outline_job]
         job.decoding["outline_request"] = outline_job.id
         outline = await self._collect(outline_job)
@@ -101,13 +103,13 @@ class OutlineDecoding:
                 yield delta
             return
         job.backend = outline_job.backend
-        listing = "\n".join(f"{i + 1}. {p}" for i, p in enumerate(points))
+        conversation = (*asked, _message("assistant", outline))  # the outline as written: its tokens are cached
         per_point = max(48, min(256, job.gen.max_tokens // len(points)))
         where = assign(len(points), per_point, self._rates(job), {})
         point_jobs = []
         for i, (point, endpoint) in enumerate(zip(points, where, strict=True)):
-            text = _POINT_PROMPT.format(question=plan.question, outline=listing, number=i + 1, point=point)
-            point_jobs.append(await self._sub_job(job, f"p{i}", (_message("user", text),), per_point, endpoint))
+            turn = _message("user", _POINT_PROMPT.format(number=i + 1, point=point))
+            point_jobs.append(await self._sub_job(job, f"p{i}", (*conversation, turn), per_point, endpoint))
         parts += point_jobs
         job.decoding["points"] = [
             {"id": p.id, "endpoint": e, "title": t} for p, e, t in zip(point_jobs, where, points, strict=True)

@@ -2,7 +2,7 @@
 
 Every stage times each middle layer on its own hardware and threads (`time_layers`; stage 0 collects the times
 with a PROBE down the chain, app/worker/pipeline.py); `policies.jupiter.partition_layers` splits the layers min-max
-over those times with per-stage speeds (a stage with twice the threads gets more layers) within each stage's memory
+over each stage's own per-layer times (a stage with twice the threads gets more layers) within each stage's memory
 cap (`stage_memory_caps`: `stage_memory_gib`, and on CUDA the stage's share of its GPU's free memory; a layer weighs
 its parameters plus its KV reserve, `layer_memory`; no split that fits fails the start-up). A stage then keeps only
 its slice (`StageSlice`).
@@ -75,21 +75,19 @@ def plan_layers(
     layer_memory: Sequence[float] | None = None,
     memory_caps: Sequence[float] | None = None,
 ) -> LayerPartition:
-    """Jupiter's layer partition from each stage's own timing of every middle layer: stage 0's times are the
-    reference, a stage's speed is stage 0's total over its own (policies.jupiter.partition_layers), each stage's
-    layers within its memory cap (bytes; `layer_memory`: bytes per layer). InfeasiblePlan when no split fits: the
-    message names every stage's cap and the layers' bytes."""
-    reference = list(times[0])
-    total = sum(reference)
-    speeds = [total / max(sum(row), 1e-12) for row in times]
+    """Jupiter's layer partition from each stage's own timing of every middle layer (policies.jupiter.
+    partition_layers with one row per stage: a range costs stage s the sum of its own times for those layers, not
+    one speed factor times a reference), each stage's layers within its memory cap (bytes; `layer_memory`: bytes per
+    layer). InfeasiblePlan when no split fits: the message names every stage's cap and the layers' bytes."""
+    rows = [list(row) for row in times]
     try:
-        return partition_layers(reference, stages, speeds=speeds, layer_memory=layer_memory, memory_caps=memory_caps)
+        return partition_layers(rows, stages, layer_memory=layer_memory, memory_caps=memory_caps)
     except InfeasiblePlan as e:
         if layer_memory is None or memory_caps is None:
             raise
         caps = ", ".join(f"stage {s} {gib(c)}" for s, c in enumerate(memory_caps))
         raise InfeasiblePlan(
-            f"the {len(reference)} middle layers ({gib(sum(layer_memory))} in all, {gib(min(layer_memory))} to "
+            f"the {len(rows[0])} middle layers ({gib(sum(layer_memory))} in all, {gib(min(layer_memory))} to "
             f"{gib(max(layer_memory))} per layer with its KV reserve) do not fit the stages' memory caps ({caps}): {e}"
         ) from None
 

@@ -25,7 +25,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from policies.jupiter import ChunkCost, PlanCache, SequenceProfile, equal_lengths, fit_chunk_cost, plan_makespan
+from policies.jupiter import (
+    ChunkCost,
+    PlanCache,
+    SequenceProfile,
+    equal_lengths,
+    fit_chunk_cost,
+    paper_partition,
+    plan_makespan,
+)
 
 # The start-up profile's grid: three piece lengths (the x² term needs three) after no context and after 256 positions
 PROFILE_XS = (16, 64, 192)
@@ -124,12 +132,13 @@ def profile_points(
 class SubsequencePlanner:
     """Splits a prefill piece of n tokens after `context` cached ones into sub-sequences for the pipeline.
 
-    mode "dp": Jupiter's sequence partition (policies.jupiter.plan_sequence, exact flow-shop makespan) on the
-    per-stage costs τ_s (`fit`: the start-up profile refitted from the lone prefill pieces the worker runs; one
-    piece while τ is undetermined); "equal": equal lengths, the count with the least modelled makespan; "off": one
-    piece. τ_s(x | context + y) = a + (b + c·context)·x + c·x·y + d·x², so a piece after `context` tokens is planned
-    as a prompt from 0 with b shifted; the context is rounded to `context_step` so plans are reused (an LRU per
-    profile, dropped when τ is refitted).
+    mode "dp": Jupiter's sequence partition (policies.jupiter.plan_sequence, exact flow-shop makespan) on the per-
+    stage costs τ_s (`fit`: the start-up profile refitted from the lone prefill pieces the worker runs; one piece
+    while τ is undetermined); "equal": equal lengths, the count with the least modelled makespan; "paper": Jupiter's
+    own rule (policies.jupiter.paper_partition: min-max sub-sequences per count, the count by Eq. 4), the baseline;
+    "off": one piece. τ_s(x | context + y) = a + (b + c·context)·x + c·x·y + d·x², so a piece after `context` tokens
+    is planned as a prompt from 0 with b shifted; the context is rounded to `context_step` so plans are reused (an
+    LRU per profile, dropped when τ is refitted).
     """
 
     fit: PrefillCostFit
@@ -162,6 +171,8 @@ class SubsequencePlanner:
             self.cache = PlanCache(self.cache.maxsize)
             self._planned_on = self.fit.version
         profile = self.profile(context)
+        if self.mode == "paper":
+            return paper_partition(profile, n)
         if self.mode == "equal":
             best, best_value = [n], math.inf
             for parts in range(1, n // self.min_len + 1):

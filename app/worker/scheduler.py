@@ -6,10 +6,11 @@ together in ONE forward pass. `batching = "greedy"`: all of them, up to max_batc
 "planned"` (default): prefill frames longer than a budget derived from the fitted delay predictor g are cut into
 consecutive sub-chunks (exact with the KV cache), the pending pieces are sorted shortest first and grouped by
 policies/worker_batching.plan_groups (least mean completion time under g), and only the first group runs; the rest
-are re-planned next tick with whatever arrived meanwhile. A verification round so waits behind at most the one pass
-already running. A frame left out `max_defer` passes in a row is forced into the next one. In a staged worker
-(app/worker/pipeline.py), each prefill frame is first cut at the ends of its Jupiter plan (the sequence partition of
-app/worker/prefill_cost.py over the stages' τ_s) so a lone long prompt keeps every stage busy.
+are re-planned next tick with whatever arrived meanwhile. A frame left out `max_defer` passes in a row is forced into
+the next one — so at the default, max_defer = 0, every pending piece is forced into every pass and the DP has nothing
+to choose: the sub-chunks are what a waiting verification round gains (it waits behind one sub-chunk's pass). In a
+staged worker (app/worker/pipeline.py), each prefill frame is first cut at the ends of its Jupiter plan (the sequence
+partition of app/worker/prefill_cost.py over the stages' τ_s) so a lone long prompt keeps every stage busy.
 
 On the way to a session's next tensor frame, the control frames queued before it (ROLLBACK, TREE, KEEP) are handed
 to the engine to apply, and a tensor frame whose positions do not follow the session's cache, or that breaks its

@@ -43,16 +43,17 @@ class EngineLimits(BaseModel):
     # Pad a lone 1-token row too, so every row's result is independent of the batch it ran in (bit-identical to
     # running alone). Costs ~1.8x on a lone 1-token forward (plain U-shape decode); HAT rounds send >= 2 tokens.
     batch_invariant: bool = True
-    # How pending frames are grouped into passes: "planned" = shortest first, grouped by an exact DP for the least
-    # mean completion time under the fitted g, long prefill frames split into sub-chunks sized from g
-    # (policies/worker_batching.py); "greedy" = one frame per session per pass, up to max_batch_tokens (docs/hat.md,
-    # "Batching on the worker").
+    # How pending frames are grouped into passes: "planned" = long prefill frames split into sub-chunks sized from g,
+    # and (with max_defer >= 1) the pieces shortest first, grouped by an exact DP for the least mean completion time
+    # under the fitted g (policies/worker_batching.py); "greedy" = one frame per session per pass, up to
+    # max_batch_tokens (docs/hat.md, "Batching on the worker").
     batching: Literal["planned", "greedy"] = "planned"
     # planned: a sub-chunk spends at most this share of its pass on g's fixed cost.
     subchunk_overhead: Annotated[float, Field(gt=0, lt=1)] = 0.2
-    # planned: a frame left out of this many passes in a row goes into the next one. 0: every session's next piece
-    # runs in every pass (a prefill a sub-chunk at a time beside the decode rounds): met both of the issue's targets
-    # where 1 left the prefiller's TTFT at 1.58× greedy's (BENCHMARKS.md, worker batching).
+    # planned: a frame left out of this many passes in a row goes into the next one. 0 (the default): every session's
+    # next piece runs in every pass (a prefill a sub-chunk at a time beside the decode rounds), so the DP reorders
+    # nothing and the sub-chunks are the whole effect; 1 lets the DP run short rounds first, which left the
+    # prefiller's TTFT at 1.58× greedy's against 1.18× (BENCHMARKS.md, worker batching).
     max_defer: Annotated[int, Field(ge=0)] = 0
     # A STATUS frame (mu, g) goes with a VERIFY_RESULT when mu, or g's prediction for that round, moved by more than
     # this share since the session was last told (OPEN or an earlier STATUS). 0: with every change.
@@ -94,7 +95,7 @@ class WorkerSettings(EngineLimits):
     stage_probe_rounds: Annotated[int, Field(ge=0, le=10)] = 3
     # How stage 0 re-splits a prefill frame for the pipeline: "dp" = Jupiter's sequence partition over the stages'
     # profiled τ(x | y) (exact flow-shop makespan), "equal" = equal pieces (best count), "off" = as the device sent it.
-    sequence_partition: Literal["dp", "equal", "off"] = "dp"
+    sequence_partition: Literal["dp", "equal", "paper", "off"] = "dp"
     # Profile the prefill cost τ(x | y) at start-up (app/worker/prefill_cost.py; devices get it at OPEN and plan
     # their chunks with it under chunking = "dp"). None: a staged worker does (its sequence partition needs τ at
     # once), a single-process one does not (several seconds per start on the default model). Either way τ is then

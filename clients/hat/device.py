@@ -87,7 +87,7 @@ from clients.sampling import LogitAdjuster, sample_next, seeded_generator, token
 from clients.token_emitter import TokenEmitter
 from policies.drafting import DraftLengthController, DraftStopRule
 from policies.estimate import MovingAverage
-from policies.trees import DraftTree, from_paths, greedy_tree, prior_probabilities
+from policies.trees import DraftTree, best_tree, from_paths, prior_probabilities
 
 log = logging.getLogger(__name__)
 
@@ -150,31 +150,45 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             noise=o.noise,  # privacy noise on the sent hidden states (clients/hat/noise.py; FrameSession applies it)
             noise_seed=o.noise_seed,
         )
-        self.controller = DraftLengthController(mode=o.draft_length, max_len=o.max_draft, eta=o.eta)
-        # The token tree greedy rounds verify (None: chains). Shaped from the prior until a profile gives measured
-        # rank sequences (policies/trees.py).
+        profile = load_profile(o.profile) if o.profile else None  # measured parts (clients/hat/profile.py)
+        if profile is not None:
+            profile.check_model({self.model_id, self.model_path.name if self.model_path else ""}, o.m)
+        # ARCA (arca = true): the shape with the most modelled tokens per second on this hardware is what runs — a
+        # chain of width w drafts w - 1 tokens a round (the fixed chain ARCA modelled; with draft_length "eq7" or
+        # "eq7+eta" Eq. 7's l* and that mode's confidence stop act within the cap), a tree is verified whenever a
+        # greedy round's cap reaches its depth.
+        self.arca = profile.arca_choice() if profile is not None and o.arca else None
+        if o.arca and self.arca is None:
+            raise ValueError(f"arca: profile {o.profile} has no Table I (acceptance.table1): rerun tandem profile")
+        max_draft = self.arca.draft_cap(o.max_draft) if self.arca is not None else o.max_draft
+        self.speculative = o.speculative and max_draft > 0  # ARCA's chain of width 1 is U-shape
+        self.max_draft = max(max_draft, 1)
+        self.controller = DraftLengthController(mode=o.draft_length, max_len=self.max_draft, eta=o.eta)
+        # The token tree greedy rounds verify (None: chains). ARCA's tree, else tree_paths, else shaped from the prior.
         self.tree: DraftTree | None = None
-        if o.tree_paths:
+        if self.arca is not None:
+            self.tree = from_paths(self.arca.tree_paths) if self.arca.tree_paths else None
+        elif o.tree_paths:
             self.tree = from_paths(o.tree_paths)
         elif o.tree_width >= 3:
-            self.tree = greedy_tree(o.tree_width, prior_probabilities(min(o.tree_width - 1, o.max_draft)))
-        # "eq7" drafts exactly l*: the confidence stop is off (eta 0), only the per-round cap stops a draft.
-        rule_eta = 0.0 if o.draft_length == "eq7" else o.eta
-        self.rule = DraftStopRule(eta=rule_eta, max_draft=o.max_draft, include_low_confidence=o.include_low_confidence)
+            self.tree = best_tree(o.tree_width, prior_probabilities(min(o.tree_width - 1, self.max_draft)))
+        # "eq7" drafts exactly l*, and ARCA's chain under "eta" exactly w - 1: the confidence stop is off (eta 0), only
+        # the per-round cap stops a draft.
+        fixed_chain = self.arca is not None and self.arca.kind == "chain" and o.draft_length == "eta"
+        rule_eta = 0.0 if o.draft_length == "eq7" or fixed_chain else o.eta
+        self.rule = DraftStopRule(
+            eta=rule_eta, max_draft=self.max_draft, include_low_confidence=o.include_low_confidence
+        )
         link = o.link
         self.link_model = LinkModel(
             up=MovingAverage(value=(link.up_bandwidth if link and link.up_bandwidth else o.beta_up)),
             down=MovingAverage(value=(link.down_bandwidth if link and link.down_bandwidth else o.beta_down)),
         )
-        if o.profile:  # measured parts instead of warm-up priors (clients/hat/profile.py)
-            profile = load_profile(o.profile)
-            profile.check_model({self.model_id, self.model_path.name if self.model_path else ""}, o.m)
+        if profile is not None:  # measured parts instead of warm-up priors
             self.controller.seed(profile.measured_parts())
-            if o.arca:  # ARCA: the tree (or the chain) with the most modelled tokens per second on this hardware
-                paths = profile.arca_tree()
-                self.tree = from_paths(paths) if paths else None
             self.link_model.up = MovingAverage(value=profile.up_bytes_per_s or self.link_model.up.value)
             self.link_model.down = MovingAverage(value=profile.down_bytes_per_s or self.link_model.down.value)
+        log.info("%s: verifies %s", name, self.shape)
         self._owns_model = model is None
         self.model = model
         self.tokenizer = tokenizer
@@ -195,6 +209,15 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self.active = 0
         self.tokens_generated = 0
         self.stats = HATStats()
+
+    @property
+    def shape(self) -> str:
+        """The verification shape this backend runs (logged at start; `tandem bench hat` reports it)."""
+        if self.arca is not None:
+            return f"{self.arca.name} (draft cap {self.max_draft if self.speculative else 0})"
+        if self.tree is not None:
+            return f"tree w={self.tree.width} (draft cap {self.max_draft})"
+        return f"chain, draft cap {self.max_draft}" if self.speculative else "U-shape (no drafts)"
 
     @property
     def hidden_size(self) -> int:
@@ -364,11 +387,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 if event.finish_reason is not None:
                     return
             last = pending[-1]
-            cap = (
-                min(self._draft_cap(link), emitter.remaining - 1, limit - position - 1)
-                if self.options.speculative
-                else 0
-            )
+            cap = min(self._draft_cap(link), emitter.remaining - 1, limit - position - 1) if self.speculative else 0
             pending, pending_lps = await self._round(
                 link, st, last, position, max(cap, 0), sampling, slot=slot, room=limit - position
             )

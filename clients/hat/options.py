@@ -43,8 +43,11 @@ class HATOptions(BaseModel):
         where the worker's pass costs about the same for w positions as for a chain's.
     tree_paths: the tree's shape as rank paths (e.g. ((0,), (1,), (0, 0)): top-1, top-2, top-1 after top-1), as
         ARCA chose it from a profile; None = shaped greedily from policies.trees' prior for tree_width nodes.
-    arca: with a profile, verify the token tree (or the chain) that the profile's ARCA choice names (Ghidorah's
-        width chosen from replayed acceptance and profiled step times); overrides tree_width / tree_paths.
+    arca: with a profile, run the verification shape the profile's ARCA choice names (Ghidorah's width chosen from
+        replayed acceptance and profiled step times; clients/hat/profile.py, ArcaChoice): a chain of width w drafts
+        w - 1 tokens a round, the fixed chain ARCA modelled (replacing max_draft; under draft_length "eq7" /
+        "eq7+eta", l* and that mode's confidence stop act within the cap), a tree is verified in greedy rounds
+        (max_draft raised to its depth if need be); overrides tree_width / tree_paths.
     drafting: "batched": concurrent streams' device work — draft steps, verification heads, prefill chunks — runs
         batched at the drafting station (clients/hat/station.py), streams grouped by SD-edge's Alg. 1 and
         pipelined against the worker; each stream's output is what it would be alone. "solo": each stream's own
@@ -158,6 +161,7 @@ class HATStats:
     parallel_steps: int = 0  # batched parallel-drafting steps run while waiting for the worker
     parallel_hits: int = 0  # rounds whose draft came ready-made from parallel drafting
     draft_cap_sum: int = 0  # sum over rounds of the draft cap used (max_draft under "eta", else l*)
+    longest_draft: int = 0  # the most drafts a chain round sent
     status_updates: int = 0  # STATUS frames (the worker's mu and g) received mid-session
     tree_rounds: int = 0  # rounds that verified a token tree
     last_chunk_size: int = 0
@@ -181,6 +185,7 @@ class HATStats:
             "parallel_hits": self.parallel_hits,
             "parallel_steps": self.parallel_steps,
             "mean_draft_cap": self.draft_cap_sum / r,
+            "longest_draft": self.longest_draft,
             "status_updates": self.status_updates,
             "tree_rounds": self.tree_rounds,
         }

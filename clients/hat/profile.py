@@ -27,8 +27,33 @@ class ProfileError(ValueError):
 
 
 @dataclass(frozen=True)
+class ArcaChoice:
+    """The verification shape ARCA picked: a chain verifying `width` positions (width − 1 drafts at most: the draft
+    cap; width 1 is U-shape, no drafts), or the token tree of `tree_paths` (its width − 1 rank paths)."""
+
+    width: int
+    tree_paths: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def kind(self) -> str:
+        return "chain" if self.tree_paths is None else "tree"
+
+    @property
+    def name(self) -> str:
+        return f"ARCA: {self.kind} w={self.width}"
+
+    def draft_cap(self, max_draft: int) -> int:
+        """The draft cap this shape runs with: a chain's w − 1 (whatever max_draft says); a tree's max_draft, raised
+        to its depth when that is deeper (a round drafts the tree only when its cap reaches the depth)."""
+        if self.tree_paths is None:
+            return self.width - 1
+        return max(max_draft, max(len(p) for p in self.tree_paths))
+
+
+@dataclass(frozen=True)
 class HATProfile:
-    """The parts of a profile the device half and the worker use at start (the rest is for reports and ARCA)."""
+    """The parts of a profile the device half and the worker use at start (the rest is for reports; ARCA's pick is
+    `arca_choice`)."""
 
     path: str
     model: str
@@ -64,10 +89,10 @@ class HATProfile:
         """(positions, seconds) of every measured middle pass: the worker's g starts as their least-squares line."""
         return [(float(w), t / 1e3) for per in self.middle_ms.values() for w, t in per.items()]
 
-    def arca_tree(self) -> tuple[tuple[int, ...], ...] | None:
-        """ARCA's pick from the profile's Table I (app/tools/profiling/main.py): the token tree's rank paths when a tree
-        of 3 or more positions has the most modelled tokens per second of every width and shape; None when a chain
-        does (or the profile has no Table I)."""
+    def arca_choice(self) -> ArcaChoice | None:
+        """ARCA's pick from the profile's Table I (app/tools/profiling/main.py): the width and shape (chain or token
+        tree) with the most modelled tokens per second; a "tree" of fewer than 3 positions is the chain of that
+        width. None when the profile has no Table I."""
         table = (self.raw.get("acceptance") or {}).get("table1") or {}
         rows, trees = table.get("rows") or [], table.get("trees") or {}
         best: tuple[float, int, str] | None = None
@@ -76,12 +101,16 @@ class HATProfile:
                 rate = float(row[shape]["tokens_per_s"])
                 if best is None or rate > best[0] * (1 + 1e-12):
                     best = (rate, int(row["width"]), shape)
-        if best is None or best[2] != "tree" or best[1] < 3:
+        if best is None:
             return None
+        _, width, shape = best
+        if shape == "chain" or width < 3:
+            return ArcaChoice(width=width)
         try:
-            return tuple(tuple(int(r) for r in path) for path in trees[str(best[1])])
+            paths = tuple(tuple(int(r) for r in path) for path in trees[str(width)])
         except (KeyError, TypeError, ValueError) as e:
-            raise ProfileError(f"{self.path}: acceptance.table1.trees has no valid tree for width {best[1]}") from e
+            raise ProfileError(f"{self.path}: acceptance.table1.trees has no valid tree for width {width}") from e
+        return ArcaChoice(width=width, tree_paths=paths)
 
     def check_model(self, names: set[str], m: int) -> None:
         """Refuse a profile made for another model (`names`: the bundle name and/or GGUF file name in use) or m."""

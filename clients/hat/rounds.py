@@ -162,6 +162,7 @@ class DecodeRounds:
         t3 = time.perf_counter()
         stats.rounds += 1
         stats.drafted += k
+        stats.longest_draft = max(stats.longest_draft, k)
         stats.accepted += accepted
         stats.round_tokens += len(new)
         stats.draft_seconds += t1 - t0

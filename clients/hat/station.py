@@ -13,13 +13,15 @@ time on the backend's model thread. The station gathers the streams' pending dev
   head's lazy order kept; streams with sampling, penalties or a grammar get all their rows in the first call;
 - prefill: the chunks streams have pending, as one ragged forward.
 
-Grouping and the pipeline. Streams are split into groups by Alg. 1 (policies.sd_edge.plan_stream_groups, the
-corrected recursion) with T(b, F) = c1·F·b + c2 fitted from the station's own timed passes (device stage: draft
-unit + head unit; verify stage: the streams' send -> reply times). A group is drafted when every one of its
-decoding members has its next round's work pending (a member handing out its tokens is waited for up to `max_wait`,
-one whose draft is still at the worker up to `sync_wait`, so streams that fell out of step fall back in); while
-group m's drafts are at the worker the station drafts group m + 1: the worker's round trip of one group overlaps the
-device work of the next (Eq. 20). Before the fits have data, and whenever Alg. 1 says so, all streams form one group.
+Grouping and the pipeline. Streams are split into the groups with the least steady round period of this free-running
+station (policies/stream_groups.py: exact; each stream's work from its context) with T(b, F) = c1·F·b + c2 fitted
+from the station's own timed passes (device stage: draft unit + head unit; verify stage: the streams' send -> reply
+times); `grouping = "alg1"` uses SD-edge's Alg. 1 instead (the paper's step-barrier model, kept as a baseline).
+A group is drafted when every one of its decoding members has its next round's work pending (a member handing out its
+tokens is waited for up to `max_wait`, one whose draft is still at the worker up to `sync_wait`, so streams that fell
+out of step fall back in); while group m's drafts are at the worker the station drafts group m + 1: the worker's round
+trip of one group overlaps the device work of the next. Before the fits have data, and whenever the plan says so,
+all streams form one group.
 
 Exactness. Every batched call is batch-invariant: the ragged forwards pad to >= 4 rows and attend per stream, draft
 steps' projections and the heads go through ragged.rows_linear (fixed 4-row chunks), so a stream's shallow states,
@@ -51,12 +53,16 @@ from clients.hat.ragged import ROWS_CHUNK, RaggedMiddle, project_rows
 from clients.hat.request_sampling import Sampling
 from clients.hat.station_schedule import Away, Kind, Pending, equal_groups, next_unit
 from clients.hat.verify import Verdict, VerifyJob, verify_round
+from policies.cost import ModelArch
 from policies.drafting import DraftStopRule
-from policies.sd_edge import Runtime, fit_runtime, plan_stream_groups
+from policies.sd_edge import Runtime, fit_runtime
+from policies.stream_groups import alg1_stream_groups, attention_span, plan_stream_groups
 
 log = logging.getLogger(__name__)
 
-Grouping = Literal["alg1", "one"] | int  # Alg. 1 on the fitted times; all streams in one group; M equal groups
+# The exact grouping on the fitted times (policies/stream_groups.py); SD-edge's Alg. 1 on them (the paper's baseline);
+# all streams in one group; M equal groups
+Grouping = Literal["exact", "alg1", "one"] | int
 DEFAULT_MAX_WAIT = 0.02  # seconds a group waits for a member between rounds (handing out its tokens)
 DEFAULT_SYNC_WAIT = 1.0  # seconds a group waits for a member whose draft is still at the worker
 REPLAN_EVERY = 8  # draft units between Alg. 1 re-plans (besides every join and leave)
@@ -110,7 +116,7 @@ class DraftingStation:
         rule: DraftStopRule,
         token_bytes: Callable[[int], bytes],
         *,
-        grouping: Grouping = "alg1",
+        grouping: Grouping = "exact",
         max_wait: float = DEFAULT_MAX_WAIT,
         sync_wait: float = DEFAULT_SYNC_WAIT,
     ):
@@ -121,6 +127,7 @@ class DraftingStation:
         self.grouping: Grouping = grouping
         self.max_wait = max_wait
         self.sync_wait = sync_wait
+        self.span = _attention_span(half)
         self._input = RaggedMiddle(half.input.stack, ROWS_CHUNK, batch_invariant=True)
         self._adapter = RaggedMiddle(half.adapter.stack, ROWS_CHUNK, batch_invariant=True)
         self._slots: dict[int, StreamSlot] = {}
@@ -275,7 +282,7 @@ class DraftingStation:
         if not ids:
             self._groups = []
             return
-        fitted = self.fits() if self.grouping == "alg1" else None
+        fitted = self.fits() if self.grouping in ("exact", "alg1") else None
         if isinstance(self.grouping, int):
             groups = equal_groups(ids, self.grouping)
         elif fitted is None:
@@ -284,7 +291,11 @@ class DraftingStation:
             device, verify = fitted
             recent = list(self.wait_points)[-16:]
             rows = sum(f for _, f, _ in recent) / len(recent) if recent else 2.0
-            plan = plan_stream_groups([s.context for s in slots], device, verify, rows)
+            contexts = [s.context for s in slots]
+            if self.grouping == "exact":
+                plan = plan_stream_groups(contexts, device, verify, rows, self.span)
+            else:
+                plan = alg1_stream_groups(contexts, device, verify, rows)
             groups = [[ids[i] for i in g] for g in plan]
         self._groups = groups
         self.stats.plans += 1
@@ -400,3 +411,19 @@ class DraftingStation:
                 results.append(exc)
         self.head_points.append((len(jobs), max(head_rows, 1) / len(jobs), t_head))
         return results
+
+
+def _attention_span(half: DeviceHalf) -> float:
+    """The context at which a row's attention costs as much as its weights (policies.stream_groups), from the model's
+    config; inf (context ignored) when the config does not say."""
+    cfg = getattr(getattr(half.input, "stack", None), "config", None)
+    try:
+        heads = int(cfg.num_attention_heads)
+        arch = ModelArch(
+            n_layers=int(cfg.num_hidden_layers), hidden=int(cfg.hidden_size), intermediate=int(cfg.intermediate_size),
+            n_heads=heads, n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            vocab=int(cfg.vocab_size), head_dim=getattr(cfg, "head_dim", None),
+        )  # fmt: skip
+    except (AttributeError, TypeError, ValueError):
+        return float("inf")
+    return attention_span(arch)

@@ -116,33 +116,70 @@ def test_the_worker_starts_g_from_the_profile(profile_path: Path) -> None:
         Worker(WorkerSettings(model=SMOL, m=3, profile=str(profile_path), device="cpu"), model=model)._build()
 
 
-def test_arca_verifies_the_profiles_choice(profile_path: Path, tmp_path: Path) -> None:
-    """`arca = true`: the tree the profile's Table I gives the most tokens per second; a chain when a chain wins."""
+def _arca_profile(profile_path: Path, out: Path, shape: str, width: int) -> Path:
+    """The profile with its Table I rewritten so that `shape` ("chain" or "tree") of `width` is the fastest."""
     data = json.loads(profile_path.read_text())
     table = data["acceptance"]["table1"]
+    table["rows"] = [r for r in table["rows"] if r["width"] != width] + [{**table["rows"][0], "width": width}]
+    for row in table["rows"]:
+        for s in ("chain", "tree"):
+            row[s] = {**row[s], "tokens_per_s": 10.0 if (row["width"], s) == (width, shape) else 1.0}
+    table["trees"][str(width)] = [[0], [1], [0, 0], [2], [0, 1], [0, 0, 0], [1, 0]][: width - 1]
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_arca_runs_the_profiles_choice(profile_path: Path, tmp_path: Path) -> None:
+    """`arca = true`: the shape the profile's Table I gives the most tokens per second is what the device half is
+    set to run — a chain of width w caps the draft at w - 1 (max_draft 8 is replaced), a tree is verified."""
     model, tok = load(SMOL)
 
-    def arca_backend(path: Path | str) -> HATBackend:
-        options = HATOptions(worker_url="ws://127.0.0.1:1", m=2, profile=path, arca=True, tree_width=8)
+    def arca_backend(path: Path | str, **options: Any) -> HATBackend:
+        options = HATOptions(worker_url="ws://127.0.0.1:1", m=2, profile=path, arca=True, tree_width=8, **options)
         return HATBackend(options, model_id=SMOL, model=model, tokenizer=tok)
 
-    for row in table["rows"]:  # make the widest tree the fastest shape on this "hardware"
-        row["chain"]["tokens_per_s"] = 1.0
-        row["tree"]["tokens_per_s"] = float(row["width"])
-    widest = max(r["width"] for r in table["rows"])
-    table["trees"][str(widest)] = [[0], [1], [0, 0]][: widest - 1]
-    tree_profile = tmp_path / "tree.json"
-    tree_profile.write_text(json.dumps(data))
-    chosen = arca_backend(tree_profile).tree
-    assert chosen is not None and chosen.width == widest
-    assert {chosen.path(i) for i in range(1, chosen.width)} == {tuple(p) for p in table["trees"][str(widest)]}
-    for row in table["rows"]:  # now a chain wins: no tree, whatever tree_width says
-        row["chain"]["tokens_per_s"] = 100.0
-    chain_profile = tmp_path / "chain.json"
-    chain_profile.write_text(json.dumps(data))
-    assert arca_backend(chain_profile).tree is None
+    tree = arca_backend(_arca_profile(profile_path, tmp_path / "tree.json", "tree", 6))
+    assert tree.tree is not None and tree.tree.width == 6 and tree.shape.startswith("ARCA: tree w=6")
+    assert {tree.tree.path(i) for i in range(1, 6)} == {(0,), (1,), (0, 0), (2,), (0, 1)}
+    assert tree.rule.max_draft == tree.controller.max_len == 8  # the cap reaches the tree's depth (2)
+    for mode in ("eta", "eq7", "eq7+eta"):
+        chain = arca_backend(_arca_profile(profile_path, tmp_path / "chain.json", "chain", 4), draft_length=mode)
+        assert chain.tree is None and chain.shape == "ARCA: chain w=4 (draft cap 3)"
+        assert chain.rule.max_draft == chain.controller.max_len == 3, mode
+        # the fixed chain ARCA modelled under "eta" (no confidence stop); eq7+eta keeps its stop within the cap
+        assert chain.rule.eta == {"eta": 0.0, "eq7": 0.0, "eq7+eta": DEFAULT_ETA}[mode], mode
+    u_shape = arca_backend(_arca_profile(profile_path, tmp_path / "u.json", "chain", 1))
+    assert not u_shape.speculative and u_shape.tree is None
     with pytest.raises(ValueError, match="arca chooses the verification tree from a profile"):
         arca_backend("")  # no profile
+
+
+async def test_arcas_chain_caps_the_live_draft_and_its_tree_is_verified_live(
+    profile_path: Path, tmp_path: Path, replay_worker: WorkerServer
+) -> None:
+    """Live rounds against a real worker: with ARCA's chain of width 4 (the default eta rule) rounds draft the fixed
+    chain's 3 tokens, never more (without ARCA, at eta 0, rounds draft up to max_draft = 8), and with ARCA's tree the
+    greedy rounds verify the tree."""
+    model, tok = load(SMOL)
+    ids = prompt_ids(tok, REPLAY_PROMPTS[0])
+    runs = {"chain": ("chain", 4), "tree": ("tree", 4), "no arca": ("chain", 4)}
+    stats = {}
+    for name, (shape, width) in runs.items():
+        path = _arca_profile(profile_path, tmp_path / f"{shape}.json", shape, width)
+        eta = 0.0 if name == "no arca" else DEFAULT_ETA  # without ARCA, eta 0 lets every round draft max_draft
+        options = HATOptions(worker_url=replay_worker.ws, auth_token=TOKEN, chunk_size=16, eta=eta, profile=path,
+                             arca=name != "no arca")  # fmt: skip
+        backend = HATBackend(options, model_id=SMOL, model=model, tokenizer=tok)
+        await backend.start()
+        try:
+            assert len(token_ids(await collect(backend, ids, max_tokens=8))) == 8
+        finally:
+            await backend.close()
+        stats[name] = backend.stats
+    assert stats["chain"].longest_draft == 3 and stats["chain"].tree_rounds == 0
+    assert stats["chain"].draft_cap_sum == 3 * stats["chain"].rounds
+    assert stats["no arca"].longest_draft > 3  # the same settings without ARCA: max_draft's 8 applies
+    assert stats["tree"].tree_rounds >= 1
 
 
 # --- the offline replay against live runs -------------------------------------------------------------------

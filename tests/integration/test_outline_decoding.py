@@ -67,6 +67,13 @@ def test_points_stream_in_order_and_usage_is_the_sum(gw):
     assert usage.completion_tokens == sum(p["completion_tokens"] for p in parts)
     assert usage.prompt_tokens == sum(p["prompt_tokens"] for p in parts)
     assert t["finish_reason"] in ("stop", "length")
+    # Every point continues the outline's conversation: its endpoint (here the device, one llama.cpp) finds at least
+    # the outline's whole prompt in its KV cache and prefills only the point's own turn.
+    outline_prompt = parts[0]["prompt_tokens"]
+    for part in parts[1:]:
+        (attempt,) = part["endpoints"]
+        assert attempt["cached_tokens"] >= outline_prompt, (attempt, outline_prompt)
+        assert attempt["prefill_tokens"] < part["prompt_tokens"] - outline_prompt
 
 
 def test_a_code_question_is_answered_sequentially_with_the_reason(gw):

@@ -68,12 +68,19 @@ def test_the_sweep_starts_with_u_shape_and_ends_with_todays_default() -> None:
     assert shapes[-1].options == {} and shapes[-1].kind == "eta"
 
 
-def test_arca_picks_the_tree_the_device_would_verify_or_the_best_chain() -> None:
-    tree_wins = spec.arca_shape(_profile(chain_rate=5.0, tree_rate=6.0, tree=[[0], [1], [0, 0]]))
-    assert tree_wins.kind == "tree" and tree_wins.width == 4 and tree_wins.name == "ARCA: tree w=4"
-    assert tree_wins.options["tree_paths"] == ((0,), (1,), (0, 0))
-    chain_wins = spec.arca_shape(_profile(chain_rate=6.0, tree_rate=5.0))
-    assert chain_wins.kind == "chain" and chain_wins.width == 4 and chain_wins.options["max_draft"] == 3
+def test_arcas_row_is_the_live_configuration_a_user_gets() -> None:
+    """The ARCA row runs `arca = true` with the profile (the device half applies the choice), not a shape the bench
+    builds; its name is the choice's."""
+    tree_wins = _profile(chain_rate=5.0, tree_rate=6.0, tree=[[0], [1], [0, 0]])
+    choice = tree_wins.arca_choice()
+    assert (choice.kind, choice.width, choice.tree_paths) == ("tree", 4, ((0,), (1,), (0, 0)))
+    shape = spec.arca_shape(tree_wins)
+    assert (shape.kind, shape.width, shape.name) == ("tree", 4, "ARCA: tree w=4")
+    assert shape.options == {"profile": "test.json", "arca": True} and shape.variant == SD_ONLY
+    chain_wins = _profile(chain_rate=6.0, tree_rate=5.0)
+    assert chain_wins.arca_choice().draft_cap(8) == 3
+    shape = spec.arca_shape(chain_wins)
+    assert (shape.kind, shape.width, shape.options) == ("chain", 4, {"profile": "test.json", "arca": True})
     no_table = _profile(5.0, 6.0)
     del no_table.raw["acceptance"]["table1"]
     with pytest.raises(SystemExit, match="no Table I"):

@@ -52,7 +52,7 @@ def test_tree_replay_follows_rank_paths_and_ties_end_a_round() -> None:
     assert tied.tie_breaks == 1 and tied.histogram[2] == 1  # accepted up to the tie, then the text differs
 
 
-def test_greedy_trees_are_valid_and_their_acceptance_does_not_fall_with_width() -> None:
+def test_best_trees_are_valid_and_their_acceptance_does_not_fall_with_width() -> None:
     texts = [_text([0, 1, 0, 0, 2, 0, 1, 1, 0, 0, 0, 3, 0, 1, 0, 0, 5, 0, 0, 1])]
     answers = [t.answer() for t in texts]
     counts, starts = trees.path_counts(answers, max_depth=4, max_rank=4)
@@ -61,7 +61,7 @@ def test_greedy_trees_are_valid_and_their_acceptance_does_not_fall_with_width() 
     probabilities = trees.path_probabilities(answers, max_depth=4, max_rank=4)
     previous = 1.0
     for w in (1, 2, 4, 8, 16, 32):
-        tree = trees.greedy_tree(w, probabilities)  # a DraftTree: validated when built
+        tree = trees.best_tree(w, probabilities)  # a DraftTree: validated when built
         assert tree.width == w
         est = trees.expected_tokens(tree, probabilities)
         assert est >= previous - 1e-12
@@ -69,7 +69,7 @@ def test_greedy_trees_are_valid_and_their_acceptance_does_not_fall_with_width() 
         refined = trees.refine_tree(tree, answers)
         assert refined.width == w
         assert trees.replay_accept_length(refined, answers) >= trees.replay_accept_length(tree, answers)
-    assert trees.greedy_tree(2, probabilities).path(1) == (0,)
+    assert trees.best_tree(2, probabilities).path(1) == (0,)
 
 
 def test_rank_cdf_is_conditional_on_the_path() -> None:

@@ -192,3 +192,32 @@ def test_speculation_length_search_and_steps() -> None:
     # Cheap drafts and a strong acceptance make longer drafts pay.
     cheap = Pair(LLAMA_68M, LLAMA_13B, draft_runtime=Runtime(1e-15, 1e-5))
     assert best_spec_len(lengths, cheap, 0.95, 2048).spec_len > 1
+
+
+def test_alg1s_memory_limit_changes_the_plan_and_every_batch_fits() -> None:
+    """Γ_s binds: unlimited, Alg. 1 packs all ten tasks into one batch; with room for at most three tasks' KV on
+    the draft node's longest input every batch fits (at its own longest input) and the plan splits; with room for
+    none it refuses."""
+    from policies.sd_edge import draft_memory_bytes
+
+    rng = random.Random(3)
+    lengths = [rng.randint(100, 1500) for _ in range(10)]
+    pair = Pair(LLAMA_68M, LLAMA_7B)
+    assert [len(b) for b in plan_batches(lengths, pair, 4, 0.7, 256).batches] == [10]
+    cap = draft_memory_bytes(LLAMA_68M, 3, max(lengths), 256)
+    plan = plan_batches(lengths, pair, 4, 0.7, 256, memory=cap)
+    assert sorted(i for b in plan.batches for i in b) == list(range(10)) and len(plan.batches) >= 2
+    for b in plan.batches:
+        assert draft_memory_bytes(LLAMA_68M, len(b), max(lengths[i] for i in b), 256) <= cap
+    with pytest.raises(ValueError, match="fits in memory"):
+        plan_batches(lengths, pair, 4, 0.7, 256, memory=draft_memory_bytes(LLAMA_68M, 1, 50, 256))
+
+
+def test_max_batch_size_is_the_largest_batch_that_fits() -> None:
+    from policies.sd_edge import draft_memory_bytes, fixed_size_batches, max_batch_size
+
+    tasks = [Task(200 + 100 * i, 256) for i in range(8)]
+    for b in (1, 3, 5, 8):
+        cap = draft_memory_bytes(LLAMA_68M, b, 900, 256) + 1.0  # room for b tasks at the longest input, not b + 1
+        assert max_batch_size(tasks, LLAMA_68M, cap, 256) == b
+        assert max(len(g) for g in fixed_size_batches(list(range(8)), b)) == b  # what the max-batching baseline runs

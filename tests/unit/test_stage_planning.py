@@ -17,6 +17,8 @@ from policies.jupiter import (
     InfeasiblePlan,
     SequenceProfile,
     equal_lengths,
+    paper_partition,
+    partition_layers,
     plan_makespan,
     plan_sequence,
 )
@@ -27,6 +29,30 @@ def test_a_stage_twice_as_fast_gets_twice_the_layers() -> None:
     part = plan_layers([layers, [2.0] * 12], 2)  # stage 1 timed every layer at twice stage 0's time
     assert part.bounds == ((0, 8), (8, 12))
     assert plan_layers([layers, layers], 2).bounds == ((0, 6), (6, 12))
+
+
+def test_each_stages_own_layer_times_place_the_layers_not_one_speed_number() -> None:
+    """Stage 1 is fast on the first half of the layers and slow on the second (not a constant factor of stage 0):
+    the plan uses every per-layer time — the slowest stage's real time equals brute force over all cuts, where one
+    speed number per stage (stage 0's total over its own) would misplace the cut."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(50):
+        n = rng.randint(2, 12)
+        times = [[rng.uniform(0.1, 2.0) for _ in range(n)] for _ in range(2)]
+        best = min(max(sum(times[0][:c]), sum(times[1][c:])) for c in range(1, n))
+        part = plan_layers(times, 2)
+        (_, cut), _ = part.bounds
+        assert max(sum(times[0][:cut]), sum(times[1][cut:])) == pytest.approx(best)
+        assert part.stage_times == pytest.approx((sum(times[0][:cut]), sum(times[1][cut:])))
+    # By totals stage 1 is 2.125x slower; per layer it is 4x faster on layers 0-3 and 4x slower on 4-7 (its part)
+    times = [[1.0] * 8, [0.25] * 4 + [4.0] * 4]
+    (_, cut), _ = plan_layers(times, 2).bounds
+    assert cut == 7 and max(sum(times[0][:cut]), sum(times[1][cut:])) == 7.0
+    speed = [1.0, sum(times[0]) / sum(times[1])]  # what one speed number per stage planned before
+    (_, by_speed), _ = partition_layers(times[0], 2, speeds=speed).bounds
+    assert by_speed == 6 and max(sum(times[0][:by_speed]), sum(times[1][by_speed:])) == 8.0
 
 
 def test_a_memory_cap_moves_layers_to_the_other_stage_and_an_impossible_one_names_the_stages() -> None:
@@ -86,6 +112,10 @@ def test_modes_off_equal_and_short_pieces() -> None:
     assert equal == best and len(set(equal)) == 1
     dp = SubsequencePlanner(fit).lengths(512, 0)
     assert plan_makespan(costs, dp) <= plan_makespan(costs, equal) + 1e-12
+    paper_planner = SubsequencePlanner(fit, mode="paper")  # the paper's own rule, the live baseline
+    paper = paper_planner.lengths(512, 0)
+    assert paper == paper_partition(paper_planner.profile(0), 512) and sum(paper) == 512
+    assert plan_makespan(costs, dp) <= plan_makespan(costs, paper) + 1e-12
 
 
 def test_observed_passes_refit_tau_and_drop_old_plans() -> None:

@@ -1,4 +1,4 @@
-"""policies/trees.py: draft trees, acceptance from rank sequences, the greedy tree and ARCA's width choice."""
+"""policies/trees.py: draft trees, acceptance from rank sequences, the best tree and ARCA's width choice."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from policies.trees import (
     AnswerRanks,
     DraftTree,
     ancestor_mask,
+    best_tree,
     chain,
     check_tree,
     expected_tokens,
     from_paths,
-    greedy_tree,
     path_probabilities,
     refine_tree,
     replay,
@@ -122,22 +122,56 @@ def test_replay_equals_a_reference_simulation(seed):
         assert sum(replay(tree, seq)) + len(replay(tree, seq)) == len(seq)  # every answer token is produced once
 
 
+def _brute_force_best(probs: dict, width: int, depth: int = 3, ranks: int = 3) -> float:
+    """The most expected tokens of any ancestor-closed tree of `width` nodes on paths of depth <= 3, ranks < 3."""
+    universe = [p for d in range(1, depth + 1) for p in itertools.product(range(ranks), repeat=d)]
+    best = 1.0
+    for subset in itertools.combinations(universe, width - 1):
+        s = set(subset)
+        if all(p[:-1] in s or len(p) == 1 for p in s):
+            best = max(best, expected_tokens(from_paths(s), probs))
+    return best
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_greedy_tree_is_optimal_among_ancestor_closed_trees(seed):
-    """Brute force over every tree of width w on paths of depth <= 3 and ranks < 3: the greedy tree's expected
-    tokens are the maximum (a node is never more probable than its parent, so greedy picks an optimal set)."""
-    seqs = _sequences(seed)
-    probs = path_probabilities(seqs, max_depth=3, max_rank=3)
-    universe = [p for d in range(1, 4) for p in itertools.product(range(3), repeat=d)]
+def test_best_tree_is_optimal_on_measured_path_probabilities(seed):
+    """Brute force over every tree of width w on paths of depth <= 3 and ranks < 3 (measured data: a node is never
+    more probable than its parent, so the w - 1 most probable paths are the answer)."""
+    probs = path_probabilities(_sequences(seed), max_depth=3, max_rank=3)
     for width in (2, 3, 4, 5):
-        best = 0.0
-        for subset in itertools.combinations(universe, width - 1):
-            s = set(subset)
-            if all(p[:-1] in s or len(p) == 1 for p in s):
-                best = max(best, expected_tokens(from_paths(s), probs))
-        tree = greedy_tree(width, probs)
+        tree = best_tree(width, probs)
         assert tree.width == width
-        assert expected_tokens(tree, probs) == pytest.approx(best)
+        assert expected_tokens(tree, probs) == pytest.approx(_brute_force_best(probs, width))
+
+
+def test_best_tree_drafts_a_more_probable_second_rank_without_the_first():
+    """The issue's counterexample: the next-rank-only frontier gave 1.2 expected tokens at width 2 (rank 0 first);
+    the best tree drafts rank 1 alone (1.5), and with room for both takes both."""
+    probs = {(0,): 0.2, (1,): 0.5}
+    assert best_tree(2, probs).path(1) == (1,)
+    assert expected_tokens(best_tree(2, probs), probs) == pytest.approx(1.5)
+    assert expected_tokens(best_tree(3, probs), probs) == pytest.approx(1.7)
+    deep = {(0,): 0.1, (1,): 0.3, (0, 0): 0.5}  # a child above its parent (not measured data): the knapsack's case
+    assert {best_tree(3, deep).path(i) for i in (1, 2)} == {(0,), (0, 0)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_tree_is_optimal_on_any_probabilities(seed):
+    """Random probabilities in no order at all (children above their parents, parents missing, siblings in any
+    rank order): equal to brute force at every width."""
+    rng = random.Random(seed)
+    universe = [p for d in range(1, 4) for p in itertools.product(range(3), repeat=d)]
+    for _ in range(5):
+        probs = {p: rng.random() for p in universe if rng.random() < 0.6}
+        for width in (2, 3, 4, 5):
+            tree = best_tree(width, probs)
+            assert tree.width == width
+            assert expected_tokens(tree, probs) == pytest.approx(_brute_force_best(probs, width), abs=1e-12)
+
+
+def test_best_tree_refuses_negative_probabilities():
+    with pytest.raises(ValueError, match=">= 0"):
+        best_tree(3, {(0,): -0.1})
 
 
 def test_estimated_acceptance_does_not_fall_with_width_and_trees_beat_chains():
@@ -145,16 +179,16 @@ def test_estimated_acceptance_does_not_fall_with_width_and_trees_beat_chains():
     probs = path_probabilities(seqs, max_depth=32, max_rank=8)
     previous = 0.0
     for w in (1, 2, 4, 8, 16, 32):
-        tree = greedy_tree(w, probs)
+        tree = best_tree(w, probs)
         est = expected_tokens(tree, probs)
         assert est >= previous - 1e-12
         assert est >= expected_tokens(chain(w - 1), probs) - 1e-12
         previous = est
-    assert expected_tokens(greedy_tree(8, probs), probs) > expected_tokens(chain(7), probs)
+    assert expected_tokens(best_tree(8, probs), probs) > expected_tokens(chain(7), probs)
 
 
-def test_greedy_tree_fills_its_width_even_where_nothing_was_observed():
-    tree = greedy_tree(5, {(0,): 0.5})
+def test_best_tree_fills_its_width_even_where_nothing_was_observed():
+    tree = best_tree(5, {(0,): 0.5})
     assert tree.width == 5 and tree.path(1) == (0,)
 
 
@@ -162,7 +196,7 @@ def test_refining_never_lowers_the_replayed_accept_length():
     seqs = _sequences(5, n=6, length=80)
     probs = path_probabilities(seqs, max_depth=8, max_rank=4)
     for w in (4, 8):
-        tree = greedy_tree(w, probs)
+        tree = best_tree(w, probs)
         refined = refine_tree(tree, seqs)
         assert refined.width == w
         assert replay_accept_length(refined, seqs) >= replay_accept_length(tree, seqs)

@@ -128,6 +128,9 @@ def test_planned_runs_a_verification_before_a_long_prefill_then_max_defer_forces
 
 
 def test_planned_with_max_defer_0_puts_every_sessions_next_piece_in_every_pass() -> None:
+    """What the default does (docs/hat.md, "Batching on the worker"): no piece is ever left out, the shortest-first DP
+    reorders nothing (it does with max_defer 1: the test above), and the prefill's sub-chunks are the whole effect."""
+    assert EngineLimits().max_defer == 0 and EngineLimits().batching == "planned"
     s = Script(batching="planned")  # the default: max_defer 0
     s.session("verifier", cached=20)
     s.session("prefiller")

@@ -53,7 +53,7 @@ def chain_shape(width: int, name: str | None = None) -> Shape:
 
 
 def tree_shape(width: int, table1: dict[str, Any] | None, name: str | None = None) -> Shape:
-    """A token tree of `width` positions: the profile's greedy tree for that width (its path counts), else the shape
+    """A token tree of `width` positions: the profile's tree for that width (its path counts), else the shape
     policies/trees.py builds from its prior. The draft cap must reach the tree's depth, or rounds fall back to
     chains (clients/hat/rounds.py, DecodeRounds._tree_for)."""
     paths = ((table1 or {}).get("trees") or {}).get(str(width))
@@ -68,17 +68,14 @@ def tree_shape(width: int, table1: dict[str, Any] | None, name: str | None = Non
 
 
 def arca_shape(profile: Any) -> Shape:
-    """ARCA's pick from a profile (clients.hat.profile.HATProfile): the tree that HATProfile.arca_tree names (the
-    rule `arca = true` uses live), else the chain of the profile's best chain width."""
-    table1 = (profile.raw.get("acceptance") or {}).get("table1")
-    if not table1:
+    """ARCA's pick from a profile (clients.hat.profile.HATProfile.arca_choice), run as a user gets it: the profile
+    and `arca = true` with every other setting at its default (the device half applies the choice itself: a chain's
+    width caps the draft, the eta rule acting within it; a tree is verified)."""
+    choice = profile.arca_choice()
+    if choice is None:
         raise SystemExit(f"profile {profile.path} has no Table I (acceptance.table1): rerun tandem profile")
-    paths = profile.arca_tree()
-    if paths:
-        width = len(paths) + 1
-        return tree_shape(width, {"trees": {str(width): paths}}, name=f"ARCA: tree w={width}")
-    width = int(table1["arca_width"]["chain"])
-    return chain_shape(width, name=f"ARCA: chain w={width}")
+    variant = U_SHAPE if choice.width == 1 else SD_ONLY
+    return Shape(choice.name, choice.kind, choice.width, variant, {"profile": profile.path, "arca": True})
 
 
 def swept_shapes(chains: list[int], trees: list[int], table1: dict[str, Any] | None) -> list[Shape]:
@@ -251,6 +248,8 @@ async def _measure(bench: Bench, variant: Variant, options: dict[str, Any], prom
         "mean_draft_cap": s["mean_draft_cap"],
         "rounds": b.stats.rounds,
         "tree_rounds": b.stats.tree_rounds,
+        "longest_draft": b.stats.longest_draft,
+        "shape": b.shape,
         "ids": [r["ids"] for r in runs],
     }
 
@@ -273,7 +272,7 @@ async def widths(bench: Bench) -> dict[str, Any]:
                  options={k: str(v) for k, v in shape.options.items()})  # fmt: skip
         rows.append(r)
         print(f"  widths {shape.name:28s} accept {r['accept_length']:.2f}  TBT {r['tbt_ms_median']:6.1f} ms  "
-              f"round {r['ms_per_round']:6.1f} ms  tree rounds {r['tree_rounds']}/{r['rounds']}",
+              f"round {r['ms_per_round']:6.1f} ms  tree rounds {r['tree_rounds']}/{r['rounds']}  ran {r['shape']}",
               file=sys.stderr)  # fmt: skip
     base_ids = rows[0].pop("ids")
     for r in rows[1:]:

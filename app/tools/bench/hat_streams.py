@@ -7,7 +7,9 @@ them); every frame crosses the link emulator. For each K in --streams, K held-ou
 
 - solo: `drafting = "solo"`, each stream's own model calls one at a time (the backend before the station);
 - one group: the drafting station (clients/hat/station.py) with every stream in one group (lockstep);
-- Alg. 1: the station's default, groups from SD-edge's Alg. 1 on its fitted T(b, F), pipelined (Eq. 20);
+- exact: the station's default, the grouping with the least steady round period on its fitted T(b, F)
+  (policies/stream_groups.py), pipelined;
+- Alg. 1: groups from SD-edge's Alg. 1 on the same fits (the paper's step-barrier model: the baseline);
 - 2 groups: the station with two fixed groups, pipelined: group 2 drafted while group 1 is at the worker.
 
 Each (K, mode) cell: a fresh backend, one unmeasured warm-up run of the K streams (the station fits its stage times),
@@ -35,7 +37,7 @@ import torch
 from app.tools.bench.hat_setup import add_bench_options
 from app.tools.bench.output import publish
 
-MODES = ("solo", "one group", "Alg. 1", "2 groups")
+MODES = ("solo", "one group", "exact", "Alg. 1", "2 groups")
 DEFAULT_OUT = Path("var/bench/hat-streams/report.md")
 
 
@@ -76,7 +78,7 @@ def backend_for(bench: Any, mode: str) -> Any:
 
 def set_grouping(backend: Any, mode: str) -> None:
     if backend.station is not None:
-        backend.station.grouping = {"one group": "one", "Alg. 1": "alg1", "2 groups": 2}[mode]
+        backend.station.grouping = {"one group": "one", "exact": "exact", "Alg. 1": "alg1", "2 groups": 2}[mode]
 
 
 async def run_streams(backend: Any, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
@@ -124,11 +126,13 @@ async def measure(bench: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
                 print(f"K={k} {mode}: {runs[mode][-1]['tok_s']:.2f} tok/s", file=sys.stderr, flush=True)
         station = backends["Alg. 1"].station
         alg1_groups = station.stats.widest_plan if station is not None else []
+        exact = backends["exact"].station
+        exact_groups = exact.stats.widest_plan if exact is not None else []
         fits = station.fits() if station is not None else None
         for b in backends.values():
             await b.close()
         ref = runs["one group"][0]["outputs"]
-        row: dict[str, Any] = {"streams": k, "alg1_groups": alg1_groups}
+        row: dict[str, Any] = {"streams": k, "alg1_groups": alg1_groups, "exact_groups": exact_groups}
         row["alg1_fits"] = None if fits is None else [[f.c1, f.c2] for f in fits]
         for mode in modes:
             row[mode] = {
@@ -153,8 +157,8 @@ def report(rows: list[dict[str, Any]], setup: dict[str, Any], cmd: str) -> str:
         "Aggregate tokens/s (median of the runs; ratio to solo), accept length L, the device's busy time per token (its"
         " model thread), same tokens as `one group`:",
         "",
-        "| K | " + " | ".join(MODES) + " | Alg. 1's groups |",
-        "|---" * (len(MODES) + 2) + "|",
+        "| K | " + " | ".join(MODES) + " | exact's groups | Alg. 1's groups |",
+        "|---" * (len(MODES) + 3) + "|",
     ]
     for r in rows:
         solo = r["solo"]["tok_s"]
@@ -169,14 +173,14 @@ def report(rows: list[dict[str, Any]], setup: dict[str, Any], cmd: str) -> str:
                 f"{c['tok_s']:.2f} ({c['tok_s'] / solo:.2f}×), L {c['accept_length']:.2f}, "
                 f"{c['device_ms_per_token']:.0f} ms{same}"
             )
-        lines.append(f"| {r['streams']} | " + " | ".join(cells) + f" | {r['alg1_groups']} |")
+        lines.append(f"| {r['streams']} | " + " | ".join(cells) + f" | {r.get('exact_groups')} | {r['alg1_groups']} |")
     last = rows[-1]
-    one, alg1 = last["one group"]["tok_s"], last["Alg. 1"]["tok_s"]
+    one, alg1, exact = last["one group"]["tok_s"], last["Alg. 1"]["tok_s"], last["exact"]["tok_s"]
     lines += [
         "",
         f"K = {last['streams']}: batched (best of the station's modes) / solo = "
         f"{max(last[m]['tok_s'] for m in MODES if m in last and m != 'solo') / last['solo']['tok_s']:.2f}× "
-        f"(target ≥ 1.5×); Alg. 1 / one group = {alg1 / one:.2f}×"
+        f"(target ≥ 1.5×); exact / one group = {exact / one:.2f}×; Alg. 1 / one group = {alg1 / one:.2f}×"
         + (f"; 2 groups / one group = {last['2 groups']['tok_s'] / one:.2f}×" if "2 groups" in last else "")
         + " (target ≥ 1.1×).",
         f"Alg. 1's fitted (device, verify) stage T(b, F) = c1·F·b + c2 at the largest K: {last['alg1_fits']}.",

@@ -13,7 +13,7 @@ What it writes (schema "tandem-hat-profile", version 1; read back by clients/hat
   prompts: alpha (chain / eta / confident, what the draft-length controller starts from), the eta rule's replayed
   accept length, rank_cdf (per depth d, P(rank of the LLM's token <= k | the previous d-1 drafts right), for
   chains and trees), path_counts (how often each rank path is on the true path: exact node probabilities for
-  building trees), and table1: accept length by width for chains and greedy trees (Ghidorah's Table I analogue)
+  building trees), and table1: accept length by width for chains and best trees (Ghidorah's Table I analogue)
   with each width's modelled round time from the measured parts and ARCA's choice.
 
 Where the device half (HATOptions.profile / `[clouds.x] profile`) and the worker (`[worker] profile`) use it: see
@@ -172,7 +172,7 @@ def table1(
     """Accept length by width for chains and trees: calibrated (expected from the calibration set's path
     counts), replayed exactly on the calibration set and on the transfer set; modelled round time and tokens/s;
     ARCA's width (argmax of calibrated accept length / round time, ties to the smaller); Ghidorah's decomposition
-    speedup(w) = accept(w) * T(1) / T(w). Trees: Ghidorah's steps 4 and 5 — greedy from the path probabilities,
+    speedup(w) = accept(w) * T(1) / T(w). Trees: Ghidorah's steps 4 and 5 — the best tree for the path probabilities,
     then refined by the calibration set's exact replay."""
     answers = [t.answer() for t in calib]
     probabilities = trees.path_probabilities(answers, max(depth, max(widths) - 1), top_k)  # deep enough for chains
@@ -180,7 +180,7 @@ def table1(
     rows = []
     for w in widths:
         row: dict[str, Any] = {"width": w}
-        shapes[w] = trees.refine_tree(trees.greedy_tree(w, probabilities), answers)
+        shapes[w] = trees.refine_tree(trees.best_tree(w, probabilities), answers)
         for shape in ("chain", "tree"):
             tree = trees.chain(w - 1) if shape == "chain" else shapes[w]
             est = trees.expected_tokens(tree, probabilities)
