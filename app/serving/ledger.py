@@ -74,6 +74,7 @@ class _Totals:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     cost_usd: float = 0.0
+    cost_micro: int = 0  # the same in integer micro-dollars, each booking rounded as a shared store adds it up
 
 
 @dataclass
@@ -138,6 +139,7 @@ class Ledger:
         self._totals: dict[str, _Totals] = {}
         self._requests = 0
         self._cost = 0.0
+        self._cost_micro = 0
         self._recent: OrderedDict[str, _WindowEntry] = OrderedDict()
         self._win_input = 0
         self._win_constrained = 0
@@ -347,7 +349,9 @@ class Ledger:
             totals.prefill_tokens += prefill_tokens
             totals.decode_tokens += decode_tokens
             totals.cost_usd += float(cost_usd)
+            totals.cost_micro += to_micro(cost_usd)
             self._cost += float(cost_usd)
+            self._cost_micro += to_micro(cost_usd)
             booking = Booking(
                 request_id,
                 endpoint,
@@ -390,12 +394,14 @@ class Ledger:
             spend = {
                 "requests": self._requests,
                 "cost_usd": self._cost,
+                "cost_micro": self._cost_micro,
                 "endpoints": {
                     name: {
                         "requests": t.requests,
                         "prefill_tokens": t.prefill_tokens,
                         "decode_tokens": t.decode_tokens,
                         "cost_usd": t.cost_usd,
+                        "cost_micro": t.cost_micro,
                     }
                     for name, t in self._totals.items()
                 },
