@@ -83,6 +83,7 @@ def _state_store(settings: Settings, ledger: Ledger) -> StateStore:
         trace_ttl=state.trace_ttl,
         poll_seconds=state.poll_seconds,
         timeout=state.timeout,
+        ttft_samples=settings.disco.window,
     )
 
 
@@ -174,6 +175,9 @@ class Gateway:
     async def start(self) -> None:
         try:
             await self.state.start()
+            clouds = [name for name in self.backends if name != self.device.name]
+            self.disco.warm(await self.state.server_ttft_samples(clouds))
+            self.disco.on_server_ttft(self.state.share_server_ttft)
             for server in self.embedded:
                 server.start()
             await asyncio.gather(*(b.start() for b in self.backends.values()), *(s.wait_ready() for s in self.embedded))

@@ -7,8 +7,9 @@ single gateway needs nothing more, and nothing about it changes.
 `ValkeyStore` (app/serving/valkey_state.py, `[state] backend = "valkey"`) puts on a Redis-protocol server what
 replicas must agree on: the budget settings with a version (compare-and-set, replicas told by pub/sub and by
 polling), the spend (integer micro-dollars), the realised-budget window, the traces (a short TTL), and the keys'
-admissions. The ledger stays the replica's local view, which is what it books into first; the store is told of
-every booking (`book`), never waited for on a token's path.
+admissions, and the cloud TTFT samples DiSCo estimates from (so a new replica starts warm; the device's estimators
+stay local: they describe that device). The ledger stays the replica's local view, which is what it books into
+first; the store is told of every booking (`book`), never waited for on a token's path.
 
 The core talks to the store only through this interface; the Valkey module is imported by the composition root
 alone, when the settings name it.
@@ -50,6 +51,12 @@ class StateStore(Protocol):
 
     async def trace(self, request_id: str) -> dict | None:
         """A trace another replica kept; None when there is none (or no shared store)."""
+
+    def share_server_ttft(self, cloud: str, seconds: float) -> None:
+        """A cloud TTFT sample this replica measured (must not block)."""
+
+    async def server_ttft_samples(self, clouds: list[str]) -> dict[str, list[float]]:
+        """The cloud TTFT samples the replicas shared (the newest, capped; oldest first), for a new replica."""
 
     async def spend(self) -> dict | None:
         """The spend every replica booked, as the ledger's snapshot shapes it; None when not shared or away."""
@@ -95,6 +102,12 @@ class MemoryStore:
 
     async def trace(self, request_id: str) -> dict | None:
         return None
+
+    def share_server_ttft(self, cloud: str, seconds: float) -> None:
+        pass  # DiSCo's estimators are the only copy
+
+    async def server_ttft_samples(self, clouds: list[str]) -> dict[str, list[float]]:
+        return {}
 
     async def spend(self) -> dict | None:
         return None

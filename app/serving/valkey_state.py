@@ -14,8 +14,8 @@ that restarted empty gets it back) does every step that must be atomic:
   replica hears the channel and also polls the version every `poll_seconds`, since pub/sub drops messages while a
   connection is down.
 
-Traces are plain keys with a TTL. Bookings and traces go through one queue, drained by a background task: a
-token's path never waits on the store.
+Traces are plain keys with a TTL; the cloud TTFT samples a list per cloud, capped at DiSCo's window. Bookings,
+traces and samples go through one queue, drained by a background task: a token's path never waits on the store.
 
 When the store cannot be reached (`on_store_loss`): the replica keeps serving. Admissions fall back to this
 process's counters, seeded with the spend the store last reported for each key, and every booking and settlement
@@ -181,12 +181,14 @@ class ValkeyStore:
         trace_ttl: float = 600.0,
         poll_seconds: float = 1.0,
         timeout: float = 1.0,
+        ttft_samples: int = 2000,
     ):
         self.url = url
         self.prefix = prefix
         self.on_store_loss = on_store_loss
         self.trace_ttl = trace_ttl
         self.poll_seconds = poll_seconds
+        self.ttft_samples = ttft_samples  # the cloud TTFT samples kept per cloud (DiSCo's window)
         # No retries inside the client: a lost store must fall back at once, not after a backoff per call.
         self._redis = aioredis.Redis.from_url(
             url,
@@ -423,6 +425,32 @@ class ValkeyStore:
         text = json.dumps(trace)
         ttl = max(1, round(self.trace_ttl))
         self._later(lambda r: r.set(f"{self.prefix}trace:{request_id}", text, ex=ttl))
+
+    def share_server_ttft(self, cloud: str, seconds: float) -> None:
+        if not self._up:
+            return  # a sample is worth little later; the estimators have it here
+        key, keep = self._ttft_key(cloud), self.ttft_samples
+
+        async def op(r: aioredis.Redis) -> None:
+            async with r.pipeline(transaction=True) as pipe:
+                pipe.lpush(key, f"{seconds:.6f}")
+                pipe.ltrim(key, 0, keep - 1)
+                await pipe.execute()
+
+        self._later(op)
+
+    async def server_ttft_samples(self, clouds: list[str]) -> dict[str, list[float]]:
+        if not self._up:
+            return {}
+        try:
+            lists = [await self._redis.lrange(self._ttft_key(c), 0, self.ttft_samples - 1) for c in clouds]
+        except _DOWN as exc:
+            self._lost(exc)
+            return {}
+        return {c: [float(v) for v in reversed(values)] for c, values in zip(clouds, lists, strict=True) if values}
+
+    def _ttft_key(self, cloud: str) -> str:
+        return f"{self.prefix}{{ledger}}:ttft:{cloud}"
 
     async def trace(self, request_id: str) -> dict | None:
         if not self._up:

@@ -4,7 +4,8 @@ Real parts: two `tandem serve` processes (the SmolLM2 device model each), a scri
 loopback, a real Valkey/Redis server started for the session (tests/integration/store_helpers.py), the `openai`
 SDK as client. What must hold across replicas: a budget PUT on one is seen by the other within a second; a trace
 is served by the replica that did not serve it; the spend each booked adds up on the store to exactly what both
-report; a key's dollar cap and its requests-per-minute hold whichever replica serves; and when the store is
+report; a replica started later begins with the cloud TTFT samples the others measured; a key's dollar cap and its
+requests-per-minute hold whichever replica serves; and when the store is
 lost, "local" keeps using the cloud, "closed" answers on the device, nothing fails, and the books reconcile once
 the store is back. The store-loss test runs last: it restarts the store, which forgets everything.
 """
@@ -173,6 +174,20 @@ def test_spend_split_over_both_replicas_adds_up_exactly_on_the_store(replicas):
             assert totals[field] == mine, (endpoint, field)
     for field in ("requests", "input_tokens", "constrained_input_tokens"):
         assert shared["window"][field] == here[0]["window"][field] + here[1]["window"][field], field
+
+
+def test_a_new_replica_starts_with_the_cloud_ttft_samples_the_others_measured(
+    replicas, upstream, store_server, prefix
+):
+    a, b = settled(replicas)
+    measured = sum(v["spend_here"]["endpoints"]["cloud"]["requests"] for v in (a, b))  # one first token each
+    assert measured >= 40
+    late = start_gateway(config(upstream, store_server, prefix, "local"), wait_for=("device", "cloud"))
+    try:
+        assert budget(late)["dispatch"]["estimates"]["cloud_ttft_samples"] == measured
+        assert budget(late)["spend"]["requests"] == a["spend"]["requests"]  # and the same books
+    finally:
+        stop_gateway(late)
 
 
 def test_a_dollar_cap_holds_across_replicas_under_concurrency_and_then_answers_on_the_device(
