@@ -287,8 +287,10 @@ class HATCloudSettings(HATOptions):
 
     @model_validator(mode="after")
     def _one_worker(self) -> HATCloudSettings:
-        if self.embedded is not None and self.worker_urls:
-            raise ValueError("worker_urls and an [embedded] worker contradict each other: name a pool, or embed one")
+        if self.embedded is not None and (self.worker_urls or self.worker_registry):
+            raise ValueError(
+                "worker_urls / worker_registry and an [embedded] worker contradict each other: a pool, or one embedded"
+            )
         if self.embedded is not None and "worker_url" in self.model_fields_set:
             raise ValueError(
                 "worker_url and an [embedded] worker contradict each other: the gateway would start its own worker "

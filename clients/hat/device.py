@@ -84,6 +84,7 @@ from clients.hat.options import HATOptions, HATStats
 from clients.hat.pool import PoolWorker, WorkerPool
 from clients.hat.prefill_plan import PrefillPlanner, fit_device_tau
 from clients.hat.profile import load_profile
+from clients.hat.registry import WorkerRegistry
 from clients.hat.request_sampling import Sampling
 from clients.hat.rounds import DecodeRounds
 from clients.hat.session import FrameSession
@@ -156,8 +157,10 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if gguf_path is None and (model is None or tokenizer is None):
             raise ValueError("HATBackend needs gguf_path or both model and tokenizer")
         o = self.options = options
-        self.pool = WorkerPool(list(o.worker_urls) or [o.worker_url])
-        self.transport = self.pool.workers[0].address.kind
+        registry = WorkerRegistry(o.worker_registry, o.worker_registry_prefix) if o.worker_registry else None
+        static = list(o.worker_urls) or ([] if registry is not None else [o.worker_url])
+        self.pool = WorkerPool(static, registry, o.m)
+        self.transport = self.pool.workers[0].address.kind if self.pool.workers else "ws"
         self.name = name
         self.model_path = Path(gguf_path) if gguf_path is not None else None
         self.model_id = model_id or (self.model_path.stem if self.model_path is not None else name)
@@ -284,6 +287,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if self.station is not None:
             await self.station.close()
         await self.thread.close()
+        await self.pool.close()
 
     async def ready(self) -> bool:
         """Local half loaded and a worker of the pool answered /health/ready with 200 (cached for 5 s)."""
@@ -295,6 +299,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         import httpx
 
         ok = False
+        await self.pool.refresh()
         async with httpx.AsyncClient(timeout=2.0) as client:
             for worker in self.pool.workers:
                 try:
@@ -320,8 +325,9 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         answer = _Answer(request, context, mask)
         self.active += 1
         tried: set[str] = set()
-        failure: BackendError | None = None
+        failure = BackendError(f"{self.name}: no HAT worker in the pool", 503, self.name)
         try:
+            await self.pool.refresh()
             while (worker := self.pool.place(tried)) is not None:
                 tried.add(worker.url)
                 try:
@@ -342,7 +348,6 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                             len(answer.emitted),
                             exc,
                         )
-            assert failure is not None
             raise failure
         finally:
             self.active -= 1

@@ -23,7 +23,8 @@ class HATOptions(BaseModel):
     worker_url: ws://host:port (WebSocket at /v1/hidden/ws; a full ws URL with a path is used as is) or
         http://host:port (POST + SSE). worker_urls: several such workers, a pool (clients/hat/pool.py): each session
         goes to the one with the lowest predicted delay and moves to another if its worker is lost mid-answer
-        (empty: worker_url alone). They share one auth_token.
+        (empty: worker_url alone, unless worker_registry names a store whose live workers make the pool). They
+        share one auth_token.
     auth_token: the worker's token (sent as "Authorization: Bearer ...").
     m: the device's input layers (the worker holds m..n-1 and checks it).
     wire_dtype: "float32" | "float16" — must match the worker's dtype.
@@ -85,6 +86,10 @@ class HATOptions(BaseModel):
     # A pool of workers (clients/hat/pool.py): sessions placed by predicted delay, moved on a worker's loss.
     # Empty: worker_url alone.
     worker_urls: tuple[str, ...] = ()
+    # A registry of workers in a shared store (Redis-protocol URL; app/worker/registry.py announces them), and its
+    # key prefix: its live workers join the pool. "" = none.
+    worker_registry: str = ""
+    worker_registry_prefix: str = "tandem:"
     auth_token: SecretStr | None = None
     m: Annotated[int, Field(ge=1)] = 2
     wire_dtype: Literal["float32", "float16"] = "float32"

@@ -10,18 +10,29 @@ A circuit breaker per worker: a failed OPEN, or a session lost mid-answer, keeps
 that doubles with each failure in a row (1 s, 2 s, ... 30 s); a successful OPEN closes it. When every worker's
 breaker is open, the one that opens first is tried anyway (half-open): a pool never refuses outright.
 
+Members: the static `worker_urls`, and with a registry (`worker_registry`, clients/hat/registry.py) every live
+worker it lists with this device's m, refreshed at most every `refresh_seconds` when a session is placed; a worker
+whose announcement expired leaves the pool (a session already on it keeps its worker until it ends or fails).
+Workers of another model fail their OPEN and are kept out by their breaker.
+
 The session's move itself (re-prefill of the delivered context on the new worker) is clients/hat/device.py's.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from clients.hat.link_model import LinkModel
+from clients.hat.registry import WorkerRegistry
 from clients.hat.transport import WorkerAddress
 from policies.estimate import MovingAverage
+
+log = logging.getLogger(__name__)
 
 BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 30.0
@@ -47,10 +58,46 @@ class PoolWorker:
 
 
 class WorkerPool:
-    def __init__(self, urls: list[str]) -> None:
-        if not urls:
-            raise ValueError("a worker pool needs at least one worker URL")
+    def __init__(
+        self, urls: list[str], registry: WorkerRegistry | None = None, m: int = 0, refresh_seconds: float = 1.0
+    ) -> None:
+        if not urls and registry is None:
+            raise ValueError("a worker pool needs at least one worker URL or a registry")
+        self.static = frozenset(urls)
         self.workers = [PoolWorker(url, WorkerAddress.parse(url)) for url in urls]
+        self.registry = registry
+        self.m = m
+        self.refresh_seconds = refresh_seconds
+        self._refreshed = -float("inf")
+        self._registry_failing = False
+
+    async def refresh(self, now: float | None = None) -> None:
+        """The registry's live workers in, the expired out (at most every `refresh_seconds`)."""
+        now = time.monotonic() if now is None else now
+        if self.registry is None or now - self._refreshed < self.refresh_seconds:
+            return
+        self._refreshed = now
+        try:
+            live = await self.registry.workers(self.m)
+        except (RedisError, OSError) as exc:
+            if not self._registry_failing:
+                log.warning("worker registry unreachable (%s): placing on the workers already known", exc)
+            self._registry_failing = True
+            return
+        self._registry_failing = False
+        known = {w.url: w for w in self.workers}
+        kept = [w for w in self.workers if w.url in live or w.url in self.static]
+        for url, info in live.items():
+            worker = known.get(url)
+            if worker is None:
+                worker = PoolWorker(url, WorkerAddress.parse(url))
+                kept.append(worker)
+            worker.info = {**worker.info, **info}
+        self.workers = kept
+
+    async def close(self) -> None:
+        if self.registry is not None:
+            await self.registry.close()
 
     def place(self, exclude: set[str] = frozenset(), now: float | None = None) -> PoolWorker | None:
         """The worker a new session goes to, none of `exclude` (URLs); None when every worker is excluded."""

@@ -6,11 +6,14 @@ device half in this process. Sessions spread by the placement rule; a worker
 killed mid-answer costs nothing: the session moves to the other worker, which prefills the delivered context
 again, and the greedy answer equals plain U-shape greedy decoding token for token (up to test_hat.py's
 documented near-tie rule); with both workers dead the stream fails after what it delivered, repeating nothing,
-for the gateway's fault migration to carry on. The tests run in order: each kills what the next finds dead.
+for the gateway's fault migration to carry on; workers announced in a real store (app/worker/registry.py) join a
+pool that names the registry, and leave it within their TTL once they stop heartbeating. The tests run in order:
+each kills what the next finds dead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -122,3 +125,41 @@ async def test_with_every_worker_dead_the_stream_fails_after_what_it_delivered(s
         assert KILL_AFTER <= len(delivered) < N and delivered == reference[0][: len(delivered)]
     finally:
         await backend.close()
+
+
+async def test_workers_join_the_pool_from_the_registry_and_leave_it_within_their_ttl(
+    smol, store_server, reference
+) -> None:
+    """A worker announced in a real store is placed on; one that stops heartbeating is gone within its TTL."""
+    beat = 0.2
+    registry = {"registry_url": store_server.url, "registry_prefix": "hatpool:", "heartbeat_seconds": beat}
+    announced = [WorkerServer(smol[0], SMOL, max_sessions=4, **registry).start() for _ in range(2)]
+    options = HATOptions(
+        worker_registry=store_server.url, worker_registry_prefix="hatpool:", auth_token=TOKEN, chunk_size=16
+    )
+    backend = HATBackend(options, model_id=SMOL, model=smol[0], tokenizer=smol[1])
+    backend.pool.refresh_seconds = 0.0
+    await backend.start()
+    try:
+        assert backend.pool.workers == []  # nothing until the registry is read
+        tokens = [e.token_id async for e in backend.stream(request(smol))]
+        check_against_reference(tokens, *reference)
+        assert sorted(w.url for w in backend.pool.workers) == sorted(w.ws for w in announced)
+        assert all(w.info["max_sessions"] == 4 and len(w.info["g"]) == 2 for w in backend.pool.workers)
+        announced[0].app.state.worker.heartbeat.halt()  # hung: no goodbye
+        halted = time.monotonic()
+        while len(backend.pool.workers) == 2:
+            assert time.monotonic() - halted < 3 * beat + 1.0, "still listed after its TTL"
+            await backend.pool.refresh()
+            await asyncio.sleep(0.05)
+        assert [w.url for w in backend.pool.workers] == [announced[1].ws]
+        announced[1].stop()  # a clean stop leaves at once
+        await backend.pool.refresh()
+        assert backend.pool.workers == []
+        with pytest.raises(BackendError, match="no HAT worker"):
+            [e async for e in backend.stream(request(smol))]
+    finally:
+        await backend.close()
+        for worker in announced:
+            if worker.thread.is_alive():
+                worker.stop()
