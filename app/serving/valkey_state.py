@@ -32,10 +32,11 @@ import json
 import logging
 import urllib.parse
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -158,7 +159,8 @@ redis.register_function('tandem_budget_swap', budget_swap)
 
 _DOWN = (RedisError, OSError)
 _SOURCE = "the shared store"
-Op = Callable[[aioredis.Redis], Awaitable[Any]]
+Op = Callable[[Pipeline], Any]  # queues its commands on a pipeline (a MULTI/EXEC batch)
+BATCH = 256  # queued operations sent in one MULTI/EXEC
 
 
 def _no_secret(url: str) -> str:
@@ -271,9 +273,19 @@ class ValkeyStore:
             self._wake.clear()
 
     async def _drain(self) -> None:
+        """What waited, in order, in MULTI/EXEC batches: a batch is applied whole or not at all. At least once: a
+        batch whose reply was lost after the store applied it is sent again (a store lost at that very moment)."""
         while self._pending:
-            await self._pending[0](self._redis)
-            self._pending.popleft()
+            batch = [self._pending[i] for i in range(min(BATCH, len(self._pending)))]
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for op in batch:
+                    op(pipe)
+                replies = await pipe.execute(raise_on_error=False)
+            for reply in replies:  # a command the store refused is not retried: it would be refused again
+                if isinstance(reply, Exception):
+                    log.error("the shared store refused a booking: %s", reply)
+            for _ in batch:
+                self._pending.popleft()
 
     async def _listen(self) -> None:
         """Budget changes published by other replicas (the poll catches what this misses)."""
@@ -388,14 +400,14 @@ class ValkeyStore:
         tpm = f"{self.prefix}{{key:{key.name}}}:tpm:{minute_of(now)}"
         args = (admission.id, admission.spent_micro, admission.tokens, keep)
 
-        def op(r: aioredis.Redis) -> Awaitable[Any]:
-            return r.fcall("tandem_settle", 3, spend, holds, tpm, *args)
+        def op(pipe: Pipeline) -> None:
+            pipe.fcall("tandem_settle", 3, spend, holds, tpm, *args)
 
         if not admission.shared:
             self.counters.settle(key, admission.id, now, admission.spent_micro, admission.tokens)
         if self._up and not self._pending:
             try:
-                await op(self._redis)
+                await self._redis.fcall("tandem_settle", 3, spend, holds, tpm, *args)
                 return
             except _DOWN as exc:
                 self._lost(exc)
@@ -417,25 +429,23 @@ class ValkeyStore:
             self._ledger.window,
         )
         keys = (self._spend, *self._window)
-        self._later(lambda r: r.fcall("tandem_book", 4, *keys, *args))
+        self._later(lambda pipe: pipe.fcall("tandem_book", 4, *keys, *args))
 
     def keep_trace(self, request_id: str, trace: dict) -> None:
         if not self._up:
             return  # a trace is worth a few minutes; bookings are what must wait for the store
         text = json.dumps(trace)
         ttl = max(1, round(self.trace_ttl))
-        self._later(lambda r: r.set(f"{self.prefix}trace:{request_id}", text, ex=ttl))
+        self._later(lambda pipe: pipe.set(f"{self.prefix}trace:{request_id}", text, ex=ttl))
 
     def share_server_ttft(self, cloud: str, seconds: float) -> None:
         if not self._up:
             return  # a sample is worth little later; the estimators have it here
         key, keep = self._ttft_key(cloud), self.ttft_samples
 
-        async def op(r: aioredis.Redis) -> None:
-            async with r.pipeline(transaction=True) as pipe:
-                pipe.lpush(key, f"{seconds:.6f}")
-                pipe.ltrim(key, 0, keep - 1)
-                await pipe.execute()
+        def op(pipe: Pipeline) -> None:
+            pipe.lpush(key, f"{seconds:.6f}")
+            pipe.ltrim(key, 0, keep - 1)
 
         self._later(op)
 

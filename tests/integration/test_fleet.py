@@ -28,7 +28,7 @@ from tests.integration.store_helpers import StoreServer
 
 ADMIN = "fleet-admin"
 PLAIN, CAPPED, REJECTING, LIMITED = "key-plain", "key-capped", "key-reject", "key-rpm"
-CAP_USD = 0.22  # ~28 cloud answers of ~$0.0077 (35 prompt tokens at $150/M, 4 answer tokens at $600/M)
+CAP_USD = 0.245  # ~31 cloud answers of ~$0.0077 (35 prompt tokens at $150/M, 4 answer tokens at $600/M)
 MAX_TOKENS = 4  # = the capped keys' reserve_tokens: a reservation covers a whole answer
 PROMPT = [{"role": "user", "content": "What is the answer?"}]
 
