@@ -106,25 +106,21 @@ class ServingCore:
     async def trace(self, request_id: str) -> dict | None:
         """The trace of a recent request (a request with n > 1: one trace per choice), None when there is none:
         this replica's, else the shared store's (another replica served it)."""
-        trace = self._trace_here(request_id)
-        if trace is None:
-            trace = await self.state.trace(request_id)
-        if trace is None and (first := await self.state.trace(f"{request_id}-0")) is not None:
-            choices = [first]
-            while (t := await self.state.trace(f"{request_id}-{len(choices)}")) is not None:
-                choices.append(t)
-            trace = {"id": request_id, "choices": choices}
-        return trace
-
-    def _trace_here(self, request_id: str) -> dict | None:
         traces = self.orchestrator.traces
-        trace = traces.get(request_id)
-        if trace is None and f"{request_id}-0" in traces:
-            choices = []
-            while (t := traces.get(f"{request_id}-{len(choices)}")) is not None:
-                choices.append(t)
-            trace = {"id": request_id, "choices": choices}
-        return trace
+
+        async def here(trace_id: str) -> dict | None:
+            return traces.get(trace_id)
+
+        for lookup in (here, self.state.trace):
+            trace = await lookup(request_id)
+            if trace is None and (first := await lookup(f"{request_id}-0")) is not None:
+                choices = [first]
+                while (t := await lookup(f"{request_id}-{len(choices)}")) is not None:
+                    choices.append(t)
+                trace = {"id": request_id, "choices": choices}
+            if trace is not None:
+                return trace
+        return None
 
     def models(self) -> list[str]:
         """Every model id a request may name, the embedding model's included."""
@@ -199,15 +195,22 @@ class ServingCore:
                 retry_after=retry_after(key, verdict.status, now),
                 headers=headers,
             )
+        admission = Admission(job.id, key, to_micro(reserve), verdict, now, shared, choices=request.choices)
         if verdict.status == DEVICE_ONLY:
-            refusal = RateLimited(
-                "This API key is at its dollar cap, and the model it names is not on the device.",
-                code="insufficient_quota",
-                retry_after=retry_after(key, "cap", now),
-                headers=headers,
-            )
-            self._device_only(job, refusal)
-        job.admission = Admission(job.id, key, to_micro(reserve), verdict, now, shared, choices=request.choices)
+            try:
+                self._device_only(
+                    job,
+                    RateLimited(
+                        "This API key is at its dollar cap, and the model it names is not on the device.",
+                        code="insufficient_quota",
+                        retry_after=retry_after(key, "cap", now),
+                        headers=headers,
+                    ),
+                )
+            except RateLimited:
+                await self.state.settle(admission)  # nothing ran: free its hold at once
+                raise
+        job.admission = admission
         job.limit_headers = headers
 
     def _device_only(self, job: Job, refusal: Exception) -> None:
