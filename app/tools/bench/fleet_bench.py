@@ -24,8 +24,9 @@ import tempfile
 import time
 
 import httpx
+import redis
 
-from app.tools.bench.gateway_bench import _pct, _round
+from app.tools.bench.gateway_bench import _pct, _round, start_upstreams
 from app.tools.bench.output import publish
 
 KEY = "bench-key"
@@ -51,8 +52,16 @@ def _start_store() -> tuple[subprocess.Popen, str, str]:
     port, tmp = free_port(), tempfile.mkdtemp(prefix="tandem-bench-store-")
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL)
-    time.sleep(0.5)
-    return process, f"redis://127.0.0.1:{port}/0", tmp
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.2)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.RedisError:
+            time.sleep(0.1)
+    client.close()
+    return process, url, tmp
 
 
 async def _measure(gateways: dict[str, str], rounds: int) -> dict:
@@ -110,27 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="var/bench/fleet.md")
     args = parser.parse_args(argv)
 
-    from app.launcher import free_port, start_gateway, stop_gateway  # the same launcher as the tests
+    from app.launcher import start_gateway, stop_gateway  # the same launcher as the tests
 
-    ports = {"fast": free_port(), "paced": free_port()}
-    gaps = {"fast": 0.0, "paced": 0.01}
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "app.tools.bench.gateway_bench", "--upstream", str(ports[m]), str(gaps[m])]
-        )
-        for m in ports
-    ]
+    children, upstreams = start_upstreams()
     store_process, url, tmp = (None, args.store, None) if args.store else _start_store()
-    upstreams = {m: f"http://127.0.0.1:{p}/v1" for m, p in ports.items()}
     started = []
     try:
-        for u in upstreams.values():
-            for _ in range(100):
-                try:
-                    httpx.get(u + "/models", timeout=1)
-                    break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
         prefix = f"bench{os.getpid()}:"
         shared = f'[state]\nbackend = "valkey"\nurl = "{url}"\nkey_prefix = "{prefix}"\n'
         for state in ("", shared, shared):
