@@ -11,7 +11,7 @@ BIN    := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed
 DEV_STAMP   := $(VENV)/.installed-dev
 
-.PHONY: setup models serve test test-portable lint bench clean
+.PHONY: setup models store-server serve test test-portable lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,19 @@ $(SERVE_STAMP) $(DEV_STAMP): $(BIN)/python pyproject.toml deploy/constraints.txt
 models: $(BIN)/python
 	$(BIN)/python -m deploy.models fetch
 
-setup: $(DEV_STAMP) models
+# The shared state's tests ([state] backend = "valkey") start a real Redis-protocol server: Valkey where Debian has
+# it, else Redis 7+, from Debian's packages when root (README, "Several gateways, one store", says how otherwise).
+APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
+store-server:
+	@command -v valkey-server >/dev/null || command -v redis-server >/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && ($(APT_INSTALL) valkey-server || $(APT_INSTALL) redis-server); \
+	else \
+		echo "no valkey-server or redis-server on PATH: install one (README, 'Several gateways, one store')" >&2; \
+		exit 1; \
+	fi
+
+setup: $(DEV_STAMP) models store-server
 
 serve: $(SERVE_STAMP) models
 	$(BIN)/tandem serve

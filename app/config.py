@@ -12,6 +12,7 @@ the like over it, the command line's flags over both.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tomllib
 from collections.abc import Mapping
@@ -39,6 +40,7 @@ from app.serving.budget import (
     BudgetValidationError,
 )
 from app.serving.budget import from_config as budget_from_config
+from app.serving.limits import KeyLimits
 from app.worker.settings import WorkerSettings
 from clients.hat.options import HATOptions
 from policies.dispatch import DEFAULT_ALPHA, canonical_name
@@ -53,17 +55,58 @@ class _Strict(BaseModel):
 
 
 class ApiKeySettings(_Strict):
-    """An API key with a privacy level of its own (policies/privacy.py): its requests never go further."""
+    """An API key with settings of its own: a privacy level (policies/privacy.py), its requests never going further;
+    caps and rate limits (app/serving/limits.py), held across every replica sharing a store."""
 
     key: SecretStr
-    privacy: Literal["device", "split", "any"]
+    privacy: Literal["device", "split", "any"] | None = None
+    # Names the key in the shared store and the logs (never the secret); default: a hash of the key.
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
+    cap_usd: Annotated[float, Field(ge=0)] | None = None  # dollars per `period`
+    period: Literal["minute", "hour", "day", "month"] = "day"
+    at_cap: Literal["device", "reject"] = "device"  # at the cap: answer on the device only, or 429
+    rpm: Annotated[int, Field(ge=0)] | None = None  # requests per minute
+    tpm: Annotated[int, Field(ge=0)] | None = None  # prompt + completion tokens per minute
+    max_streams: Annotated[int, Field(ge=0)] | None = None  # requests in flight at once
+    # The most generated tokens a request's reservation covers (a request asking for more books all it gets).
+    reserve_tokens: Annotated[int, Field(gt=0)] = 512
+
+    def limits(self) -> KeyLimits | None:
+        """Its caps and limits as the core takes them; None when it has none."""
+        if all(v is None for v in (self.cap_usd, self.rpm, self.tpm, self.max_streams)):
+            return None
+        digest = hashlib.sha256(self.key.get_secret_value().encode()).hexdigest()[:16]
+        return KeyLimits(
+            name=self.name or f"sha256-{digest}",
+            cap_usd=self.cap_usd,
+            period=self.period,
+            at_cap=self.at_cap,
+            rpm=self.rpm,
+            tpm=self.tpm,
+            max_streams=self.max_streams,
+            reserve_tokens=self.reserve_tokens,
+        )
+
+
+class StateSettings(_Strict):
+    """[state]: where the gateway's shared state lives (app/serving/state.py). "memory" (the default) is this
+    process; "valkey" is a Redis-protocol server (Valkey, or Redis 7+) that replicas share."""
+
+    backend: Literal["memory", "valkey"] = "memory"
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "tandem:"
+    # While the store is unreachable: keep serving on local counts ("local"), or refuse paid clouds ("closed").
+    on_store_loss: Literal["local", "closed"] = "local"
+    trace_ttl: Annotated[float, Field(gt=0)] = 600.0  # seconds a trace stays readable from every replica
+    poll_seconds: Annotated[float, Field(gt=0)] = 1.0  # how often a replica checks the budget's version
+    timeout: Annotated[float, Field(gt=0)] = 1.0  # a store call's socket timeout: how soon a loss is noticed
 
 
 class GatewaySettings(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     model_name: str = "tandem"
-    # A key, or {key = "...", privacy = "device" | "split" | "any"}.
+    # A key, or {key = "...", privacy = ..., cap_usd = ..., rpm = ..., ...} (ApiKeySettings).
     api_keys: list[SecretStr | ApiKeySettings] = []
     # Where a request may go unless it or its key says otherwise (policies/privacy.py).
     privacy: Literal["device", "split", "any"] = "any"
@@ -244,6 +287,10 @@ class HATCloudSettings(HATOptions):
 
     @model_validator(mode="after")
     def _one_worker(self) -> HATCloudSettings:
+        if self.embedded is not None and (self.worker_urls or self.worker_registry):
+            raise ValueError(
+                "worker_urls / worker_registry and an [embedded] worker contradict each other: a pool, or one embedded"
+            )
         if self.embedded is not None and "worker_url" in self.model_fields_set:
             raise ValueError(
                 "worker_url and an [embedded] worker contradict each other: the gateway would start its own worker "
@@ -280,6 +327,7 @@ class Settings(BaseSettings):
     clouds: dict[str, AnyCloud] = {}
     disco: DiscoSettings = DiscoSettings()
     embeddings: EmbeddingSettings = EmbeddingSettings()
+    state: StateSettings = StateSettings()
 
     @classmethod
     def settings_customise_sources(

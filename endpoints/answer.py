@@ -60,7 +60,7 @@ async def while_connected(request: Request, work: Awaitable, what: str):
 
 
 def answer_headers(job: Job) -> dict[str, str]:
-    return {"x-request-id": job.id, "x-tandem-backend": job.backend or ""}
+    return {"x-request-id": job.id, "x-tandem-backend": job.backend or "", **job.limit_headers}
 
 
 def before_first_token(exc: BackendError, request_id: str) -> ApiError:

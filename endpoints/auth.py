@@ -14,6 +14,7 @@ from fastapi import Request
 
 from endpoints.errors import ApiError
 from endpoints.options import ApiOptionsDep
+from endpoints.serving import KeyAccess
 
 
 def bearer(authorization: str | None) -> bytes:
@@ -41,9 +42,9 @@ def matches_any(given: bytes, keys: Iterable[bytes]) -> bool:
 
 
 async def require_api_key(request: Request, options: ApiOptionsDep) -> None:
-    """Every /v1 route but the budget's. Sets `request.state.key_privacy`: the matched key's privacy level, if
-    it has one."""
-    request.state.key_privacy = None
+    """Every /v1 route but the budget's. Sets `request.state.key`: the matched key's privacy level and limits,
+    where it has them."""
+    request.state.key = KeyAccess()
     keys = options.api_keys
     if not keys:
         return
@@ -52,4 +53,4 @@ async def require_api_key(request: Request, options: ApiOptionsDep) -> None:
     if found is None:
         message = "Missing API key: send 'Authorization: Bearer <key>'." if not given else "Incorrect API key provided."
         raise ApiError(401, message, code="invalid_api_key", type="authentication_error")
-    request.state.key_privacy = getattr(keys[found], "privacy", None)
+    request.state.key = KeyAccess(getattr(keys[found], "privacy", None), options.key_limits[found])

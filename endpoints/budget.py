@@ -1,4 +1,5 @@
-"""GET/PUT /v1/budget: a thin HTTP view over the ledger (app/serving/ledger.py), the one source of truth.
+"""GET/PUT /v1/budget: a thin HTTP view over the ledger (app/serving/ledger.py), the one source of truth (with a
+shared store, app/serving/state.py, every replica's: a PUT is a compare-and-set there, seen by the others).
 
 Why the handlers hold no state and do no arithmetic: dispatch, booking and this
 API all read the same `Ledger`, so what an operator sets here is what the next
@@ -26,6 +27,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from app.serving.budget import BudgetValidationError
+from app.serving.errors import Refused
 from app.serving.ledger import LedgerStateError
 from endpoints.auth import bearer, matches_any, secret
 from endpoints.errors import ApiError
@@ -77,7 +79,7 @@ router = APIRouter(prefix="/v1", tags=["budget"])
 
 @router.get("/budget", dependencies=[Depends(require_reader_key)])
 async def get_budget(serving: ServingDep) -> dict[str, Any]:
-    return serving.budget_snapshot()
+    return await serving.budget_snapshot()
 
 
 _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
@@ -90,17 +92,18 @@ def _reject_constant(name: str) -> Any:
 @router.delete("/budget", dependencies=[Depends(require_admin_key)])
 async def reset_budget(serving: ServingDep) -> dict[str, Any]:
     try:
-        serving.ledger.reset()
+        await serving.reset_budget()
+    except Refused:
+        raise  # the shared store is away: a 503 (endpoints/errors.py)
     except LedgerStateError as exc:
         raise ApiError(500, f"The budget was not reset: {exc}", code="state_write_failed", retry=True) from None
     except Exception as exc:
         raise ApiError(500, f"The budget was reset but applying it failed: {exc}", code="apply_failed") from exc
-    return serving.budget_snapshot()
+    return await serving.budget_snapshot()
 
 
 @router.put("/budget", dependencies=[Depends(require_admin_key)])
 async def put_budget(request: Request, serving: ServingDep) -> dict[str, Any]:
-    ledger = serving.ledger
     raw = await request.body()
     if not raw.strip():
         raise ApiError(400, "The request body is missing; send a JSON object of budget fields.", code="invalid_request")
@@ -120,9 +123,11 @@ async def put_budget(request: Request, serving: ServingDep) -> dict[str, Any]:
     try:
         # On the loop on purpose: the ledger tells DiSCo's runtime, which recomputes state the loop owns;
         # the fsync of a few hundred bytes is a rare, admin-only cost.
-        ledger.update(patch)
+        await serving.update_budget(patch)
     except BudgetValidationError as exc:
         raise ApiError(400, exc.message, param=exc.field, code="invalid_value") from None
+    except Refused:
+        raise
     except LedgerStateError as exc:
         raise ApiError(500, f"The budget was not changed: {exc}", code="state_write_failed", retry=True) from None
     except Exception as exc:
@@ -130,4 +135,4 @@ async def put_budget(request: Request, serving: ServingDep) -> dict[str, Any]:
         raise ApiError(
             500, f"The budget was saved but applying it failed: {exc}", code="apply_failed", retry=False
         ) from exc
-    return serving.budget_snapshot()
+    return await serving.budget_snapshot()

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.serving.errors import NotFound, NotReady, Refused
+from app.serving.errors import NotFound, NotReady, RateLimited, Refused, Unavailable
 
 _TYPES = {
     400: "invalid_request_error",
@@ -56,8 +56,17 @@ class ApiError(Exception):
 
 def refusal(exc: Refused) -> ApiError:
     """The serving core's refusal as the HTTP error it is."""
-    if isinstance(exc, NotReady):
+    if isinstance(exc, NotReady | Unavailable):
         return ApiError(503, exc.message, code=exc.code, headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, RateLimited):
+        # OpenAI's envelopes: type "requests" at a rate limit, "insufficient_quota" at a dollar cap.
+        return ApiError(
+            429,
+            exc.message,
+            code=exc.code,
+            type="insufficient_quota" if exc.code == "insufficient_quota" else "requests",
+            headers={**exc.headers, "Retry-After": str(exc.retry_after)},
+        )
     return ApiError(404 if isinstance(exc, NotFound) else 400, exc.message, param=exc.param, code=exc.code)
 
 

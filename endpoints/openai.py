@@ -58,10 +58,10 @@ def _choice(body, chat: bool, index: int, answer: Collected) -> dict:
     return {**choice, "logprobs": lp, "finish_reason": finish}
 
 
-def _completion(body, chat: bool, request_id: str, choices: list[dict], usage: Usage, backends: str) -> JSONResponse:
+def _completion(body, chat: bool, job: Job, choices: list[dict], usage: Usage, backends: str) -> JSONResponse:
     return JSONResponse(
         {
-            "id": request_id,
+            "id": job.id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": body.model,
@@ -69,7 +69,7 @@ def _completion(body, chat: bool, request_id: str, choices: list[dict], usage: U
             "choices": choices,
             "usage": _usage(usage),
         },
-        headers={"x-request-id": request_id, "x-tandem-backend": backends},
+        headers={**answer_headers(job), "x-tandem-backend": backends},
     )
 
 
@@ -82,7 +82,7 @@ async def _answer(request: Request, serving: Serving, api: ApiOptions, body, job
         chunks = ChatChunks(job.id, body.model, chat, body.include_usage, logprobs=body.logprobs_top is not None)
         return streamed(api, answer_headers(job), stream_answer(job, first, stream, chunks))
     answer = await while_connected(request, collect(job, first, stream), "mid-answer")
-    return _completion(body, chat, job.id, [_choice(body, chat, 0, answer)], job.usage, job.backend or "")
+    return _completion(body, chat, job, [_choice(body, chat, 0, answer)], job.usage, job.backend or "")
 
 
 # -- n > 1: each choice is a job of its own (ids `<request id>-<index>`), on whichever endpoint serves it ------------
@@ -147,7 +147,7 @@ async def _answer_choices(request: Request, serving: Serving, api: ApiOptions, b
         chunks = [
             ChatChunks(job.id, body.model, chat, body.include_usage, index=i, logprobs=lp) for i in range(len(jobs))
         ]
-        headers = {"x-request-id": job.id, "x-tandem-backend": jobs[first[0]].backend or ""}
+        headers = {**answer_headers(job), "x-tandem-backend": jobs[first[0]].backend or ""}
         return streamed(api, headers, stream_choices(job.id, first, merged, chunks, lambda: _summed_usage(jobs)))
 
     async def one(j: Job):
@@ -176,25 +176,25 @@ async def _answer_choices(request: Request, serving: Serving, api: ApiOptions, b
         raise
     choices = [_choice(body, chat, i, r) for i, r in enumerate(results)]
     backends = ",".join(dict.fromkeys(j.backend or "" for j in jobs))
-    return _completion(body, chat, job.id, choices, _summed_usage(jobs), backends)
+    return _completion(body, chat, job, choices, _summed_usage(jobs), backends)
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, serving: ServingDep, api: ApiOptionsDep):
-    job = await serving.prepare(chat_input(body, request.state.key_privacy))
+    job = await serving.prepare(chat_input(body, request.state.key))
     return await _answer(request, serving, api, body, job, chat=True)
 
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, serving: ServingDep, api: ApiOptionsDep):
-    job = await serving.prepare(completion_input(body, request.state.key_privacy))
+    job = await serving.prepare(completion_input(body, request.state.key))
     return await _answer(request, serving, api, body, job, chat=False)
 
 
 @router.get("/requests/{request_id}")
 async def request_trace(request_id: str, serving: ServingDep):
     """The trace of a recent request: plan, endpoints and timings, migrations, cost."""
-    trace = serving.trace(request_id)
+    trace = await serving.trace(request_id)
     if trace is None:
         raise ApiError(
             404,

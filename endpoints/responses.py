@@ -305,7 +305,7 @@ class _Response:
 @router.post("/responses")
 async def create_response(body: ResponsesRequest, request: Request, serving: ServingDep, api: ApiOptionsDep):
     try:
-        job = await serving.prepare(chat_input(chat_request(body), request.state.key_privacy, id_prefix="resp_"))
+        job = await serving.prepare(chat_input(chat_request(body), request.state.key, id_prefix="resp_"))
     except Refused as exc:
         error = refusal(exc)
         error.param = _param(error.param)  # named as this API names it (e.g. the prompt as a whole is `input`)

@@ -10,14 +10,14 @@ types, which endpoints/errors.py maps to the OpenAI envelope.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated, Protocol
+from typing import Annotated, NamedTuple, Protocol
 
 import numpy as np
 from fastapi import Depends, Request
 
 from app.serving.core import Readiness
 from app.serving.job import Job
-from app.serving.ledger import Ledger
+from app.serving.limits import KeyLimits
 from app.serving.relay import Delta
 from app.serving.requests import ChatInput, CompletionInput
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
@@ -27,15 +27,15 @@ class Serving(Protocol):
     """What the gateway's endpoints ask of the serving core."""
 
     created: int  # when the gateway started: the models' `created`
-    ledger: Ledger  # the budget, which endpoints/budget.py reads and changes
 
     async def prepare(self, request: ChatInput | CompletionInput) -> Job:
         """The request's job: routed, rendered, tokenised, checked. Raises app/serving/errors.py's refusals."""
 
     def answer(self, job: Job) -> AsyncIterator[Delta]: ...
 
-    def trace(self, request_id: str) -> dict | None:
-        """A recent request's trace (one per choice for n > 1); None when unknown or too old."""
+    async def trace(self, request_id: str) -> dict | None:
+        """A recent request's trace (one per choice for n > 1), from any replica sharing the store; None when
+        unknown or too old."""
 
     def models(self) -> list[str]: ...
 
@@ -44,7 +44,12 @@ class Serving(Protocol):
     async def embed(self, model: str, texts: list[str]) -> tuple[np.ndarray, int]:
         """Unit-length vectors and the tokens embedded; NotFound when embeddings are off or `model` is not theirs."""
 
-    def budget_snapshot(self) -> dict: ...
+    async def budget_snapshot(self) -> dict: ...
+
+    async def update_budget(self, patch: dict) -> None:
+        """Raises BudgetValidationError naming the field, LedgerStateError, or Unavailable (the shared store)."""
+
+    async def reset_budget(self) -> None: ...
 
     def render_metrics(self) -> bytes: ...
 
@@ -57,11 +62,13 @@ async def serving(request: Request) -> Serving:
 ServingDep = Annotated[Serving, Depends(serving)]
 
 
-def _common(body: ChatCompletionRequest | CompletionRequest, key_privacy: str | None) -> dict:
+def _common(body: ChatCompletionRequest | CompletionRequest, key: KeyAccess | None) -> dict:
     tandem = body.tandem
+    key = key or KeyAccess()
     return {
         "model": body.model,
-        "key_privacy": key_privacy,
+        "key_privacy": key.privacy,
+        "key_limits": key.limits,
         "policy": tandem.policy if tandem else None,
         "cloud": tandem.cloud if tandem else None,
         "privacy": tandem.privacy if tandem else None,
@@ -79,12 +86,19 @@ def _common(body: ChatCompletionRequest | CompletionRequest, key_privacy: str | 
     }
 
 
-def chat_input(body: ChatCompletionRequest, key_privacy: str | None, id_prefix: str = "chatcmpl-") -> ChatInput:
-    """A chat body as the core takes it; `key_privacy` is its API key's privacy level."""
+class KeyAccess(NamedTuple):
+    """What the request's API key brings (endpoints/auth.py sets it on `request.state.key`)."""
+
+    privacy: str | None = None  # its privacy level
+    limits: KeyLimits | None = None  # its caps and rate limits
+
+
+def chat_input(body: ChatCompletionRequest, key: KeyAccess | None, id_prefix: str = "chatcmpl-") -> ChatInput:
+    """A chat body as the core takes it; `key` is what its API key brings (None: no key)."""
     choice = body.tool_choice
     fmt = body.response_format
     return ChatInput(
-        **_common(body, key_privacy),
+        **_common(body, key),
         messages=tuple(
             {**m.model_dump(exclude_none=True), "role": "system" if m.role == "developer" else m.role}
             for m in body.messages
@@ -97,6 +111,6 @@ def chat_input(body: ChatCompletionRequest, key_privacy: str | None, id_prefix: 
     )
 
 
-def completion_input(body: CompletionRequest, key_privacy: str | None) -> CompletionInput:
+def completion_input(body: CompletionRequest, key: KeyAccess | None) -> CompletionInput:
     prompt = body.prompt if isinstance(body.prompt, str) else tuple(body.prompt)
-    return CompletionInput(**_common(body, key_privacy), prompt=prompt)
+    return CompletionInput(**_common(body, key), prompt=prompt)

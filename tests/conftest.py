@@ -15,6 +15,7 @@ import pytest
 
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
 from tests.integration.scripted_upstream import ScriptedUpstream
+from tests.integration.store_helpers import StoreServer
 
 _RESERVED: list[socket.socket] = []
 
@@ -155,5 +156,14 @@ def upstream() -> Iterator[ScriptedUpstream]:
     """A scripted OpenAI-compatible upstream on loopback (tests/integration/scripted_upstream.py), one per module;
     each test starts with an empty script and no recorded requests."""
     server = ScriptedUpstream()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def store_server() -> Iterator[StoreServer]:
+    """A real Redis-protocol server (Valkey or Redis 7+) on a free loopback port, persistence off, for the session."""
+    server = StoreServer()
+    server.start()
     yield server
     server.close()

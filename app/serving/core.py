@@ -11,22 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import anyio
 import numpy as np
 
 from app.serving.disco import DiscoRuntime
-from app.serving.errors import InvalidRequest, NotFound, NotReady
+from app.serving.errors import InvalidRequest, NotFound, NotReady, RateLimited, Unavailable
 from app.serving.job import Job
 from app.serving.ledger import Ledger
+from app.serving.limits import DEVICE_ONLY, Admission, rate_headers, retry_after, to_micro
 from app.serving.metrics import Metrics
 from app.serving.orchestrator import Orchestrator
 from app.serving.outline import OutlineDecoding, OutlineRequest
 from app.serving.relay import Delta
 from app.serving.requests import ChatInput, CompletionInput, RequestInput
+from app.serving.state import StateStore, StoreUnavailable
 from app.serving.structured import Structure, add_tools_prompt, message_text, structure_of, template_messages
 from clients.base import Backend, GenerationRequest
 from clients.embeddings import SentenceEmbedder
@@ -67,6 +71,7 @@ class ServingCore:
         metrics: Metrics,
         embedder: SentenceEmbedder | None,
         created: int,
+        state: StateStore,
     ):
         self.options = options
         self.device = device
@@ -78,33 +83,44 @@ class ServingCore:
         self.embedder = embedder
         self._embedder_lock = asyncio.Lock()
         self.created = created
+        self.state = state
         # Set by the start-up (app/serving/gateway.py): requests wait for `loaded`, readiness reports the error.
         self.loaded = asyncio.Event()
         self.startup_error: str | None = None
 
     # -- what the endpoints ask --------------------------------------------------------------------------------------
     async def prepare(self, request: ChatInput | CompletionInput) -> Job:
-        """The request's job, ready to answer."""
+        """The request's job, ready to answer: admitted by its API key's limits (app/serving/limits.py)."""
         if isinstance(request, ChatInput):
-            return await self._prepare_chat(request)
-        return await self._prepare_completion(request)
+            job = await self._prepare_chat(request)
+        else:
+            job = await self._prepare_completion(request)
+        await self._admit(request, job)
+        return job
 
     def answer(self, job: Job) -> AsyncIterator[Delta]:
         """The answer's deltas: by outline decoding when its gate said yes, else the orchestrator's."""
-        if job.outline is not None:
-            return OutlineDecoding(self).generate(job)
-        return self.orchestrator.generate(job)
+        deltas = OutlineDecoding(self).generate(job) if job.outline is not None else self.orchestrator.generate(job)
+        return deltas if job.admission is None else self._settled(job, deltas)
 
-    def trace(self, request_id: str) -> dict | None:
-        """The trace of a recent request (a request with n > 1: one trace per choice), None when there is none."""
+    async def trace(self, request_id: str) -> dict | None:
+        """The trace of a recent request (a request with n > 1: one trace per choice), None when there is none:
+        this replica's, else the shared store's (another replica served it)."""
         traces = self.orchestrator.traces
-        trace = traces.get(request_id)
-        if trace is None and f"{request_id}-0" in traces:
-            choices = []
-            while (t := traces.get(f"{request_id}-{len(choices)}")) is not None:
-                choices.append(t)
-            trace = {"id": request_id, "choices": choices}
-        return trace
+
+        async def here(trace_id: str) -> dict | None:
+            return traces.get(trace_id)
+
+        for lookup in (here, self.state.trace):
+            trace = await lookup(request_id)
+            if trace is None and (first := await lookup(f"{request_id}-0")) is not None:
+                choices = [first]
+                while (t := await lookup(f"{request_id}-{len(choices)}")) is not None:
+                    choices.append(t)
+                trace = {"id": request_id, "choices": choices}
+            if trace is not None:
+                return trace
+        return None
 
     def models(self) -> list[str]:
         """Every model id a request may name, the embedding model's included."""
@@ -128,10 +144,101 @@ class ServingCore:
             )
         return await embedder.embed(texts)
 
-    def budget_snapshot(self) -> dict:
+    async def budget_snapshot(self) -> dict:
         """The ledger's knobs and spend, the constrained side in force for the configured policy, and DiSCo's live
-        state (thresholds, estimates)."""
-        return {**self.ledger.snapshot(), "effective_side": self.disco.side(), "dispatch": self.disco.describe()}
+        state (thresholds, estimates). With a shared store, `spend` is every replica's and `spend_here` this one's;
+        while the store is away, `spend` is this replica's own."""
+        snapshot = self.ledger.snapshot()
+        shared = await self.state.spend()
+        if shared is not None:
+            snapshot = {**snapshot, "spend": shared, "spend_here": snapshot["spend"]}
+        return {
+            **snapshot,
+            "store": self.state.describe(),
+            "effective_side": self.disco.side(),
+            "dispatch": self.disco.describe(),
+        }
+
+    async def update_budget(self, patch: dict) -> None:
+        """PUT /v1/budget's partial update, made current on every replica sharing the store."""
+        try:
+            await self.state.update_budget(patch)
+        except StoreUnavailable as exc:
+            raise Unavailable(f"The budget was not changed: {exc}.") from None
+
+    async def reset_budget(self) -> None:
+        """DELETE /v1/budget: back to the config's settings."""
+        try:
+            await self.state.reset_budget()
+        except StoreUnavailable as exc:
+            raise Unavailable(f"The budget was not reset: {exc}.") from None
+
+    # -- admission ---------------------------------------------------------------------------------------------------
+    async def _admit(self, request: RequestInput, job: Job) -> None:
+        """The job under its API key's limits, and on the device only where paid clouds may not be used now (a lost
+        shared store under `on_store_loss = "closed"`, or the key at its cap with `at_cap = "device"`)."""
+        if not self.state.may_spend():
+            self._device_only(job, Unavailable("The shared store is unreachable and paid clouds wait for it."))
+        key = request.key_limits
+        if key is None:
+            return
+        now = time.time()
+        reserve = 0 if job.privacy == "device" else self._worst_case(job, key.reserve_tokens) * request.choices
+        verdict, shared = await self.state.admit(key, job.id, now, to_micro(reserve))
+        headers = rate_headers(key, verdict, now)
+        if not verdict.admitted:
+            what = {"cap": "dollar cap", "rpm": "requests per minute", "tpm": "tokens per minute"}
+            limit = what.get(verdict.status, "concurrent streams")
+            raise RateLimited(
+                f"This API key is at its {limit} limit.",
+                code="insufficient_quota" if verdict.status == "cap" else "rate_limit_exceeded",
+                retry_after=retry_after(key, verdict.status, now),
+                headers=headers,
+            )
+        admission = Admission(job.id, key, to_micro(reserve), verdict, now, shared, choices=request.choices)
+        if verdict.status == DEVICE_ONLY:
+            try:
+                self._device_only(
+                    job,
+                    RateLimited(
+                        "This API key is at its dollar cap, and the model it names is not on the device.",
+                        code="insufficient_quota",
+                        retry_after=retry_after(key, "cap", now),
+                        headers=headers,
+                    ),
+                )
+            except RateLimited:
+                await self.state.settle(admission)  # nothing ran: free its hold at once
+                raise
+        job.admission = admission
+        job.limit_headers = headers
+
+    def _device_only(self, job: Job, refusal: Exception) -> None:
+        if job.pinned is not None and job.pinned != self.device.name:
+            raise refusal
+        job.privacy = "device"
+
+    def _worst_case(self, job: Job, ceiling: int) -> float:
+        """What the job may cost at most, its output capped at the key's per-request ceiling: the device's work and
+        the dearest cloud's, each over the prompt and the output (a migration target prefills both)."""
+        out = min(job.gen.max_tokens, ceiling)
+        context = job.prompt_tokens + out
+        prices = self.ledger.settings.prices
+        device = self.disco.cost_of("device", next(iter(prices)), context, out) if prices else 0.0
+        clouds = [self.disco.cost_of("cloud", name, context, out) for name in prices if name in self.backends]
+        return device + max(clouds, default=0.0)
+
+    async def _settled(self, job: Job, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+        """The answer, then its key's admission settled with what the ledger booked for it (on a cancel too)."""
+        try:
+            async for delta in deltas:
+                yield delta
+        finally:
+            with anyio.CancelScope(shield=True):
+                await deltas.aclose()
+                admission = job.admission
+                if admission.add(job.cost, job.usage.total_tokens):
+                    await self.state.settle(admission)
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()

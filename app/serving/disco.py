@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 
 from app.serving.budget import BudgetSettings, pinned_side
 from app.serving.ledger import Ledger
@@ -46,6 +47,7 @@ class DiscoRuntime:
         self._rng = rng or random.Random()
         self._policies: dict[tuple[str, str], DispatchPolicy] = {}
         self._since_recompute = 0
+        self._server_ttft_listeners: list[Callable[[str, float], None]] = []
         self.apply(ledger.settings)
         ledger.on_change(lambda: self.apply(ledger.settings))
 
@@ -153,6 +155,18 @@ class DiscoRuntime:
             self.estimators.device_ttft.add(context_tokens, seconds)
         elif not migration:
             self.estimators.server(cloud).add(seconds)
+            for share in self._server_ttft_listeners:
+                share(cloud, seconds)
+
+    def on_server_ttft(self, callback: Callable[[str, float], None]) -> None:
+        """Call `callback(cloud, seconds)` after every cloud TTFT sample (a shared store's copy, for other replicas)."""
+        self._server_ttft_listeners.append(callback)
+
+    def warm(self, samples: dict[str, list[float]]) -> None:
+        """Cloud TTFT samples other replicas measured (oldest first), so a new replica starts from them."""
+        for cloud, values in samples.items():
+            for seconds in values:
+                self.estimators.server(cloud).add(seconds)
 
     def observe_output(self, tokens: int) -> None:
         self.estimators.output_lengths.add(tokens)
@@ -174,6 +188,7 @@ class DiscoRuntime:
                 },
                 "cloud_ttft_p50": float(self.estimators.server(cloud).quantile(0.5)),
                 "cloud_ttft_p99": float(self.estimators.server(cloud).quantile(0.99)),
+                "cloud_ttft_samples": self.estimators.server(cloud).count,
                 "prompt_samples": self.estimators.prompt_lengths.count,
             },
         }

@@ -29,3 +29,21 @@ class NotReady(Refused):
     def __init__(self, message: str, retry_after: int = 2):
         super().__init__(message, code="not_ready")
         self.retry_after = retry_after
+
+
+class RateLimited(Refused):
+    """The request's API key is at one of its limits (a 429): retry after `retry_after` seconds. `headers` are the
+    key's `x-ratelimit-*` counts."""
+
+    def __init__(self, message: str, *, code: str, retry_after: int, headers: dict[str, str]):
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+        self.headers = headers
+
+
+class Unavailable(Refused):
+    """Something the request needs is away for now (the shared store): a 503, worth retrying."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message, code="store_unavailable")
+        self.retry_after = retry_after

@@ -22,6 +22,7 @@ from app.serving.disco import DiscoRuntime
 from app.serving.ledger import Ledger
 from app.serving.metrics import Metrics, RequestMetricsMiddleware
 from app.serving.orchestrator import Orchestrator
+from app.serving.state import MemoryStore, StateStore
 from clients.base import Backend, GenerationRequest
 from clients.embeddings import SentenceEmbedder
 from clients.gguf_meta import read_arch
@@ -68,6 +69,24 @@ def _upstream_options(cloud: CloudSettings) -> UpstreamOptions:
     )
 
 
+def _state_store(settings: Settings, ledger: Ledger) -> StateStore:
+    state = settings.state
+    if state.backend == "memory":
+        return MemoryStore(ledger)
+    from app.serving.valkey_state import ValkeyStore  # the client library only where a store is configured
+
+    return ValkeyStore(
+        ledger,
+        state.url,
+        state.key_prefix,
+        state.on_store_loss,
+        trace_ttl=state.trace_ttl,
+        poll_seconds=state.poll_seconds,
+        timeout=state.timeout,
+        ttft_samples=settings.disco.window,
+    )
+
+
 class Gateway:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -109,6 +128,8 @@ class Gateway:
             history=settings.gateway.trace_history,
             trace_file=settings.gateway.trace_file,
         )
+        self.state = _state_store(settings, self.ledger)
+        self.orchestrator.keep_trace = self.state.keep_trace
         emb = settings.embeddings
         self.embedder = SentenceEmbedder(emb.model, model_path(emb.model), emb.max_tokens) if emb.enabled else None
         gw = settings.gateway
@@ -122,6 +143,7 @@ class Gateway:
             self.metrics,
             self.embedder,
             created=int(time.time()),
+            state=self.state,
         )
 
     def _hat_backend(self, name: str, cloud) -> Backend:
@@ -152,6 +174,10 @@ class Gateway:
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         try:
+            await self.state.start()
+            clouds = [name for name in self.backends if name != self.device.name]
+            self.disco.warm(await self.state.server_ttft_samples(clouds))
+            self.disco.on_server_ttft(self.state.share_server_ttft)
             for server in self.embedded:
                 server.start()
             await asyncio.gather(*(b.start() for b in self.backends.values()), *(s.wait_ready() for s in self.embedded))
@@ -181,6 +207,7 @@ class Gateway:
 
     async def close(self) -> None:
         self.orchestrator.close()
+        await self.state.close()
         if self.embedder is not None:
             await self.embedder.close()
         for backend in self.backends.values():
@@ -196,7 +223,8 @@ def create_gateway(settings: Settings) -> FastAPI:
     app = FastAPI(title="Tandem gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     gw = settings.gateway
     app.state.serving = gateway.core
-    app.state.api_options = ApiOptions(tuple(gw.api_keys), tuple(gw.admin_keys), gw.ping_seconds)
+    limits = tuple(getattr(key, "limits", lambda: None)() for key in gw.api_keys)
+    app.state.api_options = ApiOptions(tuple(gw.api_keys), limits, tuple(gw.admin_keys), gw.ping_seconds)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.gateway.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=gateway.metrics)  # outermost: counts the guard's answers

@@ -64,6 +64,9 @@ class Job:
     # only changes when the device has run something since.
     cache_probe: tuple[int, int] | None = None
     error: str | None = None
+    # Its API key's hold (app/serving/limits.py's Admission, shared by its choices) and `x-ratelimit-*` headers.
+    admission: Any = None
+    limit_headers: dict[str, str] = field(default_factory=dict)
 
     def choice(self, index: int) -> Job:
         """Choice `index` of a request with n > 1: a job of its own (id `<id>-<index>`, its own trace), routed
@@ -81,4 +84,6 @@ class Job:
             cloud=self.cloud,
             call_grammar=self.call_grammar,
             privacy=self.privacy,
+            admission=self.admission,
+            limit_headers=self.limit_headers,
         )

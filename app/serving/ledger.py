@@ -40,12 +40,28 @@ from pathlib import Path
 from typing import Any
 
 from app.serving.budget import UNITS, BudgetSettings, BudgetValidationError, apply_patch, from_config
+from app.serving.limits import to_micro
 from policies.dispatch import POLICY_NAMES
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 DEFAULT_WINDOW = 1000
+
+
+@dataclass(frozen=True)
+class Booking:
+    """What one endpoint did for one request as the ledger booked it (`Ledger.record`): what a shared store is told."""
+
+    request_id: str
+    endpoint: str
+    new_request: bool  # the request's first booking
+    new_for_endpoint: bool  # this endpoint's first booking for the request
+    prefill_tokens: int
+    decode_tokens: int
+    cost_micro: int
+    input_tokens: int  # the request's window entry after this booking: l ...
+    constrained_input: int  # ... and the constrained endpoint's share of it
 
 
 class LedgerStateError(RuntimeError):
@@ -58,6 +74,7 @@ class _Totals:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     cost_usd: float = 0.0
+    cost_micro: int = 0  # the same in integer micro-dollars, each booking rounded as a shared store adds it up
 
 
 @dataclass
@@ -118,9 +135,11 @@ class Ledger:
         self.primary_cloud = primary_cloud
         self._version = 0
         self._listeners: list[Callable[[], None]] = []
+        self._bookkeepers: list[Callable[[Booking], None]] = []
         self._totals: dict[str, _Totals] = {}
         self._requests = 0
         self._cost = 0.0
+        self._cost_micro = 0
         self._recent: OrderedDict[str, _WindowEntry] = OrderedDict()
         self._win_input = 0
         self._win_constrained = 0
@@ -150,6 +169,34 @@ class Ledger:
     def version(self) -> int:
         """Bumped by every successful update."""
         return self._version
+
+    @property
+    def defaults(self) -> BudgetSettings:
+        """The config's settings (what DELETE /v1/budget goes back to)."""
+        return self._defaults
+
+    def on_booking(self, callback: Callable[[Booking], None]) -> None:
+        """Call `callback(booking)` after every booking (a shared store's copy; it must not block)."""
+        self._bookkeepers.append(callback)
+
+    def adopt(self, settings: BudgetSettings, version: int, source: str) -> None:
+        """Make settings decided elsewhere (a shared store's, at its `version`) current here: persisted like an
+        update (the state file is deleted when they are the config's), then the listeners told."""
+        with self._update_lock:
+            if self.state_file is not None:
+                if settings == self._defaults:
+                    with contextlib.suppress(OSError):
+                        self.state_file.unlink(missing_ok=True)
+                else:
+                    self._save(self.state_file, settings)
+            with self._lock:
+                changed = settings != self._settings
+                self._settings = settings
+                self._version = version
+                self.settings_source = source
+            if changed:
+                log.info("budget settings adopted from %s (version %d): %s", source, version, settings.to_dict())
+                self._tell_listeners()
 
     def on_change(self, callback: Callable[[], None]) -> None:
         """Call `callback()` after every successful update (e.g. to recompute dispatch)."""
@@ -278,6 +325,7 @@ class Ledger:
             raise ValueError(f"cost_usd must be ≥ 0, got {cost_usd!r}")
         with self._lock:
             entry = self._recent.get(request_id)
+            new_request = entry is None
             if entry is None:
                 entry = self._recent[request_id] = _WindowEntry()
                 self._requests += 1
@@ -294,13 +342,29 @@ class Ledger:
             totals = self._totals.get(endpoint)
             if totals is None:
                 totals = self._totals[endpoint] = _Totals()
-            if endpoint not in entry.endpoints:
+            new_for_endpoint = endpoint not in entry.endpoints
+            if new_for_endpoint:
                 entry.endpoints.add(endpoint)
                 totals.requests += 1
             totals.prefill_tokens += prefill_tokens
             totals.decode_tokens += decode_tokens
             totals.cost_usd += float(cost_usd)
+            totals.cost_micro += to_micro(cost_usd)
             self._cost += float(cost_usd)
+            self._cost_micro += to_micro(cost_usd)
+            booking = Booking(
+                request_id,
+                endpoint,
+                new_request,
+                new_for_endpoint,
+                prefill_tokens,
+                decode_tokens,
+                to_micro(cost_usd),
+                entry.input_tokens,
+                entry.constrained_input,
+            )
+        for callback in self._bookkeepers:
+            callback(booking)
 
     def _forget(self, entry: _WindowEntry) -> None:
         self._win_input -= entry.input_tokens
@@ -330,12 +394,14 @@ class Ledger:
             spend = {
                 "requests": self._requests,
                 "cost_usd": self._cost,
+                "cost_micro": self._cost_micro,
                 "endpoints": {
                     name: {
                         "requests": t.requests,
                         "prefill_tokens": t.prefill_tokens,
                         "decode_tokens": t.decode_tokens,
                         "cost_usd": t.cost_usd,
+                        "cost_micro": t.cost_micro,
                     }
                     for name, t in self._totals.items()
                 },

@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 import anyio
@@ -71,6 +71,8 @@ class Orchestrator:
         self.ledger = ledger
         self.stall_timeout = stall_timeout
         self.traces: OrderedDict[str, dict] = OrderedDict()
+        # A shared store's copy of each trace (app/serving/state.py's keep_trace), so any replica can answer for it.
+        self.keep_trace: Callable[[str, dict], None] | None = None
         # Seconds between two tokens of each endpoint (outline decoding places points by predicted finish time).
         self.token_seconds: dict[str, MovingAverage] = {name: MovingAverage() for name in backends}
         self.history = history
@@ -499,7 +501,9 @@ class Orchestrator:
 
     def remember(self, job: Job, final: bool = True) -> None:
         """Keep the job's trace (and write its line to the trace file when it finished)."""
-        self.traces[job.id] = trace_of(job)
+        trace = self.traces[job.id] = trace_of(job)
+        if self.keep_trace is not None:
+            self.keep_trace(job.id, trace)
         while len(self.traces) > self.history:
             self.traces.popitem(last=False)
         if final and self._trace_out is not None and job.finish_reason is not None:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.serving.limits import KeyLimits
+
 
 @dataclass(frozen=True, kw_only=True)
 class RequestInput:
     model: str
     key_privacy: str | None = None  # the privacy level of the API key it came with (policies/privacy.py)
+    key_limits: KeyLimits | None = None  # that key's caps and rate limits (app/serving/limits.py)
     # Tandem's own options (the `tandem` extension):
     policy: str | None = None
     cloud: str | None = None

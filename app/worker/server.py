@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from app.lifespan import starting_in_background
 from app.worker.compute import compute_device
 from app.worker.engine import Engine, FrameHook
+from app.worker.registry import Heartbeat
 from app.worker.settings import WorkerSettings
 from clients.hat import wire
 from clients.hat.profile import load_profile
@@ -56,6 +57,7 @@ class Worker:
         self.registry.register(_EngineCollector(lambda: self.engine))
         token = settings.auth_token.get_secret_value() if settings.auth_token is not None else None
         self._token = token.encode() if token else None
+        self.heartbeat: Heartbeat | None = None
 
     @property
     def ready(self) -> bool:
@@ -93,6 +95,11 @@ class Worker:
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.error("worker start-up failed: %s", exc)
             raise
+        s = self.settings
+        if s.registry_url:
+            endpoint = s.advertise_url or f"ws://{s.host}:{s.port}"
+            self.heartbeat = Heartbeat(s.registry_url, s.registry_prefix, endpoint, s.heartbeat_seconds)
+            self.heartbeat.start(self.engine.info)
 
     def _build(self) -> Engine:
         from clients.hat.split import split_model
@@ -140,6 +147,8 @@ class Worker:
         return engine
 
     async def stop(self) -> None:
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
 

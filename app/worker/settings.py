@@ -101,6 +101,13 @@ class WorkerSettings(EngineLimits):
     # once), a single-process one does not (several seconds per start on the default model). Either way τ is then
     # fitted from the lone prefill pieces the worker runs.
     prefill_profile: bool | None = None
+    # The shared store the worker announces itself in (app/worker/registry.py), for device halves whose HAT endpoint
+    # names a registry: a Redis-protocol URL ("" = none), its key prefix, the URL devices should use ("" =
+    # ws://host:port), and the heartbeat (the announcement lives three beats).
+    registry_url: str = ""
+    registry_prefix: str = "tandem:"
+    advertise_url: str = ""
+    heartbeat_seconds: Annotated[float, Field(gt=0)] = 1.0
 
     @model_validator(mode="after")
     def _stages(self) -> WorkerSettings:

@@ -5,7 +5,12 @@ adapter Lambda, which together form the draft model w_S = H o Lambda o w^m. On t
 middle layers m..n-1 and their KV cache. Only hidden states and control frames cross the link — never token ids
 or text (the OPEN frame carries structural facts only: hidden size, layer counts, m, dtype, model name).
 
-One generation = one worker session:
+One generation = one worker session, on the worker of its pool (`worker_urls`, clients/hat/pool.py) with the lowest
+predicted delay. When that worker dies or stalls mid-answer, the generation opens a session on another and rebuilds
+the lost KV cache by prefilling the delivered context (prompt + every token already emitted) there, recomputed from
+the token ids the device holds (only hidden states leave the device, as always), then goes on: no token lost or
+repeated, greedy output the uninterrupted run's. When no worker is left, the error reaches the gateway, whose fault
+migration moves the answer to another endpoint.
 
 1. Prefill (HAT §3.3). The prompt (+ any prefix being continued) is cut into chunks of X tokens, X from Eq. 3
    (policies/chunking.py) given the measured upload bandwidth and the worker's g(.) and mu (sent in its OPEN
@@ -62,6 +67,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +81,15 @@ from clients.hat.half import DeviceHalf
 from clients.hat.link_model import LinkModel
 from clients.hat.model_thread import ModelThread
 from clients.hat.options import HATOptions, HATStats
+from clients.hat.pool import PoolWorker, WorkerPool
 from clients.hat.prefill_plan import PrefillPlanner, fit_device_tau
 from clients.hat.profile import load_profile
+from clients.hat.registry import WorkerRegistry
 from clients.hat.request_sampling import Sampling
 from clients.hat.rounds import DecodeRounds
 from clients.hat.session import FrameSession
 from clients.hat.station import DraftingStation, StreamSlot
-from clients.hat.transport import LinkOptions, WorkerAddress
+from clients.hat.transport import LinkOptions
 from clients.hf_model import HFTokenizerMixin, IncrementalDetokenizer, open_token_source
 from clients.sampling import LogitAdjuster, sample_next, seeded_generator, token_logprob
 from clients.token_emitter import TokenEmitter
@@ -90,6 +98,25 @@ from policies.estimate import MovingAverage
 from policies.trees import DraftTree, best_tree, from_paths, prior_probabilities
 
 log = logging.getLogger(__name__)
+
+# A session that fails with one of these moves to another worker of the pool: the worker or the link failed
+# (502: it broke off or sent nonsense; 503: unreachable or full; 504: it stalled). 4xx: the request itself.
+_WORKER_FAULTS = (502, 503, 504)
+
+
+@dataclass
+class _Answer:
+    """One generation's state that outlives a worker session: what was delivered, and how each next token is
+    picked (the emitter, penalties and sampling carry on across a failover as if nothing happened)."""
+
+    request: GenerationRequest
+    context: list[int]
+    mask: TokenMask | None
+    emitted: list[int] = field(default_factory=list)
+    emitter: TokenEmitter | None = None
+    adjust: LogitAdjuster | None = None
+    sampling: Sampling | None = None
+    generator: Any = None
 
 
 class HATBackend(NoPrefixCache, HFTokenizerMixin):
@@ -130,8 +157,10 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if gguf_path is None and (model is None or tokenizer is None):
             raise ValueError("HATBackend needs gguf_path or both model and tokenizer")
         o = self.options = options
-        self.address = WorkerAddress.parse(o.worker_url)
-        self.transport = self.address.kind
+        registry = WorkerRegistry(o.worker_registry, o.worker_registry_prefix) if o.worker_registry else None
+        static = list(o.worker_urls) or ([] if registry is not None else [o.worker_url])
+        self.pool = WorkerPool(static, registry, o.m)
+        self.transport = self.pool.workers[0].address.kind if self.pool.workers else "ws"
         self.name = name
         self.model_path = Path(gguf_path) if gguf_path is not None else None
         self.model_id = model_id or (self.model_path.stem if self.model_path is not None else name)
@@ -281,9 +310,10 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if self.station is not None:
             await self.station.close()
         await self.thread.close()
+        await self.pool.close()
 
     async def ready(self) -> bool:
-        """Local half loaded and the worker's /health/ready answered 200 (cached for 5 s)."""
+        """Local half loaded and a worker of the pool answered /health/ready with 200 (cached for 5 s)."""
         if not self._ready:
             return False
         checked, ok = self._worker_ok
@@ -291,11 +321,16 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             return ok
         import httpx
 
-        try:
-            async with httpx.AsyncClient(timeout=2.0) as client:
-                ok = (await client.get(self.address.http_base + "/health/ready")).status_code == 200
-        except httpx.HTTPError:
-            ok = False
+        ok = False
+        await self.pool.refresh()
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            for worker in self.pool.workers:
+                try:
+                    if (await client.get(worker.address.http_base + "/health/ready")).status_code == 200:
+                        ok = True
+                        break
+                except httpx.HTTPError:
+                    continue
         self._worker_ok = (time.monotonic(), ok)
         return ok
 
@@ -310,13 +345,49 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         context = self.context_ids(request)
         assert self._grammars is not None
         mask = await self._grammars.for_request(request, lambda: self.answer_prefix_ids(request), self.name)
+        answer = _Answer(request, context, mask)
         self.active += 1
-        transport = self.address.transport(self.link_options)
+        tried: set[str] = set()
+        failure = BackendError(f"{self.name}: no HAT worker in the pool", 503, self.name)
+        try:
+            await self.pool.refresh()
+            while (worker := self.pool.place(tried)) is not None:
+                tried.add(worker.url)
+                try:
+                    async for event in self._on_worker(worker, answer):
+                        yield event
+                    return
+                except BackendError as exc:
+                    if exc.status not in _WORKER_FAULTS:
+                        raise
+                    self.pool.failed(worker)
+                    failure = exc
+                    if answer.emitted:
+                        self.stats.failovers += 1
+                        log.warning(
+                            "%s: worker %s lost after %d tokens (%s); moving the session",
+                            self.name,
+                            worker.url,
+                            len(answer.emitted),
+                            exc,
+                        )
+            raise failure
+        finally:
+            self.active -= 1
+
+    async def _on_worker(self, worker: PoolWorker, answer: _Answer) -> AsyncIterator[TokenEvent]:
+        """The answer's tokens from one worker session: from the prompt, or (after a failover) from the delivered
+        context, prefilled again on this worker."""
+        context = answer.context + answer.emitted
+        transport = worker.address.transport(self.link_options)
         link = FrameSession(transport, self.link_options, self.hidden_size)
         st = self.drafter.new_state()
         slot = self.station.join(len(context)) if self.station is not None else None
+        worker.sessions += 1
         try:
+            opened = time.perf_counter()
             info = await link.open(self.num_layers, self.options.m, self.model_id)
+            self.pool.opened(worker, time.perf_counter() - opened, info)
             limit = min(int(info.get("max_context") or 1 << 30), self.max_context or 1 << 30)
             if len(context) >= limit:
                 raise BackendError(
@@ -325,17 +396,17 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                     backend=self.name,
                 )
             self.stats.sessions += 1
-            async for event in self._generate(link, st, request, context, limit, mask, slot=slot):
+            async for event in self._generate(link, st, answer, limit, slot=slot):
                 yield event
         except TimeoutError:
             raise BackendError(f"{self.name}: the worker did not answer in time", 504, self.name) from None
         except (BackendError, asyncio.CancelledError, GeneratorExit):
             raise
-        except Exception as e:  # a bug or a torch failure: still a backend failure for the gateway
+        except Exception as e:  # a bug or a torch failure on the device: a backend failure, not the worker's
             log.exception("%s: generation failed", self.name)
-            raise BackendError(f"{self.name}: HAT generation failed: {e}", 502, self.name) from e
+            raise BackendError(f"{self.name}: HAT generation failed: {e}", 500, self.name) from e
         finally:
-            self.active -= 1
+            worker.sessions -= 1
             if slot is not None:
                 self.station.leave(slot)  # type: ignore[union-attr]
             await link.close()
@@ -347,25 +418,27 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self,
         link: FrameSession,
         st: DraftState,
-        req: GenerationRequest,
-        context: list[int],
+        answer: _Answer,
         limit: int,
-        mask: TokenMask | None = None,
         *,
         slot: StreamSlot | None = None,
     ) -> AsyncIterator[TokenEvent]:
-        max_tokens = min(req.max_tokens, limit - len(context))
-        if max_tokens <= 0:
-            yield TokenEvent(text="", finish_reason="length")
-            return
-        generator = seeded_generator(req.temperature, req.seed)
-        emitter = TokenEmitter(
-            IncrementalDetokenizer(self.detokenize, context), self.eos_ids.__contains__, max_tokens, mask
-        )
-        # Penalties / logit_bias: applied to the head's logits before every pick, also in verification (each
-        # verified position with the drafts before it counted), so speculative decoding stays on and exact.
-        adjust = LogitAdjuster(req, self.answer_prefix_ids(req)) if req.adjusts_logits else None
-        sampling = Sampling.of(req, generator, adjust, mask)
+        req, mask = answer.request, answer.mask
+        context = answer.context + answer.emitted
+        if answer.emitter is None:  # the answer's first session
+            max_tokens = min(req.max_tokens, limit - len(context))
+            if max_tokens <= 0:
+                yield TokenEvent(text="", finish_reason="length")
+                return
+            answer.generator = seeded_generator(req.temperature, req.seed)
+            answer.emitter = TokenEmitter(
+                IncrementalDetokenizer(self.detokenize, context), self.eos_ids.__contains__, max_tokens, mask
+            )
+            # Penalties / logit_bias: applied to the head's logits before every pick, also in verification (each
+            # verified position with the drafts before it counted), so speculative decoding stays on and exact.
+            answer.adjust = LogitAdjuster(req, self.answer_prefix_ids(req)) if req.adjusts_logits else None
+            answer.sampling = Sampling.of(req, answer.generator, answer.adjust, mask)
+        emitter, adjust, sampling, generator = answer.emitter, answer.adjust, answer.sampling, answer.generator
 
         logits = await self._prefill(link, st, context, slot)
         scores = logits if adjust is None else adjust.apply(logits)
@@ -382,6 +455,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 if adjust is not None:
                     adjust.accept(token)
                 self.tokens_generated += 1
+                answer.emitted.append(token)
                 event = emitter.emit(token, lps)
                 yield event
                 if event.finish_reason is not None:

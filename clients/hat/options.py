@@ -21,7 +21,10 @@ class HATOptions(BaseModel):
     model, its adapter and draft vocabulary, its name) is given to HATBackend itself.
 
     worker_url: ws://host:port (WebSocket at /v1/hidden/ws; a full ws URL with a path is used as is) or
-        http://host:port (POST + SSE).
+        http://host:port (POST + SSE). worker_urls: several such workers, a pool (clients/hat/pool.py): each session
+        goes to the one with the lowest predicted delay and moves to another if its worker is lost mid-answer
+        (empty: worker_url alone, unless worker_registry names a store whose live workers make the pool). They
+        share one auth_token.
     auth_token: the worker's token (sent as "Authorization: Bearer ...").
     m: the device's input layers (the worker holds m..n-1 and checks it).
     wire_dtype: "float32" | "float16" — must match the worker's dtype.
@@ -83,6 +86,13 @@ class HATOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     worker_url: str = "ws://127.0.0.1:8100"
+    # A pool of workers (clients/hat/pool.py): sessions placed by predicted delay, moved on a worker's loss.
+    # Empty: worker_url alone.
+    worker_urls: tuple[str, ...] = ()
+    # A registry of workers in a shared store (Redis-protocol URL; app/worker/registry.py announces them), and its
+    # key prefix: its live workers join the pool. "" = none.
+    worker_registry: str = ""
+    worker_registry_prefix: str = "tandem:"
     auth_token: SecretStr | None = None
     m: Annotated[int, Field(ge=1)] = 2
     wire_dtype: Literal["float32", "float16"] = "float32"
@@ -119,6 +129,14 @@ class HATOptions(BaseModel):
             raise ValueError(f"must start with ws://, wss://, http:// or https://, got {value!r}")
         return value.rstrip("/")
 
+    @field_validator("worker_urls")
+    @classmethod
+    def _urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        urls = tuple(cls._url(v) for v in value)
+        if len(set(urls)) != len(urls):
+            raise ValueError("names a worker twice")
+        return urls
+
     @field_validator("tree_width")
     @classmethod
     def _tree_width(cls, value: int) -> int:
@@ -145,6 +163,7 @@ class HATStats:
     """Cumulative counters of one HATBackend (all streams)."""
 
     sessions: int = 0
+    failovers: int = 0  # sessions moved to another worker of the pool mid-answer (clients/hat/pool.py)
     prefill_tokens: int = 0
     prefill_chunks: int = 0
     prefill_seconds: float = 0.0

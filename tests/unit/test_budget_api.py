@@ -18,6 +18,7 @@ from app.serving.budget import BudgetSettings, Price
 from app.serving.core import CoreOptions, ServingCore
 from app.serving.disco import DiscoRuntime
 from app.serving.ledger import Ledger
+from app.serving.state import MemoryStore
 from endpoints.errors import install_error_handlers
 from endpoints.options import ApiOptions
 from policies.cost import QWEN2_5_0_5B
@@ -34,7 +35,9 @@ def make_app(ledger: Ledger, *, admin_keys=(), api_keys=()) -> FastAPI:
     )
     disco = DiscoRuntime(ledger, "cloud", QWEN2_5_0_5B)
     options = CoreOptions("tandem", 256, 2048, "any", "sequential")
-    app.state.serving = ServingCore(options, None, {}, None, ledger, disco, None, None, created=0)
+    app.state.serving = ServingCore(
+        options, None, {}, None, ledger, disco, None, None, created=0, state=MemoryStore(ledger)
+    )
     return app
 
 

@@ -107,7 +107,7 @@ def test_a_hat_clouds_settings_are_its_backends_options(tmp_path):
     assert cloud.link == LinkProfile.parse("latency=5ms,up=1MB/s") and cloud.link.latency == 0.005
     assert "s3cret-tok" not in repr(cloud)
     backend = HATBackend(cloud, name="h", model=object(), tokenizer=object())
-    assert backend.options is cloud and backend.address.http_base == "http://gpu-box:8100"
+    assert backend.options is cloud and backend.pool.workers[0].address.http_base == "http://gpu-box:8100"
     link = backend.link_options
     assert (link.name, link.auth_token, link.profile, link.round_timeout) == ("h", "s3cret-tok", cloud.link, 7.5)
     assert (backend.rule.eta, backend.rule.max_draft) == (0.5, 5)

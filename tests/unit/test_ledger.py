@@ -269,10 +269,11 @@ def test_per_endpoint_totals(ledger):
         "prefill_tokens": 180,
         "decode_tokens": 20,
         "cost_usd": pytest.approx(0.003),
+        "cost_micro": 3000,  # integer micro-dollars, each booking rounded: what a shared store adds up
     }
     assert spend["endpoints"]["device"]["requests"] == 2
     assert spend["endpoints"]["device"]["decode_tokens"] == 40
-    assert spend["cost_usd"] == pytest.approx(0.0034)
+    assert spend["cost_usd"] == pytest.approx(0.0034) and spend["cost_micro"] == 3400
 
 
 def test_realised_ratio_counts_each_prompt_once(ledger):

@@ -17,7 +17,7 @@ from app.serving.structured import structure_of, template_messages
 from clients.base import GenerationRequest
 from endpoints.errors import refusal
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
-from endpoints.serving import chat_input, completion_input
+from endpoints.serving import KeyAccess, chat_input, completion_input
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 
@@ -51,7 +51,7 @@ def test_a_chat_body_becomes_the_plain_input_the_core_prepares():
         response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}},
         tandem={"policy": "cloud", "privacy": "split", "decoding": "auto"},
     )
-    got = chat_input(body, "device", id_prefix="resp_")
+    got = chat_input(body, KeyAccess("device"), id_prefix="resp_")
     assert got.messages == (
         {"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
         {"role": "user", "content": "weather?"},

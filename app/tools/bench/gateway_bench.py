@@ -257,6 +257,30 @@ def _report(results: dict, rounds: int) -> str:
     return "\n".join(lines)
 
 
+def start_upstreams() -> tuple[list[subprocess.Popen], dict[str, str]]:
+    """The two upstreams, each in a process of its own, once they answer: "fast" (unpaced) and "paced" (10 ms per
+    chunk). Their processes (the caller terminates them) and base URLs."""
+    from app.launcher import free_port
+
+    ports = {"fast": free_port(), "paced": free_port()}
+    gaps = {"fast": 0.0, "paced": 0.01}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "app.tools.bench.gateway_bench", "--upstream", str(ports[m]), str(gaps[m])]
+        )
+        for m in ports
+    ]
+    direct = {m: f"http://127.0.0.1:{p}/v1" for m, p in ports.items()}
+    for url in direct.values():
+        for _ in range(100):
+            try:
+                httpx.get(url + "/models", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+    return children, direct
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench gateway", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per measurement")
@@ -268,30 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         _serve_upstream(int(args.upstream[0]), float(args.upstream[1]))
         return 0
 
-    from app.launcher import free_port, start_gateway, stop_gateway  # the same launcher as the tests
+    from app.launcher import start_gateway, stop_gateway  # the same launcher as the tests
 
-    ports = {"fast": free_port(), "paced": free_port()}
-    gaps = {"fast": 0.0, "paced": 0.01}
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "app.tools.bench.gateway_bench", "--upstream", str(ports[m]), str(gaps[m])]
-        )
-        for m in ports
-    ]
-    direct = {m: f"http://127.0.0.1:{p}/v1" for m, p in ports.items()}
+    children, direct = start_upstreams()
     gw = None
     if args.busy:
         children.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
     try:
-        for url in direct.values():
-            for _ in range(100):
-                try:
-                    httpx.get(url + "/models", timeout=1)
-                    break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
         clouds = "".join(
-            f'\n[clouds.{m}]\nbase_url = "{direct[m]}"\nmodel = "{m}"\nmax_connections = 256\n' for m in ports
+            f'\n[clouds.{m}]\nbase_url = "{direct[m]}"\nmodel = "{m}"\nmax_connections = 256\n' for m in direct
         )
         gw = start_gateway(
             f'[gateway]\npolicy = "cloud"\ncloud = "fast"\nfallback = false\n'

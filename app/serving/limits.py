@@ -1,0 +1,205 @@
+"""Per-API-key caps and rate limits: what a key may spend and how fast, and the admission arithmetic.
+
+A request is admitted before any endpoint runs and settled after its last token (or its cancel):
+
+- **Reserve** its worst case: the prompt and at most `reserve_tokens` generated tokens, priced at the dearest
+  endpoint it may use (a migration's second prefill included). The per-request ceiling keeps a burst of agents
+  with a huge `max_tokens` from being refused while the cap is far away (LiteLLM #38647); a request that writes
+  past its ceiling still books every token it streamed, so the cap can be passed by at most what the requests
+  in flight wrote beyond their ceilings.
+- **Admit** in one step: the spend of the key's period + what is reserved by requests in flight + this
+  reservation against the cap; requests and tokens of the current minute against `rpm` and `tpm`; requests in
+  flight against `max_streams`. At the cap, `at_cap = "device"` admits it on the device only (nothing is
+  reserved: the device costs no dollars), `"reject"` refuses it.
+- **Settle** with what the ledger booked for it (every attempt, race loser, migration and failed attempt), in
+  integer micro-dollars, and free its reservation.
+
+`LocalCounters` is that arithmetic in this process: the single-machine store's, and a shared store's fallback
+while the store is away. The shared store runs the same arithmetic as one server-side function per request
+(app/serving/valkey_state.py), so a replica never admits on its own count.
+"""
+
+from __future__ import annotations
+
+import calendar
+import math
+import time
+from dataclasses import dataclass, field
+
+PERIODS = {"minute": 60, "hour": 3600, "day": 86400, "month": None}  # month: calendar month (UTC)
+MICRO = 1_000_000
+# A reservation nobody settles (its replica died) stops counting after this long.
+HOLD_SECONDS = 900
+# Admission outcomes: admitted, admitted on the device only (at the cap), or refused by which limit.
+ADMITTED, DEVICE_ONLY = "ok", "device"
+REFUSALS = ("cap", "rpm", "tpm", "streams")
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """One API key's limits. `name` identifies the key in the store and in the headers' logs (never the secret)."""
+
+    name: str
+    cap_usd: float | None = None
+    period: str = "day"
+    at_cap: str = "device"  # device | reject
+    rpm: int | None = None  # requests per minute
+    tpm: int | None = None  # tokens (prompt + completion) per minute
+    max_streams: int | None = None  # requests in flight at once
+    reserve_tokens: int = 512  # the per-request ceiling on generated tokens a reservation covers
+
+    @property
+    def cap_micro(self) -> int | None:
+        return None if self.cap_usd is None else to_micro(self.cap_usd)
+
+
+def to_micro(usd: float) -> int:
+    """Dollars as integer micro-dollars (rounded half up): what the store adds up, so no float drift."""
+    return math.floor(usd * MICRO + 0.5)
+
+
+def period_window(period: str, now: float) -> tuple[str, float, int]:
+    """(the period's label, seconds until it ends, how long its spend is kept) at `now` (UTC)."""
+    length = PERIODS[period]
+    if length is None:
+        t = time.gmtime(now)
+        year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+        end = calendar.timegm((year, month, 1, 0, 0, 0))
+        return f"{t.tm_year:04d}-{t.tm_mon:02d}", max(0.0, end - now), 32 * 86400
+    start = math.floor(now / length) * length
+    return f"{period[0]}{int(start)}", start + length - now, 2 * length
+
+
+def minute_of(now: float) -> int:
+    return int(now // 60)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What admission said, and the counts after it (for the `x-ratelimit-*` headers)."""
+
+    status: str  # ADMITTED | DEVICE_ONLY | one of REFUSALS
+    spent_micro: int
+    reserved_micro: int
+    requests: int  # this minute's, this one included when admitted
+    tokens: int  # this minute's, settled
+    streams: int  # in flight, this one included when admitted
+
+    @property
+    def admitted(self) -> bool:
+        return self.status in (ADMITTED, DEVICE_ONLY)
+
+
+@dataclass
+class Admission:
+    """One admitted request's hold on its key: settled once, when its last choice ends."""
+
+    id: str
+    key: KeyLimits
+    reserved_micro: int
+    verdict: Verdict
+    now: float
+    shared: bool  # admitted by the shared store (else by this process's count)
+    choices: int = 1
+    spent_micro: int = 0
+    tokens: int = 0
+    done: int = 0
+
+    def add(self, cost_usd: float, tokens: int) -> bool:
+        """One choice's booking; True when it was the last, and the admission is due to settle."""
+        self.spent_micro += to_micro(cost_usd)
+        self.tokens += tokens
+        self.done += 1
+        return self.done >= self.choices
+
+
+def rate_headers(key: KeyLimits, verdict: Verdict, now: float) -> dict[str, str]:
+    """OpenAI's `x-ratelimit-*` headers for the key's limits (only those it has), and the cap's remainder."""
+    reset_minute = f"{60 - now % 60:.0f}s"
+    headers = {}
+    if key.rpm is not None:
+        headers["x-ratelimit-limit-requests"] = str(key.rpm)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, key.rpm - verdict.requests))
+        headers["x-ratelimit-reset-requests"] = reset_minute
+    if key.tpm is not None:
+        headers["x-ratelimit-limit-tokens"] = str(key.tpm)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, key.tpm - verdict.tokens))
+        headers["x-ratelimit-reset-tokens"] = reset_minute
+    if key.cap_micro is not None:
+        left = max(0, key.cap_micro - verdict.spent_micro - verdict.reserved_micro)
+        headers["x-tandem-budget-remaining-usd"] = f"{left / MICRO:.6f}"
+    return headers
+
+
+def retry_after(key: KeyLimits, status: str, now: float) -> int:
+    """Seconds until the refusing limit can admit again (a stream limit: a guess of one second)."""
+    if status == "cap":
+        return max(1, math.ceil(period_window(key.period, now)[1]))
+    if status in ("rpm", "tpm"):
+        return max(1, math.ceil(60 - now % 60))
+    return 1
+
+
+@dataclass
+class _KeyState:
+    spent: dict[str, int] = field(default_factory=dict)  # period label -> micro-dollars
+    holds: dict[str, tuple[int, float]] = field(default_factory=dict)  # admission id -> (micro, until)
+    requests: dict[int, int] = field(default_factory=dict)  # minute -> requests
+    tokens: dict[int, int] = field(default_factory=dict)  # minute -> tokens
+
+
+class LocalCounters:
+    """The admission arithmetic on this process's own counts (the store's function does the same, atomically)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, _KeyState] = {}
+
+    def seed(self, key: KeyLimits, now: float, spent_micro: int) -> None:
+        """Start the period's spend from what the shared store last said (so an outage does not forget it)."""
+        state = self._keys.setdefault(key.name, _KeyState())
+        label = period_window(key.period, now)[0]
+        state.spent[label] = max(state.spent.get(label, 0), spent_micro)
+
+    def admit(self, key: KeyLimits, admission_id: str, now: float, reserve_micro: int) -> Verdict:
+        state = self._keys.setdefault(key.name, _KeyState())
+        label = period_window(key.period, now)[0]
+        minute = minute_of(now)
+        for old in [m for m in state.requests if m < minute - 1]:
+            state.requests.pop(old, None)
+            state.tokens.pop(old, None)
+        state.holds = {i: h for i, h in state.holds.items() if h[1] >= now}
+        spent = state.spent.get(label, 0)
+        reserved = sum(m for m, _ in state.holds.values())
+        requests, tokens, streams = state.requests.get(minute, 0), state.tokens.get(minute, 0), len(state.holds)
+        status = decide(key, spent, reserved, reserve_micro, requests, tokens, streams)
+        if status in (ADMITTED, DEVICE_ONLY):
+            reserve = reserve_micro if status == ADMITTED else 0
+            state.holds[admission_id] = (reserve, now + HOLD_SECONDS)
+            state.requests[minute] = requests = requests + 1
+            reserved += reserve
+            streams += 1
+        return Verdict(status, spent, reserved, requests, tokens, streams)
+
+    def settle(self, key: KeyLimits, admission_id: str, now: float, spent_micro: int, tokens: int) -> None:
+        state = self._keys.setdefault(key.name, _KeyState())
+        state.holds.pop(admission_id, None)
+        label = period_window(key.period, now)[0]
+        state.spent[label] = state.spent.get(label, 0) + spent_micro
+        minute = minute_of(now)
+        state.tokens[minute] = state.tokens.get(minute, 0) + tokens
+
+
+def decide(
+    key: KeyLimits, spent: int, reserved: int, reserve: int, requests: int, tokens: int, streams: int
+) -> str:
+    """The admission rule: the first limit that refuses, else admitted (or device-only at the cap)."""
+    if key.rpm is not None and requests >= key.rpm:
+        return "rpm"
+    if key.tpm is not None and tokens >= key.tpm:
+        return "tpm"
+    if key.max_streams is not None and streams >= key.max_streams:
+        return "streams"
+    cap = key.cap_micro
+    if cap is not None and spent + reserved + reserve > cap:
+        return DEVICE_ONLY if key.at_cap == "device" else "cap"
+    return ADMITTED

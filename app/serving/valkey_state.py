@@ -1,0 +1,517 @@
+"""The shared state on a Redis-protocol server (Valkey, or Redis 7+), for gateway replicas: `[state] backend =
+"valkey"` (app/serving/state.py says what is shared and what stays local).
+
+On the server, one function library (`tandem`, loaded with FUNCTION LOAD at every (re)connection, so a store
+that restarted empty gets it back) does every step that must be atomic:
+
+- `tandem_admit` / `tandem_settle`: a key's admission (app/serving/limits.py's rule: the period's spend, the
+  reservations in flight, this minute's requests and tokens, the streams in flight) and its settlement. The
+  key's counters share one hash tag, `{<prefix>key:<name>}`, so a cluster keeps them on one node. Only the
+  store admits; a replica never admits on its own count while the store answers.
+- `tandem_book`: one ledger booking: spend per endpoint in integer micro-dollars (HINCRBY: no float drift), and
+  the realised-budget window of the last N requests with its running sums (reading it is O(1)).
+- `tandem_budget_swap`: PUT /v1/budget's compare-and-set on the settings' version, published on a channel. A
+  replica hears the channel and also polls the version every `poll_seconds`, since pub/sub drops messages while a
+  connection is down.
+
+Traces are plain keys with a TTL; the cloud TTFT samples a list per cloud, capped at DiSCo's window. Bookings,
+traces and samples go through one queue, drained by a background task: a token's path never waits on the store.
+
+When the store cannot be reached (`on_store_loss`): the replica keeps serving. Admissions fall back to this
+process's counters, seeded with the spend the store last reported for each key, and every booking and settlement
+waits in the queue until the store is back, then is replayed (INCRBY adds up, so the books reconcile). With
+"closed", paid clouds are refused meanwhile (app/serving/core.py puts the request on the device). PUT /v1/budget
+answers 503 while the store is away: a replica must not change settings the others cannot see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import urllib.parse
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from app.serving.budget import BudgetSettings, apply_patch
+from app.serving.ledger import Booking, Ledger
+from app.serving.limits import (
+    HOLD_SECONDS,
+    MICRO,
+    Admission,
+    KeyLimits,
+    LocalCounters,
+    Verdict,
+    minute_of,
+    period_window,
+)
+from app.serving.state import StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+LIBRARY = r"""#!lua name=tandem
+
+local function admit(keys, args)
+  -- keys: spend of the period, holds, requests of the minute, tokens of the minute
+  local id, now = args[1], tonumber(args[2])
+  local reserve, cap = tonumber(args[4]), tonumber(args[5])
+  local rpm, tpm, streams_max = tonumber(args[6]), tonumber(args[7]), tonumber(args[8])
+  local spent = tonumber(redis.call('GET', keys[1]) or '0')
+  local reserved, streams = 0, 0
+  local holds = redis.call('HGETALL', keys[2])
+  for i = 1, #holds, 2 do
+    local micro, expiry = string.match(holds[i + 1], '^(%d+):([%d.]+)$')
+    if tonumber(expiry) < now then
+      redis.call('HDEL', keys[2], holds[i])
+    else
+      reserved = reserved + tonumber(micro)
+      streams = streams + 1
+    end
+  end
+  local requests = tonumber(redis.call('GET', keys[3]) or '0')
+  local tokens = tonumber(redis.call('GET', keys[4]) or '0')
+  local status = 'ok'
+  if rpm >= 0 and requests >= rpm then status = 'rpm'
+  elseif tpm >= 0 and tokens >= tpm then status = 'tpm'
+  elseif streams_max >= 0 and streams >= streams_max then status = 'streams'
+  elseif cap >= 0 and spent + reserved + reserve > cap then
+    if args[9] == '1' then status = 'device' else status = 'cap' end
+  end
+  if status == 'ok' or status == 'device' then
+    if status == 'device' then reserve = 0 end
+    redis.call('HSET', keys[2], id, reserve .. ':' .. args[3])
+    redis.call('EXPIRE', keys[2], args[10])
+    requests = redis.call('INCR', keys[3])
+    redis.call('EXPIRE', keys[3], 120)
+    reserved = reserved + reserve
+    streams = streams + 1
+  end
+  return {status, spent, reserved, requests, tokens, streams}
+end
+
+local function settle(keys, args)
+  -- keys: spend of the period, holds, tokens of the minute; args: id, micro-dollars, tokens, the spend's TTL
+  redis.call('HDEL', keys[2], args[1])
+  local spent = redis.call('INCRBY', keys[1], args[2])
+  redis.call('EXPIRE', keys[1], args[4])
+  redis.call('INCRBY', keys[3], args[3])
+  redis.call('EXPIRE', keys[3], 120)
+  return spent
+end
+
+local function book(keys, args)
+  -- keys: spend hash, window entries, window order, window sums
+  -- args: request, endpoint, new request, new for endpoint, prefill, decode, micro-dollars, input, constrained, N
+  local e = args[2] .. '.'
+  if args[3] == '1' then redis.call('HINCRBY', keys[1], 'requests', 1) end
+  if args[4] == '1' then redis.call('HINCRBY', keys[1], e .. 'requests', 1) end
+  redis.call('HINCRBY', keys[1], e .. 'prefill_tokens', args[5])
+  redis.call('HINCRBY', keys[1], e .. 'decode_tokens', args[6])
+  redis.call('HINCRBY', keys[1], e .. 'cost_micro', args[7])
+  redis.call('HINCRBY', keys[1], 'cost_micro', args[7])
+  local id, input, constrained = args[1], tonumber(args[8]), tonumber(args[9])
+  local old = redis.call('HGET', keys[2], id)
+  local d_input, d_constrained = input, constrained
+  if old then
+    local oi, oc = string.match(old, '^(%d+):(%d+)$')
+    d_input, d_constrained = input - tonumber(oi), constrained - tonumber(oc)
+  else
+    redis.call('RPUSH', keys[3], id)
+    while redis.call('LLEN', keys[3]) > tonumber(args[10]) do
+      local gone = redis.call('LPOP', keys[3])
+      local entry = redis.call('HGET', keys[2], gone)
+      if entry then
+        local gi, gc = string.match(entry, '^(%d+):(%d+)$')
+        d_input, d_constrained = d_input - tonumber(gi), d_constrained - tonumber(gc)
+        redis.call('HDEL', keys[2], gone)
+      end
+    end
+  end
+  redis.call('HSET', keys[2], id, input .. ':' .. constrained)
+  redis.call('HINCRBY', keys[4], 'input', d_input)
+  redis.call('HINCRBY', keys[4], 'constrained', d_constrained)
+  return 1
+end
+
+local function budget_swap(keys, args)
+  -- keys: the budget hash; args: the version expected, the settings (JSON), the channel to tell
+  local current = tonumber(redis.call('HGET', keys[1], 'version') or '0')
+  if current ~= tonumber(args[1]) then return -current end
+  local version = current + 1
+  redis.call('HSET', keys[1], 'version', version, 'settings', args[2])
+  redis.call('PUBLISH', args[3], version)
+  return version
+end
+
+redis.register_function('tandem_admit', admit)
+redis.register_function('tandem_settle', settle)
+redis.register_function('tandem_book', book)
+redis.register_function('tandem_budget_swap', budget_swap)
+"""
+
+_DOWN = (RedisError, OSError)
+_SOURCE = "the shared store"
+Op = Callable[[Pipeline], Any]  # queues its commands on a pipeline (a MULTI/EXEC batch)
+BATCH = 256  # queued operations sent in one MULTI/EXEC
+
+
+def _no_secret(url: str) -> str:
+    """The store's URL for logs and GET /v1/budget: without its password."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+class ValkeyStore:
+    backend = "valkey"
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        url: str,
+        prefix: str = "tandem:",
+        on_store_loss: str = "local",
+        trace_ttl: float = 600.0,
+        poll_seconds: float = 1.0,
+        timeout: float = 1.0,
+        ttft_samples: int = 2000,
+    ):
+        self.url = url
+        self.prefix = prefix
+        self.on_store_loss = on_store_loss
+        self.trace_ttl = trace_ttl
+        self.poll_seconds = poll_seconds
+        self.ttft_samples = ttft_samples  # the cloud TTFT samples kept per cloud (DiSCo's window)
+        # No retries inside the client: a lost store must fall back at once, not after a backoff per call.
+        self._redis = aioredis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self.counters = LocalCounters()  # the fallback while the store is away
+        self._pending: deque[Op] = deque()  # bookings, settlements and traces not yet on the store, in order
+        self._up = False
+        self._budget_stale = True
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._ledger = ledger
+        ledger_tag = f"{prefix}{{ledger}}"
+        self._spend = f"{ledger_tag}:spend"
+        self._window = (f"{ledger_tag}:window:entries", f"{ledger_tag}:window:order", f"{ledger_tag}:window:sums")
+        self._budget = f"{ledger_tag}:budget"
+        self._channel = f"{prefix}budget"
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._ledger.on_booking(self.book)
+        try:
+            await self._connect()
+        except _DOWN as exc:
+            self._lost(exc)
+        self._tasks = [asyncio.create_task(self._keep()), asyncio.create_task(self._listen())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._up:
+            with contextlib.suppress(*_DOWN, TimeoutError):
+                await asyncio.wait_for(self._drain(), 2.0)
+        if self._pending:
+            log.warning("%d bookings never reached the shared store %s", len(self._pending), _no_secret(self.url))
+        await self._redis.aclose()
+
+    async def _connect(self) -> None:
+        await self._redis.ping()
+        await self._redis.function_load(LIBRARY, replace=True)
+        if not self._up:
+            log.info("shared store %s: connected (%d bookings to replay)", _no_secret(self.url), len(self._pending))
+        self._up = True
+        await self._sync_budget(publish_ours=True)
+
+    def _lost(self, exc: BaseException) -> None:
+        if self._up:
+            log.warning(
+                "shared store %s lost (%s): serving on, %s",
+                _no_secret(self.url),
+                exc,
+                "paid clouds refused until it is back" if self.on_store_loss == "closed" else "limits on local counts",
+            )
+        self._up = False
+
+    async def _keep(self) -> None:
+        """Reconnects, replays what waited, polls the budget's version: the one background task that writes."""
+        assert self._wake is not None
+        while True:
+            try:
+                if not self._up:
+                    await self._connect()
+                await self._drain()
+                if self._budget_stale:
+                    self._budget_stale = False
+                    await self._sync_budget()
+            except _DOWN as exc:
+                self._lost(exc)
+                await asyncio.sleep(0.25)
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.poll_seconds)
+            if not self._wake.is_set():
+                self._budget_stale = True  # the poll: pub/sub may have dropped a change
+            self._wake.clear()
+
+    async def _drain(self) -> None:
+        """What waited, in order, in MULTI/EXEC batches: a batch is applied whole or not at all. At least once: a
+        batch whose reply was lost after the store applied it is sent again (a store lost at that very moment)."""
+        while self._pending:
+            batch = [self._pending[i] for i in range(min(BATCH, len(self._pending)))]
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for op in batch:
+                    op(pipe)
+                replies = await pipe.execute(raise_on_error=False)
+            for reply in replies:  # a command the store refused is not retried: it would be refused again
+                if isinstance(reply, Exception):
+                    log.error("the shared store refused a booking: %s", reply)
+            for _ in batch:
+                self._pending.popleft()
+
+    async def _listen(self) -> None:
+        """Budget changes published by other replicas (the poll catches what this misses)."""
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(self._channel)
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None and message["type"] == "message":
+                        self._budget_stale = True
+                        self._later()
+            except _DOWN:
+                await asyncio.sleep(0.5)
+            finally:
+                with contextlib.suppress(*_DOWN):
+                    await pubsub.aclose()
+
+    def _later(self, op: Op | None = None) -> None:
+        if op is not None:
+            self._pending.append(op)
+        if self._wake is not None:
+            self._wake.set()
+
+    # -- the budget ----------------------------------------------------------------------------------------------
+    def _settings_of(self, text: str) -> BudgetSettings:
+        return apply_patch(self._ledger.defaults, json.loads(text), unknown_backends="drop")
+
+    async def _sync_budget(self, publish_ours: bool = False) -> None:
+        """Adopt the store's settings when they are newer; a store that has none (new, or restarted empty) is
+        given this replica's when it has any of its own."""
+        ledger = self._ledger
+        version, text = await self._redis.hmget(self._budget, ["version", "settings"])
+        if version is None:
+            if publish_ours and ledger.settings != ledger.defaults:
+                await self._swap(0, ledger.settings)
+            return
+        if int(version) != ledger.version:
+            ledger.adopt(self._settings_of(text), int(version), _SOURCE)
+
+    async def _swap(self, expected: int, settings: BudgetSettings) -> int:
+        payload = json.dumps(settings.to_dict())
+        return int(await self._redis.fcall("tandem_budget_swap", 1, self._budget, expected, payload, self._channel))
+
+    async def _change_budget(self, change: Callable[[BudgetSettings], BudgetSettings]) -> None:
+        ledger = self._ledger
+        if not self._up:
+            raise StoreUnavailable("the shared store is unreachable; budget settings cannot change until it is back")
+        try:
+            for _ in range(16):
+                version, text = await self._redis.hmget(self._budget, ["version", "settings"])
+                base = self._settings_of(text) if text is not None else ledger.settings
+                new = change(base)
+                expected = int(version or 0)
+                swapped = await self._swap(expected, new)
+                if swapped > 0:
+                    ledger.adopt(new, swapped, _SOURCE)
+                    return
+        except _DOWN as exc:
+            self._lost(exc)
+            raise StoreUnavailable(f"the shared store was lost while changing the budget: {exc}") from exc
+        raise StoreUnavailable("the budget kept changing under this update; try again")
+
+    async def update_budget(self, patch: dict[str, Any]) -> None:
+        await self._change_budget(lambda base: apply_patch(base, patch))
+
+    async def reset_budget(self) -> None:
+        defaults = self._ledger.defaults
+        await self._change_budget(lambda _: defaults)
+
+    # -- admission -------------------------------------------------------------------------------------------------
+    def may_spend(self) -> bool:
+        return self._up or self.on_store_loss == "local"
+
+    def _key_names(self, key: KeyLimits, now: float) -> tuple[str, str, str, str, int]:
+        tag = f"{self.prefix}{{key:{key.name}}}"
+        label, _, keep = period_window(key.period, now)
+        minute = minute_of(now)
+        return f"{tag}:spend:{label}", f"{tag}:holds", f"{tag}:rpm:{minute}", f"{tag}:tpm:{minute}", keep
+
+    async def admit(self, key: KeyLimits, admission_id: str, now: float, reserve_micro: int) -> tuple[Verdict, bool]:
+        if self._up:
+            spend, holds, rpm, tpm, _ = self._key_names(key, now)
+            limits = [-1 if v is None else v for v in (key.cap_micro, key.rpm, key.tpm, key.max_streams)]
+            try:
+                reply = await self._redis.fcall(
+                    "tandem_admit",
+                    4,
+                    spend,
+                    holds,
+                    rpm,
+                    tpm,
+                    admission_id,
+                    f"{now:.3f}",
+                    f"{now + HOLD_SECONDS:.3f}",
+                    reserve_micro,
+                    *limits,
+                    int(key.at_cap == "device"),
+                    2 * HOLD_SECONDS,
+                )
+                verdict = Verdict(reply[0], *(int(v) for v in reply[1:]))
+                self.counters.seed(key, now, verdict.spent_micro)
+                return verdict, True
+            except _DOWN as exc:
+                self._lost(exc)
+                self._later()
+        return self.counters.admit(key, admission_id, now, reserve_micro), False
+
+    async def settle(self, admission: Admission) -> None:
+        key, now = admission.key, admission.now
+        spend, holds, _, _, keep = self._key_names(key, now)
+        tpm = f"{self.prefix}{{key:{key.name}}}:tpm:{minute_of(now)}"
+        args = (admission.id, admission.spent_micro, admission.tokens, keep)
+
+        def op(pipe: Pipeline) -> None:
+            pipe.fcall("tandem_settle", 3, spend, holds, tpm, *args)
+
+        if not admission.shared:
+            self.counters.settle(key, admission.id, now, admission.spent_micro, admission.tokens)
+        if self._up and not self._pending:
+            try:
+                await self._redis.fcall("tandem_settle", 3, spend, holds, tpm, *args)
+                return
+            except _DOWN as exc:
+                self._lost(exc)
+        self._later(op)  # replayed, in order, when the store is back
+
+    # -- bookings and traces -----------------------------------------------------------------------------------------
+    def book(self, booking: Booking) -> None:
+        b = booking
+        args = (
+            b.request_id,
+            b.endpoint,
+            int(b.new_request),
+            int(b.new_for_endpoint),
+            b.prefill_tokens,
+            b.decode_tokens,
+            b.cost_micro,
+            b.input_tokens,
+            b.constrained_input,
+            self._ledger.window,
+        )
+        keys = (self._spend, *self._window)
+        self._later(lambda pipe: pipe.fcall("tandem_book", 4, *keys, *args))
+
+    def keep_trace(self, request_id: str, trace: dict) -> None:
+        if not self._up:
+            return  # a trace is worth a few minutes; bookings are what must wait for the store
+        text = json.dumps(trace)
+        ttl = max(1, round(self.trace_ttl))
+        self._later(lambda pipe: pipe.set(f"{self.prefix}trace:{request_id}", text, ex=ttl))
+
+    def share_server_ttft(self, cloud: str, seconds: float) -> None:
+        if not self._up:
+            return  # a sample is worth little later; the estimators have it here
+        key, keep = self._ttft_key(cloud), self.ttft_samples
+
+        def op(pipe: Pipeline) -> None:
+            pipe.lpush(key, f"{seconds:.6f}")
+            pipe.ltrim(key, 0, keep - 1)
+
+        self._later(op)
+
+    async def server_ttft_samples(self, clouds: list[str]) -> dict[str, list[float]]:
+        if not self._up:
+            return {}
+        try:
+            lists = [await self._redis.lrange(self._ttft_key(c), 0, self.ttft_samples - 1) for c in clouds]
+        except _DOWN as exc:
+            self._lost(exc)
+            return {}
+        return {c: [float(v) for v in reversed(values)] for c, values in zip(clouds, lists, strict=True) if values}
+
+    def _ttft_key(self, cloud: str) -> str:
+        return f"{self.prefix}{{ledger}}:ttft:{cloud}"
+
+    async def trace(self, request_id: str) -> dict | None:
+        if not self._up:
+            return None
+        try:
+            text = await self._redis.get(f"{self.prefix}trace:{request_id}")
+        except _DOWN as exc:
+            self._lost(exc)
+            return None
+        return None if text is None else json.loads(text)
+
+    async def spend(self) -> dict | None:
+        """Every replica's spend, shaped as the ledger's snapshot shapes its own; None while the store is away."""
+        if not self._up:
+            return None
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hgetall(self._spend)
+                pipe.hgetall(self._window[2])
+                pipe.llen(self._window[1])
+                totals, sums, size = await pipe.execute()
+        except _DOWN as exc:
+            self._lost(exc)
+            return None
+        endpoints: dict[str, dict[str, Any]] = {}
+        for field, value in totals.items():
+            name, dot, what = field.rpartition(".")
+            if dot:
+                endpoints.setdefault(name, {})[what] = int(value)
+        for entry in endpoints.values():
+            entry["cost_usd"] = entry.get("cost_micro", 0) / MICRO
+        win_input, win_constrained = int(sums.get("input", 0)), int(sums.get("constrained", 0))
+        return {
+            "requests": int(totals.get("requests", 0)),
+            "cost_usd": int(totals.get("cost_micro", 0)) / MICRO,
+            "cost_micro": int(totals.get("cost_micro", 0)),
+            "endpoints": endpoints,
+            "window": {
+                "size": self._ledger.window,
+                "requests": int(size),
+                "input_tokens": win_input,
+                "constrained_input_tokens": win_constrained,
+                "realised_budget": win_constrained / win_input if win_input else None,
+            },
+        }
+
+    def describe(self) -> dict:
+        return {
+            "backend": self.backend,
+            "url": _no_secret(self.url),
+            "connected": self._up,
+            "on_store_loss": self.on_store_loss,
+            "pending": len(self._pending),
+        }

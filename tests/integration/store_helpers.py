@@ -1,0 +1,66 @@
+"""A real Redis-protocol server for the tests: Valkey where it is installed, else Redis 7+ (`make setup` installs
+one; README says how without root). Started on a free loopback port with persistence off and a temp directory,
+stopped and started again on the same port by the tests of a lost store."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from app.launcher import free_port
+
+SERVERS = ("valkey-server", "redis-server")
+
+
+def server_binary() -> str:
+    for name in SERVERS:
+        path = shutil.which(name)
+        if path is not None:
+            return path
+    raise RuntimeError(
+        "No Redis-protocol server on PATH (valkey-server or redis-server 7+): `make setup` installs one as root; "
+        "otherwise see README, 'Several gateways, one store'."
+    )
+
+
+class StoreServer:
+    def __init__(self) -> None:
+        self.binary = server_binary()
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="tandem-store-"))
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", str(self.dir), "--protected-mode", "yes", "--loglevel", "warning"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.binary} exited: {self.process.stderr.read().decode()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"{self.binary} did not answer on port {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(5)
+            self.process = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
