@@ -16,6 +16,7 @@ import numpy as np
 from fastapi import Depends, Request
 
 from app.serving.core import Readiness
+from app.serving.events import EventBus
 from app.serving.job import Job
 from app.serving.ledger import Ledger
 from app.serving.relay import Delta
@@ -28,6 +29,7 @@ class Serving(Protocol):
 
     created: int  # when the gateway started: the models' `created`
     ledger: Ledger  # the budget, which endpoints/budget.py reads and changes
+    events: EventBus  # the live feed endpoints/events.py streams
 
     async def prepare(self, request: ChatInput | CompletionInput) -> Job:
         """The request's job: routed, rendered, tokenised, checked. Raises app/serving/errors.py's refusals."""
@@ -47,6 +49,9 @@ class Serving(Protocol):
     def budget_snapshot(self) -> dict: ...
 
     def render_metrics(self) -> bytes: ...
+
+    def endpoints(self) -> list[dict]:
+        """Each endpoint's name, role, model, locality and live counters (the dashboard's health panel)."""
 
 
 async def serving(request: Request) -> Serving:
