@@ -126,8 +126,10 @@ class Orchestrator:
             max_tokens=max(1, job.gen.max_tokens - prefix.tokens),
         )
 
-    def _open(self, job: Job, name: str, gen: GenerationRequest, context: int, migration: bool) -> Attempt:
-        attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration)
+    def _open(
+        self, job: Job, name: str, gen: GenerationRequest, context: int, migration: bool, from_token: int = 0
+    ) -> Attempt:
+        attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration, from_token)
         if not self._takes_ids(name):  # device-vocabulary ids mean nothing there: it gets the text
             gen = replace(gen, prompt_ids=None, prefix_ids=None)
         attempt.stream = self.backends[name].stream(gen)
@@ -152,7 +154,7 @@ class Orchestrator:
         if outcome is not None and attempt.outcome == "running":
             attempt.outcome = outcome
             if job is not None:
-                self._publish_attempt(f"endpoint.{outcome}", job, attempt, prefill_tokens=attempt.context_tokens)
+                self._publish_attempt(f"endpoint.{outcome}", job, attempt, decode_tokens=attempt.decode_tokens)
         if attempt.ended_at is None:
             attempt.ended_at = time.monotonic()
         if attempt.stream is not None:
@@ -170,7 +172,9 @@ class Orchestrator:
         attempt.ended_at = time.monotonic()
         status = exc.status if isinstance(exc, BackendError) else 500
         self.metrics.errors.labels(backend=attempt.name, kind=f"http_{status}").inc()
-        self._publish_attempt("endpoint.failed", job, attempt, error=attempt.error, status=status)
+        self._publish_attempt(
+            "endpoint.failed", job, attempt, error=attempt.error, status=status, decode_tokens=attempt.decode_tokens
+        )
 
     def _won(self, job: Job, attempt: Attempt, event: TokenEvent) -> None:
         attempt.first_at = event.t
@@ -478,8 +482,7 @@ class Orchestrator:
         gen = self._continuation(job, prefix)
         context = job.prompt_tokens + produced
         log.info("request %s: migrating %s -> %s at token %d (%s)", job.id, source.name, target, produced, reason)
-        attempt = self._open(job, target, gen, context, True)
-        attempt.from_token = produced
+        attempt = self._open(job, target, gen, context, True, produced)
         record = {
             "at_token": produced,
             "from": source.name,
