@@ -9,11 +9,11 @@ import threading
 from app.serving.events import EventBus
 
 
-async def _next(viewer, timeout: float = 1.0) -> list[dict]:
+async def _next(viewer, wait: float = 1.0) -> list[dict]:
     """The next batch of a viewer's one stream (the stream owns the subscription: closing it unsubscribes)."""
     if not hasattr(viewer, "stream"):
         viewer.stream = viewer.events()
-    return await asyncio.wait_for(anext(viewer.stream), timeout)
+    return await asyncio.wait_for(anext(viewer.stream), wait)
 
 
 async def test_a_viewer_gets_every_event_in_order():
@@ -87,7 +87,7 @@ async def test_publishing_from_another_thread_wakes_the_viewer():
     bus = EventBus()
     viewer = bus.subscribe()
     threading.Thread(target=bus.publish, args=("hat.session.opened",), kwargs={"session": "s1"}).start()
-    batch = await _next(viewer, timeout=5)
+    batch = await _next(viewer, wait=5)
     assert batch[0]["session"] == "s1"
 
 
