@@ -33,7 +33,7 @@ function el(tag, text, cls) {
 }
 
 const fmtMs = (v) => (v === null || v === undefined ? "–" : v < 1000 ? v.toFixed(0) + " ms" : (v / 1000).toFixed(2) + " s");
-const fmtUsd = (v) => (v === null || v === undefined ? "–" : "$" + (v < 0.01 ? v.toExponential(2) : v.toFixed(4)));
+const fmtUsd = (v) => (v === null || v === undefined ? "–" : v === 0 ? "$0" : "$" + (v < 0.01 ? v.toExponential(2) : v.toFixed(4)));
 const short = (id) => (id.length > 18 ? id.slice(0, 10) + "…" + id.slice(-6) : id);
 
 // -- the live request list ------------------------------------------------------------------------------------------
@@ -107,6 +107,7 @@ function onRequestEvent(ev) {
       Object.assign(d, { ttft_ms: t.ttft_ms, cost: t.cost_usd, privacy: t.privacy });
       d.outcome = ev.type === "request.finished" ? "finished: " + t.finish_reason : "failed";
       if ($("timeline").dataset.id === ev.request_id) openTimeline(ev.request_id, false);
+      soon(loadBudget); // its spend and the realised b moved
       break;
     }
   }
@@ -150,7 +151,7 @@ function renderTrace(t) {
   const ends = t.endpoints.map((e) => e.ended_ms ?? e.first_token_ms ?? e.started_ms);
   const span = Math.max(1, ...ends, ...t.migrations.map((m) => m.at_ms));
   const pct = (ms) => (100 * ms) / span + "%";
-  const plan = t.plan ? `${t.plan.kind} (${t.plan.policy}: ${t.plan.reason})` : "–";
+  const plan = t.plan ? `${t.plan.kind} (${t.plan.reason})` : "–";
   box.appendChild(el("p", `plan ${plan} · TTFT ${fmtMs(t.ttft_ms)} · ${t.completion_tokens} tokens · ` +
     `${t.delayed_tokens} delayed past the reader · ${fmtUsd(t.cost_usd)} · finish ${t.finish_reason ?? t.error ?? "–"}`));
   const lanes = el("ol", null, "lanes");
@@ -204,6 +205,14 @@ $("timeline-close").addEventListener("click", closeTimeline);
 document.addEventListener("keydown", (e) => {
   if (e.key === "Escape" && !$("timeline").hidden) closeTimeline();
 });
+
+// At most one reload a second, however many requests finish.
+const pending = new Set();
+function soon(load) {
+  if (pending.has(load)) return;
+  pending.add(load);
+  setTimeout(() => { pending.delete(load); load(); }, 1000);
+}
 
 // -- budget ---------------------------------------------------------------------------------------------------------
 async function loadBudget() {
