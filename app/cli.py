@@ -147,6 +147,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.tools.bench.jupiter_bench import main
     elif args.what == "reproducible":
         from app.tools.bench.reproducible import main
+    elif args.what == "events":
+        from app.tools.bench.events_bench import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -234,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             "outline",
             "jupiter",
             "reproducible",
+            "events",
         ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -36,7 +36,7 @@ async def _feed(bus: EventBus, last_id: int | None) -> AsyncIterator[bytes]:
     try:
         yield b": tandem events\n\n"
         async for batch in viewer.events():
-            yield b"".join(encode(e) for e in batch)
+            yield b"".join(bus.rendered(e, encode) for e in batch)
     finally:
         bus.unsubscribe(viewer)
 

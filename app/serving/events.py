@@ -18,6 +18,10 @@ text. Types (docs/dashboard.md lists each one's fields): request.planned, reques
 endpoint.started, endpoint.won, endpoint.lost, endpoint.failed, endpoint.finished, migration.started,
 migration.completed, migration.failed, budget.changed, hat.session.opened, hat.session.closed.
 
+What a viewer costs serving: publish appends to its queue and sets its wake-up, nothing more. The viewer's task then
+waits `coalesce` seconds before it takes its queue, so each viewer writes at most a few batches a second however
+busy the gateway is, and each event is rendered once for all viewers (`rendered`).
+
 Threads: publish may be called from any thread (a backend's model thread); the bookkeeping takes a lock, and a
 viewer's wake-up goes through its loop's call_soon_threadsafe when the caller is on another thread.
 """
@@ -76,7 +80,8 @@ class Viewer:
         return events
 
     async def events(self, keepalive: float | None = None) -> AsyncIterator[list[Event]]:
-        """Batches of events as they come; an empty batch when `keepalive` seconds passed without any."""
+        """Batches of events as they come (each at most `coalesce` seconds late); an empty batch when `keepalive`
+        seconds passed without any."""
         try:
             while True:
                 if not self.queue and not self.dropped:
@@ -85,6 +90,8 @@ class Viewer:
                     except TimeoutError:
                         yield []
                         continue
+                    if self.bus.coalesce:
+                        await asyncio.sleep(self.bus.coalesce)  # what else comes meanwhile goes in the same batch
                 batch = self.take()
                 if batch:
                     yield batch
@@ -93,8 +100,10 @@ class Viewer:
 
 
 class EventBus:
-    def __init__(self, history: int = 1024, viewer_capacity: int = 256):
+    def __init__(self, history: int = 1024, viewer_capacity: int = 256, coalesce: float = 0.0):
         self.history: deque[Event] = deque(maxlen=history)
+        self.coalesce = coalesce
+        self._rendered: dict[int, bytes] = {}
         self.viewer_capacity = viewer_capacity
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -144,6 +153,18 @@ class EventBus:
         with self.lock:
             if viewer in self._viewers:
                 self._viewers.remove(viewer)
+
+    def rendered(self, event: Event, render: Callable[[Event], bytes]) -> bytes:
+        """`render(event)`, computed once for every viewer (on the event loop, as the viewers are)."""
+        key = event["id"]
+        if key is None:
+            return render(event)
+        data = self._rendered.get(key)
+        if data is None:
+            data = self._rendered[key] = render(event)
+            while len(self._rendered) > (self.history.maxlen or 0):
+                del self._rendered[next(iter(self._rendered))]
+        return data
 
     def notice(self, count: int, first_id: int | None) -> Event:
         """The event that tells a viewer it missed `count` events from `first_id` on (not in the history)."""

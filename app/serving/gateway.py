@@ -74,7 +74,7 @@ class Gateway:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.metrics = Metrics()
-        self.events = EventBus()
+        self.events = EventBus(coalesce=0.1)  # a viewer writes at most ~10 batches a second
         self.device = _device_backend(settings)
         self.backends: dict[str, Backend] = {self.device.name: self.device}
         self.embedded: list[EmbeddedServer | EmbeddedWorker] = []
@@ -101,6 +101,8 @@ class Gateway:
         )
         self.metrics.budget_ratio.set_function(self.ledger.realised_ratio)
         self.ledger.on_change(self._budget_changed)
+        self.metrics.event_viewers.set_function(lambda: self.events.viewers)
+        self.metrics.events_dropped.set_function(lambda: self.events.dropped_total)
         for backend in self.backends.values():
             if hasattr(backend, "on_session"):  # a HAT device half: its sessions with the worker
                 backend.on_session = lambda kind, line, name=backend.name: self.events.publish(
