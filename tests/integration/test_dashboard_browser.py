@@ -42,6 +42,7 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 API_KEY, ADMIN_KEY = "page-user-key", "page-admin-key"
 # Long enough that the device's prefill takes longer than the scripted cloud's first piece: the cloud wins the race.
+SEEN: dict[str, str] = {}  # request ids of earlier tests, for the last screenshot
 MESSAGES = [{"role": "user", "content": "Summarise this list: " + ", ".join(f"item {i}" for i in range(40))}]
 
 
@@ -163,6 +164,7 @@ def open_timeline_by_keyboard(driver, row) -> list:
 def test_a_race_with_a_fault_migration_appears_live_with_endpoints_tokens_and_timeline(gw, upstream, browser, shots):
     upstream.push(Answer(pieces=PIECES[:4], then="close"))
     request_id, text = chat(gw)
+    SEEN["migrated"] = request_id
     assert text.startswith("".join(PIECES[:4]))
     row = row_of(browser, request_id)
     shown = cells(row)
@@ -201,7 +203,11 @@ def test_a_cloud_that_refuses_fails_over_to_the_device(gw, upstream, browser, sh
     device = browser.find_element(By.CSS_SELECTOR, '[data-endpoint="device"]').text
     assert "device (device, device)" in device and "ready" in device and "TTFT:" in device
     assert "Inter-token:" in device
+    # The whole page with both requests booked and the migrated one's timeline open (README's screenshot).
+    wait(browser).until(lambda d: "over 2 requests" in d.find_element(By.ID, "budget-facts").text)
+    open_timeline_by_keyboard(browser, browser.find_element(By.CSS_SELECTOR, f'tr[data-id="{SEEN["migrated"]}"]'))
     browser.save_screenshot(str(shots / "dashboard.png"))
+    browser.switch_to.active_element.send_keys(Keys.ESCAPE)
 
 
 def test_the_budget_is_edited_with_the_admin_key_and_refused_without_it(gw, browser):
