@@ -514,6 +514,7 @@ class Orchestrator:
         if source.outcome in ("running", "won"):
             source.outcome = "migrated-from"
             source.ended_at = time.monotonic()
+            self._publish_attempt("endpoint.migrated-from", job, source, decode_tokens=source.decode_tokens)
         await self._close(source)
         self.metrics.migrations.labels(source=source.role, target=attempt.role, reason=reason).inc()
         self._won(job, attempt, event)

@@ -13,8 +13,8 @@ The spans of one request:
 - one child per endpoint attempt (a race's two starts, a fallback, each migration leg): `{operation} {model}` of
   that endpoint's model, INTERNAL on the device, CLIENT to a cloud or a HAT worker; `gen_ai.provider.name`, its
   prefill as `gen_ai.usage.input_tokens` (of which `gen_ai.usage.cache_read.input_tokens` from its own KV cache), its
-  decode as `output_tokens`, a `gen_ai.first_token` event, `tandem.outcome` (won | lost | failed | finished | ...),
-  and for a migration leg a link to the leg it continues.
+  decode as `output_tokens`, a `gen_ai.first_token` event, `tandem.outcome` (lost | failed | finished | cancelled |
+  migrated-from), and for a migration leg a link to the leg it continues.
 
 No span carries prompt or answer text: the events they are built from carry none.
 
@@ -96,7 +96,7 @@ class RequestSpans:
             "request.finished": self._request_ended,
             "request.failed": self._request_ended,
         }
-        for outcome in ("lost", "failed", "finished", "cancelled"):
+        for outcome in ("lost", "failed", "finished", "cancelled", "migrated-from"):
             self._handlers[f"endpoint.{outcome}"] = self._leg_ended
 
     def on_event(self, event: Event) -> None:
