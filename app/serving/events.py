@@ -129,6 +129,10 @@ class EventBus:
     def listen(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
+    @property
+    def listeners(self) -> int:
+        return len(self._listeners)
+
     # -- viewers ---------------------------------------------------------------------------------------------------
     @property
     def viewers(self) -> int:
