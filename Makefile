@@ -11,7 +11,7 @@ BIN    := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed
 DEV_STAMP   := $(VENV)/.installed-dev
 
-.PHONY: setup models store-server serve test test-portable lint bench clean
+.PHONY: setup models store-server browser serve test test-portable lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,16 @@ store-server:
 		exit 1; \
 	fi
 
-setup: $(DEV_STAMP) models store-server
+# The dashboard's browser tests drive Debian's chromium through its chromedriver (nothing downloads a browser of
+# its own). As root (CI) the set-up installs both; elsewhere: `sudo apt-get install chromium chromium-driver`.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	else echo "the dashboard's browser tests need chromium and chromium-driver: sudo apt-get install chromium chromium-driver"; fi
+
+
+setup: $(DEV_STAMP) models store-server browser
 
 serve: $(SERVE_STAMP) models
 	$(BIN)/tandem serve

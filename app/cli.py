@@ -149,6 +149,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.tools.bench.reproducible import main
     elif args.what == "fleet":
         from app.tools.bench.fleet_bench import main
+    elif args.what == "events":
+        from app.tools.bench.events_bench import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -237,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             "jupiter",
             "reproducible",
             "fleet",
+            "events",
         ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)

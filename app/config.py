@@ -319,6 +319,15 @@ class EmbeddingSettings(_Strict):
     max_tokens: Annotated[int, Field(gt=0, le=512)] = 256  # longer inputs are truncated (the model's window)
 
 
+class TelemetrySettings(_Strict):
+    """OpenTelemetry traces over OTLP/HTTP (app/serving/telemetry.py): off unless enabled; needs the `telemetry`
+    extra. What is unset here comes from the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT, _HEADERS, ...)."""
+
+    enabled: bool = False
+    endpoint: str = ""  # the OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces
+    service_name: str = "tandem-gateway"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_", env_nested_delimiter="__", extra="forbid")
 
@@ -328,6 +337,7 @@ class Settings(BaseSettings):
     disco: DiscoSettings = DiscoSettings()
     embeddings: EmbeddingSettings = EmbeddingSettings()
     state: StateSettings = StateSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
 
     @classmethod
     def settings_customise_sources(

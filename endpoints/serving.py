@@ -16,6 +16,7 @@ import numpy as np
 from fastapi import Depends, Request
 
 from app.serving.core import Readiness
+from app.serving.events import EventBus
 from app.serving.job import Job
 from app.serving.limits import KeyLimits
 from app.serving.relay import Delta
@@ -27,6 +28,7 @@ class Serving(Protocol):
     """What the gateway's endpoints ask of the serving core."""
 
     created: int  # when the gateway started: the models' `created`
+    events: EventBus  # the live feed endpoints/events.py streams
 
     async def prepare(self, request: ChatInput | CompletionInput) -> Job:
         """The request's job: routed, rendered, tokenised, checked. Raises app/serving/errors.py's refusals."""
@@ -52,6 +54,9 @@ class Serving(Protocol):
     async def reset_budget(self) -> None: ...
 
     def render_metrics(self) -> bytes: ...
+
+    def endpoints(self) -> list[dict]:
+        """Each endpoint's name, role, model, locality and live counters (the dashboard's health panel)."""
 
 
 async def serving(request: Request) -> Serving:

@@ -22,6 +22,7 @@ import numpy as np
 
 from app.serving.disco import DiscoRuntime
 from app.serving.errors import InvalidRequest, NotFound, NotReady, RateLimited, Unavailable
+from app.serving.events import EventBus
 from app.serving.job import Job
 from app.serving.ledger import Ledger
 from app.serving.limits import DEVICE_ONLY, Admission, rate_headers, retry_after, to_micro
@@ -72,6 +73,7 @@ class ServingCore:
         embedder: SentenceEmbedder | None,
         created: int,
         state: StateStore,
+        events: EventBus | None = None,
     ):
         self.options = options
         self.device = device
@@ -84,6 +86,7 @@ class ServingCore:
         self._embedder_lock = asyncio.Lock()
         self.created = created
         self.state = state
+        self.events = events if events is not None else EventBus()  # the live feed (GET /v1/events)
         # Set by the start-up (app/serving/gateway.py): requests wait for `loaded`, readiness reports the error.
         self.loaded = asyncio.Event()
         self.startup_error: str | None = None
@@ -242,6 +245,30 @@ class ServingCore:
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
+
+    def endpoints(self) -> list[dict]:
+        """Each configured endpoint: its name, role, model and locality, and its live state (streams running, tokens
+        generated; a HAT backend's counters and draft shape too), for the dashboard."""
+        rows = []
+        for name, backend in self.backends.items():
+            row = {
+                "name": name,
+                "role": "device" if name == self.device.name else "cloud",
+                "model": backend.model_id,
+                "locality": backend.locality,
+                "active": backend.active,
+                "tokens_generated": backend.tokens_generated,
+            }
+            stats = getattr(backend, "stats", None)
+            if stats is not None:  # a HAT device half
+                row["hat"] = {
+                    **stats.summary(),
+                    "sessions": stats.sessions,
+                    "draft_shape": backend.draft_shape(),
+                    "workers": backend.pool.describe(),
+                }
+            rows.append(row)
+        return rows
 
     # -- embeddings --------------------------------------------------------------------------------------------------
     async def _embedding_model(self) -> SentenceEmbedder:

@@ -19,17 +19,19 @@ from app.embedded import EmbeddedServer, EmbeddedWorker
 from app.lifespan import starting_in_background
 from app.serving.core import CoreOptions, ServingCore
 from app.serving.disco import DiscoRuntime
+from app.serving.events import EventBus
 from app.serving.ledger import Ledger
 from app.serving.metrics import Metrics, RequestMetricsMiddleware
 from app.serving.orchestrator import Orchestrator
 from app.serving.state import MemoryStore, StateStore
+from app.serving.telemetry import TelemetryOptions, start_telemetry
 from clients.base import Backend, GenerationRequest
 from clients.embeddings import SentenceEmbedder
 from clients.gguf_meta import read_arch
 from clients.openai_compat import OpenAICompatBackend, UpstreamOptions
 from deploy import models as bundled
 from deploy.models import model_path, resolve_model
-from endpoints import budget, embeddings, openai, ops, responses
+from endpoints import budget, dashboard, embeddings, events, openai, ops, responses
 from endpoints.errors import install_error_handlers
 from endpoints.guard import RequestGuard
 from endpoints.options import ApiOptions
@@ -91,6 +93,7 @@ class Gateway:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.metrics = Metrics()
+        self.events = EventBus(coalesce=0.1)  # a viewer writes at most ~10 batches a second
         self.device = _device_backend(settings)
         self.backends: dict[str, Backend] = {self.device.name: self.device}
         self.embedded: list[EmbeddedServer | EmbeddedWorker] = []
@@ -116,6 +119,14 @@ class Gateway:
             recompute_every=settings.disco.recompute_every,
         )
         self.metrics.budget_ratio.set_function(self.ledger.realised_ratio)
+        self.ledger.on_change(self._budget_changed)
+        self.metrics.event_viewers.set_function(lambda: self.events.viewers)
+        self.metrics.events_dropped.set_function(lambda: self.events.dropped_total)
+        for backend in self.backends.values():
+            if hasattr(backend, "on_session"):  # a HAT device half: its sessions with the worker
+                backend.on_session = lambda kind, line, name=backend.name: self.events.publish(
+                    f"hat.session.{kind}", backend=name, **line
+                )
         self.orchestrator = Orchestrator(
             self.backends,
             self.device.name,
@@ -127,6 +138,11 @@ class Gateway:
             stall_timeout=settings.gateway.stall_timeout,
             history=settings.gateway.trace_history,
             trace_file=settings.gateway.trace_file,
+            events=self.events,
+        )
+        tel = settings.telemetry
+        self.telemetry = start_telemetry(
+            TelemetryOptions(tel.enabled, tel.endpoint, tel.service_name), self.events, settings.gateway.model_name
         )
         self.state = _state_store(settings, self.ledger)
         self.orchestrator.keep_trace = self.state.keep_trace
@@ -144,6 +160,7 @@ class Gateway:
             self.embedder,
             created=int(time.time()),
             state=self.state,
+            events=self.events,
         )
 
     def _hat_backend(self, name: str, cloud) -> Backend:
@@ -167,6 +184,9 @@ class Gateway:
         )
         backend.accepts_token_ids = cloud.tokenizer == "device"
         return backend
+
+    def _budget_changed(self) -> None:
+        self.events.publish("budget.changed", version=self.ledger.version, settings=self.ledger.settings.to_dict())
 
     def _count_device(self, text: str) -> int:
         return self.device.count_tokens(text)[0]
@@ -208,6 +228,8 @@ class Gateway:
     async def close(self) -> None:
         self.orchestrator.close()
         await self.state.close()
+        if self.telemetry is not None:
+            await asyncio.to_thread(self.telemetry.close)  # the exporter's last batch
         if self.embedder is not None:
             await self.embedder.close()
         for backend in self.backends.values():
@@ -233,4 +255,6 @@ def create_gateway(settings: Settings) -> FastAPI:
     app.include_router(embeddings.router)
     app.include_router(budget.router)
     app.include_router(ops.router)
+    app.include_router(events.router)
+    app.include_router(dashboard.router)
     return app

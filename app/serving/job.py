@@ -25,6 +25,7 @@ class Attempt:
     cached_tokens: int = 0  # of those, taken from its own KV cache (the device says so on its first event)
     stream: AsyncIterator[TokenEvent] | None = None
     first_at: float | None = None
+    ended_at: float | None = None  # when it finished, failed, lost, was migrated from or cancelled
     decode_tokens: int = 0
     outcome: str = "running"  # won | lost | failed | migrated-from | finished | cancelled
     error: str | None = None

@@ -56,6 +56,13 @@ class Metrics:
             registry=r,
         )
 
+        self.event_viewers = Gauge("tandem_event_viewers", "Viewers connected to GET /v1/events", registry=r)
+        self.events_dropped = Gauge(
+            "tandem_events_dropped_total",
+            "Events not delivered to a viewer too slow to read them (that viewer was told), since start",
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -14,6 +14,10 @@
   text). A source that errors or stalls mid-stream is migrated the same way, so
   a fault becomes a migration, not a broken answer.
 - Account: usage, the cost of every attempt into the ledger, metrics, a trace.
+
+Each step is published on the event bus (app/serving/events.py) as it happens: the plan, every endpoint's start,
+win, loss, failure and finish, every migration's start and end, and the request's end with its trace. The live
+feed, the dashboard and the OpenTelemetry spans read it there.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import replace
 
 import anyio
 
+from app.serving.events import EventBus
 from app.serving.job import Attempt, Job
 from app.serving.metrics import Metrics
 from app.serving.relay import Delta, Prefix, Relay
@@ -61,7 +66,9 @@ class Orchestrator:
         stall_timeout: float = 10.0,
         history: int = 1000,
         trace_file: str = "",
+        events: EventBus | None = None,
     ):
+        self.events = events if events is not None else EventBus()
         self.backends = backends
         self.device = device
         self.cloud = cloud
@@ -121,18 +128,37 @@ class Orchestrator:
             max_tokens=max(1, job.gen.max_tokens - prefix.tokens),
         )
 
-    def _open(self, job: Job, name: str, gen: GenerationRequest, context: int, migration: bool) -> Attempt:
-        attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration)
+    def _open(
+        self, job: Job, name: str, gen: GenerationRequest, context: int, migration: bool, from_token: int = 0
+    ) -> Attempt:
+        attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration, from_token)
         if not self._takes_ids(name):  # device-vocabulary ids mean nothing there: it gets the text
             gen = replace(gen, prompt_ids=None, prefix_ids=None)
         attempt.stream = self.backends[name].stream(gen)
         job.attempts.append(attempt)
+        self._publish_attempt("endpoint.started", job, attempt, context_tokens=context, from_token=attempt.from_token)
         return attempt
 
-    @staticmethod
-    async def _close(attempt: Attempt, outcome: str | None = None) -> None:
+    def _publish_attempt(self, kind: str, job: Job, attempt: Attempt, **fields) -> None:
+        backend = self.backends[attempt.name]
+        self.events.publish(
+            kind,
+            request_id=job.id,
+            endpoint=attempt.role,
+            backend=attempt.name,
+            model=backend.model_id,
+            locality=backend.locality,
+            migration=attempt.migration,
+            **fields,
+        )
+
+    async def _close(self, attempt: Attempt, outcome: str | None = None, job: Job | None = None) -> None:
         if outcome is not None and attempt.outcome == "running":
             attempt.outcome = outcome
+            if job is not None:
+                self._publish_attempt(f"endpoint.{outcome}", job, attempt, decode_tokens=attempt.decode_tokens)
+        if attempt.ended_at is None:
+            attempt.ended_at = time.monotonic()
         if attempt.stream is not None:
             with anyio.CancelScope(shield=True):
                 if attempt.ended:
@@ -142,11 +168,15 @@ class Orchestrator:
                             pass
                 await attempt.stream.aclose()
 
-    def _failed(self, attempt: Attempt, exc: BaseException) -> None:
+    def _failed(self, job: Job, attempt: Attempt, exc: BaseException) -> None:
         attempt.outcome = "failed"
         attempt.error = str(exc)
+        attempt.ended_at = time.monotonic()
         status = exc.status if isinstance(exc, BackendError) else 500
         self.metrics.errors.labels(backend=attempt.name, kind=f"http_{status}").inc()
+        self._publish_attempt(
+            "endpoint.failed", job, attempt, error=attempt.error, status=status, decode_tokens=attempt.decode_tokens
+        )
 
     def _won(self, job: Job, attempt: Attempt, event: TokenEvent) -> None:
         attempt.first_at = event.t
@@ -163,6 +193,14 @@ class Orchestrator:
             event.t - attempt.started,
             attempt.migration,
         )
+        self._publish_attempt(
+            "endpoint.won",
+            job,
+            attempt,
+            ttft_ms=ms(event.t - attempt.started),
+            prefill_tokens=attempt.context_tokens - attempt.cached_tokens,
+            cached_tokens=attempt.cached_tokens,
+        )
 
     # -- start: plan and race ----------------------------------------------------------------------
     def _plan(self, job: Job) -> DispatchPlan:
@@ -174,6 +212,20 @@ class Orchestrator:
     async def _start(self, job: Job) -> tuple[Attempt, TokenEvent]:
         plan = job.plan = self._plan(job)
         self.metrics.decisions.labels(policy=plan.policy, plan=plan_kind(plan)).inc()
+        self.events.publish(
+            "request.planned",
+            request_id=job.id,
+            policy=job.policy,
+            plan=plan_kind(plan),
+            plan_policy=plan.policy,
+            reason=plan.reason,
+            device_delay_ms=ms(plan.device_delay),
+            prompt_tokens=job.prompt_tokens,
+            max_tokens=job.gen.max_tokens,
+            privacy=job.privacy,
+            cloud=job.cloud,
+            pinned=job.pinned,
+        )
         if job.pinned is not None:
             names = [job.pinned]
         elif plan.start_cloud and plan.start_device and self._serves(job, job.cloud) and self._serves(job, self.device):
@@ -198,7 +250,7 @@ class Orchestrator:
                 event = await anext(attempt.stream)
             except Exception as exc:
                 exc = _backend_error(name, exc)
-                self._failed(attempt, exc)
+                self._failed(job, attempt, exc)
                 await self._close(attempt)
                 log.warning("request %s: %s failed before its first token: %s", job.id, name, exc)
                 last = exc
@@ -242,7 +294,7 @@ class Orchestrator:
                         self.metrics.races.labels(winner=attempt.role).inc()
                         return attempt, event
                     exc = _backend_error(attempt.name, exc)
-                    self._failed(attempt, exc)
+                    self._failed(job, attempt, exc)
                     await self._close(attempt)
                     errors.append(exc)
                     if isinstance(exc, BackendError) and exc.status == 400:
@@ -256,7 +308,7 @@ class Orchestrator:
                 fut.cancel()
                 with anyio.CancelScope(shield=True):
                     await asyncio.gather(fut, return_exceptions=True)
-                await self._close(attempt, "lost")
+                await self._close(attempt, "lost", job)
 
     # -- relay -------------------------------------------------------------------------------------
     async def generate(self, job: Job) -> AsyncIterator[Delta]:
@@ -283,7 +335,7 @@ class Orchestrator:
                 # Cost-driven migration (Eqs. 4-6): only at a clean text boundary, once per answer. The source
                 # keeps its stream until the target's first token: if the target fails, the answer goes on here.
                 target = None if relay.holding_call else self._migration_target(job, attempt, event, relay)
-                moved = await self._migrate(job, attempt, target, "cost", relay.prefix()) if target else None
+                moved = await self._migrate(job, attempt, target, "cost", relay) if target else None
                 if moved is not None:
                     attempt, event = moved
                     continue
@@ -299,7 +351,7 @@ class Orchestrator:
         except Exception as exc:
             job.error = str(exc)
             if attempt is not None and attempt.outcome in ("running", "won"):
-                self._failed(attempt, exc)  # the trace must not show a crashed answer's endpoint as the winner
+                self._failed(job, attempt, exc)  # the trace must not show a crashed answer's endpoint as the winner
             if not isinstance(exc, BackendError):
                 log.exception("request %s failed", job.id)
                 raise BackendError(f"internal error: {type(exc).__name__}: {exc}", 500) from exc
@@ -308,9 +360,7 @@ class Orchestrator:
             stall.close()
             self.metrics.in_flight.dec()
             for a in job.attempts:
-                if a.outcome == "running":
-                    a.outcome = "cancelled"
-                await self._close(a)
+                await self._close(a, "cancelled", job)
             if job.finish_reason is None:  # failed or abandoned: book what was spent
                 if relay is not None:
                     job.delayed_tokens = relay.delayed
@@ -333,7 +383,9 @@ class Orchestrator:
     def _finished(self, job: Job, attempt: Attempt, relay: Relay, finish: str, upstream: Usage | None) -> None:
         job.finish_reason = finish
         attempt.outcome = "finished"
+        attempt.ended_at = time.monotonic()
         attempt.ended = not relay.stopped
+        self._publish_attempt("endpoint.finished", job, attempt, decode_tokens=attempt.decode_tokens)
         job.delayed_tokens = relay.delayed
         self._account(job, relay.produced, upstream)
         # The trace exists before the client sees the end of the answer (it may ask for it at once).
@@ -407,12 +459,11 @@ class Orchestrator:
         if isinstance(exc, TimeoutError):
             exc = BackendError(f"{source.name} sent nothing for {self.stall_timeout:g} s (stalled)", 504, source.name)
         exc = _backend_error(source.name, exc, "ended its stream without finishing")
-        self._failed(source, exc)
+        self._failed(job, source, exc)
         await self._close(source)
         errors = [f"{source.name}: {exc}"]
-        prefix = relay.prefix()
         for target in self._fault_targets(job, source):
-            moved = await self._migrate(job, source, target, reason, prefix)
+            moved = await self._migrate(job, source, target, reason, relay)
             if moved is not None:
                 return moved
             errors.append(f"{target}: {job.migrations[-1]['error']}")
@@ -423,26 +474,29 @@ class Orchestrator:
         )
 
     async def _migrate(
-        self, job: Job, source: Attempt, target: str, reason: str, prefix: Prefix
+        self, job: Job, source: Attempt, target: str, reason: str, relay: Relay
     ) -> tuple[Attempt, TokenEvent] | None:
         """Start `target` from exactly the delivered prefix; once its first token is here, stop the source. If the
         target fails or stays silent first, it is closed, the trace says why, and None is returned: a healthy
         source (a cost migration) still holds its stream, unread, and the answer goes on there."""
+        prefix = relay.prefix()
         produced = prefix.tokens
         gen = self._continuation(job, prefix)
         context = job.prompt_tokens + produced
         log.info("request %s: migrating %s -> %s at token %d (%s)", job.id, source.name, target, produced, reason)
-        attempt = self._open(job, target, gen, context, True)
-        attempt.from_token = produced
+        attempt = self._open(job, target, gen, context, True, produced)
         record = {
             "at_token": produced,
             "from": source.name,
             "to": target,
             "reason": reason,
             "at_ms": ms(attempt.started - job.started),
+            # How far the client's reader was behind what it had been sent (the buffer a migration hides behind).
+            "lead_tokens": round(relay.lead(attempt.started), 2),
             "prefix_ids": prefix.ids is not None and self._takes_ids(target),
         }
         job.migrations.append(record)
+        self.events.publish("migration.started", request_id=job.id, **record)
         # A target that stays silent: after a fault the device may need long for a long context; a cost move
         # was predicted to fit the client's buffer, so waiting longer than a stall only starves the reader.
         patience = self.stall_timeout if reason == "cost" else self.stall_timeout + 60
@@ -452,19 +506,23 @@ class Orchestrator:
             if isinstance(exc, TimeoutError):
                 exc = BackendError(f"migration target {target} sent nothing for {patience:g} s", 504, target)
             exc = _backend_error(target, exc)
-            self._failed(attempt, exc)
+            self._failed(job, attempt, exc)
             await self._close(attempt)
             record["error"] = str(exc)
+            self.events.publish("migration.failed", request_id=job.id, **record)
             self.metrics.failed_migrations.labels(source=source.role, target=attempt.role, reason=reason).inc()
             log.warning("request %s: migration %s -> %s failed: %s", job.id, source.name, target, exc)
             return None
         if source.outcome in ("running", "won"):
             source.outcome = "migrated-from"
+            source.ended_at = time.monotonic()
+            self._publish_attempt("endpoint.migrated-from", job, source, decode_tokens=source.decode_tokens)
         await self._close(source)
         self.metrics.migrations.labels(source=source.role, target=attempt.role, reason=reason).inc()
         self._won(job, attempt, event)
         record["t_m_ms"] = ms(event.t - attempt.started)
         job.backend = target
+        self.events.publish("migration.completed", request_id=job.id, **record)
         return attempt, event
 
     # -- accounting and traces ----------------------------------------------------------------------
@@ -506,6 +564,9 @@ class Orchestrator:
             self.keep_trace(job.id, trace)
         while len(self.traces) > self.history:
             self.traces.popitem(last=False)
+        if final:
+            kind = "request.finished" if job.finish_reason is not None else "request.failed"
+            self.events.publish(kind, request_id=job.id, trace=trace)
         if final and self._trace_out is not None and job.finish_reason is not None:
             self._trace_out.write(json.dumps(replay_row(job)) + "\n")
 

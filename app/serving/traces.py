@@ -62,6 +62,7 @@ def trace_of(job: Job) -> dict:
                 "outcome": a.outcome,
                 "started_ms": ms(a.started - job.started),
                 "first_token_ms": ms(None if a.first_at is None else a.first_at - job.started),
+                "ended_ms": ms(None if a.ended_at is None else a.ended_at - job.started),
                 "prefill_tokens": a.context_tokens - a.cached_tokens,
                 "cached_tokens": a.cached_tokens,
                 "from_token": a.from_token,

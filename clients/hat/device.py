@@ -66,7 +66,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,6 +238,9 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self.active = 0
         self.tokens_generated = 0
         self.stats = HATStats()
+        # Told when a session with the worker opens ("opened", its worker, μ, draft shape) and closes ("closed", the
+        # backend's acceptance so far): the gateway publishes it on its event bus. Never raises into a generation.
+        self.on_session: Callable[[str, dict], None] | None = None
 
     @property
     def shape(self) -> str:
@@ -384,6 +387,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         st = self.drafter.new_state()
         slot = self.station.join(len(context)) if self.station is not None else None
         worker.sessions += 1
+        session_line: dict | None = None
         try:
             opened = time.perf_counter()
             info = await link.open(self.num_layers, self.options.m, self.model_id)
@@ -396,6 +400,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                     backend=self.name,
                 )
             self.stats.sessions += 1
+            session_line = self._tell_session("opened", worker, info, len(context))
             async for event in self._generate(link, st, answer, limit, slot=slot):
                 yield event
         except TimeoutError:
@@ -410,9 +415,48 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             if slot is not None:
                 self.station.leave(slot)  # type: ignore[union-attr]
             await link.close()
+            if session_line is not None:
+                self._tell_session("closed", worker, link.info, len(context), session_line)
             self.stats.status_updates += link.status_updates
             self.stats.bytes_up += transport.bytes_up
             self.stats.bytes_down += transport.bytes_down
+
+    def draft_shape(self) -> str:
+        o = self.options
+        if self.tree is not None:
+            return f"tree of {len(self.tree.parents)} nodes"
+        return f"chain, {o.draft_length} rule, max {o.max_draft}"
+
+    def _tell_session(
+        self, kind: str, worker: PoolWorker, info: dict, context: int, opened: dict | None = None
+    ) -> dict | None:
+        """The session's line for `on_session`: a session id of this backend's own, the worker, the worker's μ,
+        the draft shape; at close also the rounds and tokens it ran (this backend's counters' difference: other
+        concurrent sessions' rounds count too when streams share the backend)."""
+        stats = self.stats
+        line = {
+            "session": opened["session"] if opened else f"{self.name}-{stats.sessions}",
+            "worker": worker.address.http_base,
+            "mu": float(info.get("mu") or 0.0),
+            "draft_shape": self.draft_shape(),
+            "m": self.options.m,
+            "context_tokens": context,
+            "_rounds": stats.rounds,
+            "_round_tokens": stats.round_tokens,
+        }
+        if self.on_session is None:
+            return line
+        public = {k: v for k, v in line.items() if not k.startswith("_")}
+        if opened is not None:
+            rounds = stats.rounds - opened["_rounds"]
+            public["rounds"] = rounds
+            tokens = stats.round_tokens - opened["_round_tokens"]
+            public["accept_length"] = round(tokens / rounds, 3) if rounds else None
+        try:
+            self.on_session(kind, public)
+        except Exception:
+            log.exception("%s: session listener failed", self.name)
+        return line
 
     async def _generate(
         self,

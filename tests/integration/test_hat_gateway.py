@@ -4,6 +4,8 @@ and DiSCo migrates answers device -> HAT and HAT -> device from the delivered pr
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -64,6 +66,23 @@ def test_sdk_streams_through_hat(hat_gateway):
     t = trace(hat_gateway, raw.headers["x-request-id"])
     assert [(e["backend"], e["outcome"]) for e in t["endpoints"]] == [("hat", "finished")]
     assert {"hat", "hat:qwen2.5-coder-0.5b-instruct"} <= {m.id for m in c.models.list().data}
+
+    # The session was on the live feed (replayed from the held history with Last-Event-ID 0) and in the endpoints.
+    opened = closed = None
+    with httpx.stream("GET", hat_gateway.v1 + "/events", headers={"Last-Event-ID": "0"}, timeout=10) as feed:
+        for line in feed.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                opened = event if event["type"] == "hat.session.opened" and opened is None else opened
+                closed = event if event["type"] == "hat.session.closed" else closed
+            if closed is not None:
+                break
+    assert opened["session"] == closed["session"] and opened["backend"] == "hat"
+    assert closed["worker"] == hat_gateway.worker_url and closed["mu"] >= 0 and closed["m"] == 2
+    assert closed["draft_shape"].startswith("chain") and closed["rounds"] >= 1 and closed["accept_length"] >= 1
+    (hat,) = [e for e in httpx.get(hat_gateway.v1 + "/endpoints", timeout=10).json()["data"] if e["name"] == "hat"]
+    assert hat["locality"] == "split" and hat["hat"]["sessions"] >= 1
+    assert [w["url"] for w in hat["hat"]["workers"]] == [hat_gateway.worker_url]
 
 
 def _knobs(gw, **patch):

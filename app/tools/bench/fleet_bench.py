@@ -26,7 +26,7 @@ import time
 import httpx
 import redis
 
-from app.tools.bench.gateway_bench import _pct, _round, start_upstreams
+from app.tools.bench.gateway_bench import _round, pct, start_upstreams
 from app.tools.bench.output import publish
 
 KEY = "bench-key"
@@ -96,7 +96,7 @@ def _report(results: dict, rounds: int) -> str:
         samples = results[f"ttft_c{conc}"]
         memory, store = samples["memory"], samples["store"]
         for q in (50, 99):
-            m, s = _pct(memory, q) * 1e3, _pct(store, q) * 1e3
+            m, s = pct(memory, q) * 1e3, pct(store, q) * 1e3
             lines.append(
                 f"| TTFT p{q}, {conc} stream{'s' if conc > 1 else ''} (n={len(memory)}) | {m:.2f} ms | {s:.2f} ms"
                 f" | **{s - m:+.2f} ms** |"

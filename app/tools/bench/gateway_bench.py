@@ -137,21 +137,22 @@ async def _first_tool_delta(client: httpx.AsyncClient, url: str, n: int) -> floa
     return first
 
 
-class _RawClient:
+class RawClient:
     """One kept-alive HTTP/1.1 connection written and read by hand: TTFT is the first content chunk's
     arrival, without an HTTP client library's own work (~1 ms of Python per request with httpx, which on
     two cores competes with the gateway for the CPU) in the measurement."""
 
-    def __init__(self, url: str, n: int) -> None:
+    def __init__(self, url: str, n: int, key: str | None = None) -> None:
         parsed = httpx.URL(url)
         self.host, self.port = parsed.host, parsed.port
         body = json.dumps(_request("fast", n))
+        auth = f"authorization: Bearer {key}\r\n" if key else ""
         self.request = (
             f"POST {parsed.path}/chat/completions HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n\r\n{body}"
+            f"{auth}content-length: {len(body)}\r\n\r\n{body}"
         ).encode()
 
-    async def __aenter__(self) -> _RawClient:
+    async def __aenter__(self) -> RawClient:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         return self
 
@@ -179,7 +180,7 @@ async def _round(client, url: str, model: str, concurrency: int, n: int) -> tupl
     return [r[0] for r in results], sum(r[1] for r in results), wall
 
 
-def _pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
@@ -222,7 +223,7 @@ async def _measure(direct: dict[str, str], gateway: str, gw_pid: int, rounds: in
             g_tool.append(await _first_tool_delta(client, gateway, 16))
         out["tool_call"] = (d_tool, g_tool)
     # Last, so that no kept-alive connection of the client above idles long enough for a server to close it.
-    async with _RawClient(direct["fast"], 4) as d_raw, _RawClient(gateway, 4) as g_raw:
+    async with RawClient(direct["fast"], 4) as d_raw, RawClient(gateway, 4) as g_raw:
         d_ttft, g_ttft = [], []
         for _ in range(rounds * 100 + 20):
             d_ttft.append(await d_raw.ttft())
@@ -239,7 +240,7 @@ def _report(results: dict, rounds: int) -> str:
     for key, label in (("ttft_c1", "1 stream"), ("ttft_c32", "32 streams"), ("ttft_raw", "1 stream, raw client")):
         d, g = results[key]
         for q in (50, 99):
-            dq, gq = _pct(d, q) * 1e3, _pct(g, q) * 1e3
+            dq, gq = pct(d, q) * 1e3, pct(g, q) * 1e3
             lines.append(f"| TTFT p{q}, {label} (n={len(d)}) | {dq:.2f} ms | {gq:.2f} ms | **{gq - dq:+.2f} ms** |")
     for model, label in (("paced", "paced 100 tok/s/stream"), ("fast", "unpaced")):
         d, g, cpu = results[f"tput_{model}"]
