@@ -61,6 +61,10 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     exact: bool = True  # False when counted with an estimating tokenizer
+    # Parts of the two counts that providers bill at prices of their own (OpenAI's `prompt_tokens_details` and
+    # `completion_tokens_details`): prompt tokens read from the provider's prompt cache, and reasoning tokens.
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -103,6 +107,9 @@ class TokenEvent:
     # Only when the request asked for logprobs: one entry per token this event carries (an upstream's text
     # piece may carry several).
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # A reasoning model's thinking (an upstream's `reasoning_content` delta): passed to the client as it came,
+    # counted, never part of the answer's text (stops, the token limit and a continuation's prefix ignore it).
+    reasoning: str = ""
 
 
 class BackendError(Exception):

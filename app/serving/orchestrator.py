@@ -273,6 +273,9 @@ class Orchestrator:
             while True:
                 delta = relay.feed(event, time.monotonic())
                 attempt.decode_tokens = relay.produced - attempt.from_token
+                attempt.reasoning_tokens += bool(event.reasoning)
+                if event.usage is not None:
+                    attempt.usage = event.usage
                 if delta.finish_reason is not None:
                     self._finished(job, attempt, relay, delta.finish_reason, event.usage)
                     yield delta
@@ -467,32 +470,47 @@ class Orchestrator:
 
     # -- accounting and traces ----------------------------------------------------------------------
     def _account(self, job: Job, produced: int, upstream: Usage | None, finished: bool = True) -> None:
+        reasoning = sum(a.reasoning_tokens for a in job.attempts)
         single_upstream = len(job.attempts) == 1 and upstream is not None and upstream.completion_tokens
-        completion = upstream.completion_tokens if single_upstream else produced
-        job.usage = Usage(job.prompt_tokens, completion, True)
+        if single_upstream:
+            job.usage = Usage(
+                job.prompt_tokens,
+                upstream.completion_tokens,
+                True,
+                cached_tokens=min(upstream.cached_tokens, job.prompt_tokens),
+                reasoning_tokens=upstream.reasoning_tokens or min(reasoning, upstream.completion_tokens),
+            )
+        else:
+            job.usage = Usage(job.prompt_tokens, produced + reasoning, True, reasoning_tokens=reasoning)
         if finished:
-            self.disco.observe_output(completion)
+            self.disco.observe_output(job.usage.completion_tokens)
         total = 0.0
         # The side this request was dispatched under: its own policy's, which may differ from the configured one.
         constrained_role = role_of(self.disco.side(job.cloud, job.policy))
         for a in job.attempts:
-            prefilled = a.context_tokens - a.cached_tokens
+            prefilled, cached, decoded, reasoned = a.billed()
+            if a.usage is not None and a.role == "cloud":
+                self.disco.observe_usage(a.name, a.usage)
             # A cloud attempt pays its own cloud's prices (a fault or migration may have moved the answer to a
             # cloud other than the request's); the device's energy term is the same under every cloud's λ.
             priced = a.name if a.role == "cloud" else (job.cloud or a.name)
-            cost = self.disco.cost_of(a.role, priced, prefilled, a.decode_tokens)
+            cost = self.disco.cost_of(
+                a.role, priced, prefilled, decoded, cached_tokens=cached, reasoning_tokens=reasoned
+            )
             total += cost
             self.ledger.record(
                 job.id,
                 a.role,
                 prefilled,
-                a.decode_tokens,
+                decoded,
                 cost,
                 constrained=a.role == constrained_role,
                 prompt_tokens=job.prompt_tokens,
+                cached_tokens=cached,
+                reasoning_tokens=reasoned,
             )
             self.metrics.tokens.labels(backend=a.name, phase="prompt").inc(prefilled)
-            self.metrics.tokens.labels(backend=a.name, phase="completion").inc(a.decode_tokens)
+            self.metrics.tokens.labels(backend=a.name, phase="completion").inc(decoded)
             self.metrics.spend.labels(endpoint=a.role).inc(cost)
         job.cost = total
         self.metrics.delayed_tokens.inc(job.delayed_tokens)
