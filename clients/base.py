@@ -38,6 +38,10 @@ class GenerationRequest:
     # upstream gets them, `tool_choice` and `response_format` as the client sent them.
     grammar: str | None = None  # an llguidance grammar the answer must follow (clients/grammar.py)
     grammar_covers_prefix: bool = True  # the delivered prefix is part of what the grammar reads (else it follows it)
+    # tool_choice auto: free text, but a tool call once started is whole and valid (a lazy call grammar). Optional:
+    # a backend that applies grammars follows it (over the delivered prefix too) when `grammar` is None; one that
+    # cannot, or whose vocabulary it does not fit, answers without it.
+    tool_grammar: str | None = None
     tools: tuple[dict, ...] = ()
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True

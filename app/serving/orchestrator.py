@@ -103,6 +103,19 @@ class Orchestrator:
         # Tools travel in the prompt the gateway renders, except to a chat upstream, which must take them itself.
         return not (job.gen.tools and kind == "none" and not backend.can_continue)
 
+    def _keeps_calls_whole(self, job: Job, name: str | None, continuing: bool = False) -> bool:
+        """Whether a call the model starts on `name` comes out whole and valid: it applies the request's tool grammar
+        (tool_choice auto; app/serving/structured.py), or it is a chat upstream that takes the tools itself. True for
+        a request without one."""
+        if job.gen.tool_grammar is None or job.gen.grammar is not None:
+            return True
+        if name is None:
+            return False
+        kind = self.backends[name].structured_output
+        if kind == "native":
+            return not continuing
+        return kind == "grammar" and (self._takes_ids(name) or "<[" not in job.gen.tool_grammar)
+
     def _name_of(self, job: Job, role: str) -> str | None:
         return self.device if role == "device" else job.cloud
 
@@ -123,6 +136,8 @@ class Orchestrator:
         attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration)
         if not self._takes_ids(name):  # device-vocabulary ids mean nothing there: it gets the text
             gen = replace(gen, prompt_ids=None, prefix_ids=None)
+            if gen.tool_grammar is not None and "<[" in gen.tool_grammar:
+                gen = replace(gen, tool_grammar=None)  # its `<[id]>` tokens are the device vocabulary's
         attempt.stream = self.backends[name].stream(gen)
         job.attempts.append(attempt)
         return attempt
@@ -172,8 +187,14 @@ class Orchestrator:
     async def _start(self, job: Job) -> tuple[Attempt, TokenEvent]:
         plan = job.plan = self._plan(job)
         self.metrics.decisions.labels(policy=plan.policy, plan=plan_kind(plan)).inc()
+        keeps = [n for n in (self.device, job.cloud) if n is not None and self._keeps_calls_whole(job, n)]
         if job.pinned is not None:
             names = [job.pinned]
+        elif len(keeps) == 1 and self._serves(job, keeps[0]):
+            # tool_choice auto with one endpoint of the pair where a started call comes out whole: the answer starts
+            # there, whatever the plan said (the other is the fallback).
+            other = job.cloud if keeps[0] == self.device else self.device
+            names = [keeps[0], *([other] if self.fallback and other is not None else [])]
         elif plan.start_cloud and plan.start_device and self._serves(job, job.cloud) and self._serves(job, self.device):
             return await self._race(job, plan.device_delay or 0.0)
         else:
@@ -355,6 +376,8 @@ class Orchestrator:
         target = self._name_of(job, target_role)
         if not self._can_continue(target) or not self._serves(job, target, continuing=True):
             return None
+        if not self._keeps_calls_whole(job, target, continuing=True) and self._keeps_calls_whole(job, attempt.name):
+            return None  # saving money is no reason to lose the guarantee that a call comes out whole
         decision = self.disco.check_migration(
             attempt.role,
             target_role,
