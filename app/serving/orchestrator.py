@@ -37,7 +37,7 @@ from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from clients.deadline import Deadline
 from policies.cost import role_of
-from policies.dispatch import DispatchPlan
+from policies.dispatch import DispatchPlan, canonical_name
 from policies.estimate import MovingAverage
 from policies.privacy import allows
 
@@ -190,9 +190,10 @@ class Orchestrator:
         keeps = [n for n in (self.device, job.cloud) if n is not None and self._keeps_calls_whole(job, n)]
         if job.pinned is not None:
             names = [job.pinned]
-        elif len(keeps) == 1 and self._serves(job, keeps[0]):
-            # tool_choice auto with one endpoint of the pair where a started call comes out whole: the answer starts
-            # there, whatever the plan said (the other is the fallback).
+        elif len(keeps) == 1 and self._serves(job, keeps[0]) and canonical_name(job.policy).startswith("disco"):
+            # tool_choice auto with one endpoint of the pair where a started call comes out whole: DiSCo starts the
+            # answer there, whatever its plan said (the other is the fallback). The baselines (server-only,
+            # device-only, Stoch) keep their plans: an operator who chose one chose where answers go.
             other = job.cloud if keeps[0] == self.device else self.device
             names = [keeps[0], *([other] if self.fallback and other is not None else [])]
         elif plan.start_cloud and plan.start_device and self._serves(job, job.cloud) and self._serves(job, self.device):
