@@ -162,10 +162,14 @@ class DiscoSettings(_Strict):
 
 
 class PriceSettings(_Strict):
-    """USD per million tokens (DiSCo Table 8; the default is gpt-4o-mini's)."""
+    """USD per million tokens (DiSCo Table 8; the default is gpt-4o-mini's). Where the provider bills them apart
+    (its usage reports `prompt_tokens_details.cached_tokens`, `completion_tokens_details.reasoning_tokens`): prompt
+    tokens read from its prompt cache (unset: the prefill price) and reasoning tokens (unset: the decode price)."""
 
     prefill_per_million: Annotated[float, Field(ge=0)] = 0.15
     decode_per_million: Annotated[float, Field(ge=0)] = 0.60
+    cached_per_million: Annotated[float, Field(ge=0)] | None = None
+    reasoning_per_million: Annotated[float, Field(ge=0)] | None = None
 
 
 class DeviceSettings(_Strict):

@@ -38,6 +38,10 @@ class GenerationRequest:
     # upstream gets them, `tool_choice` and `response_format` as the client sent them.
     grammar: str | None = None  # an llguidance grammar the answer must follow (clients/grammar.py)
     grammar_covers_prefix: bool = True  # the delivered prefix is part of what the grammar reads (else it follows it)
+    # tool_choice auto: free text, but a tool call once started is whole and valid (a lazy call grammar). Optional:
+    # a backend that applies grammars follows it (over the delivered prefix too) when `grammar` is None; one that
+    # cannot, or whose vocabulary it does not fit, answers without it.
+    tool_grammar: str | None = None
     tools: tuple[dict, ...] = ()
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
@@ -61,6 +65,10 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     exact: bool = True  # False when counted with an estimating tokenizer
+    # Parts of the two counts that providers bill at prices of their own (OpenAI's `prompt_tokens_details` and
+    # `completion_tokens_details`): prompt tokens read from the provider's prompt cache, and reasoning tokens.
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -103,6 +111,9 @@ class TokenEvent:
     # Only when the request asked for logprobs: one entry per token this event carries (an upstream's text
     # piece may carry several).
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # A reasoning model's thinking (an upstream's `reasoning_content` delta): passed to the client as it came,
+    # counted, never part of the answer's text (stops, the token limit and a continuation's prefix ignore it).
+    reasoning: str = ""
 
 
 class BackendError(Exception):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -27,6 +28,8 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 
 from clients.base import BackendError, GenerationRequest
+
+log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
@@ -118,20 +121,27 @@ class _Grammars:
     ) -> TokenMask | None:
         """The request's grammar (None without one), advanced over the delivered prefix (`answer_prefix()`'s ids)
         when the grammar covers it. Built on a worker thread: the first mask builds the vocabulary (~2 s). A 400
-        naming `backend` when the grammar does not compile or the prefix does not fit it."""
-        grammar = request.grammar
+        naming `backend` when the grammar does not compile or the prefix does not fit it. Without a grammar, the
+        request's optional tool grammar, always over the prefix; where that does not fit (a prefix another endpoint
+        wrote unconstrained), the answer goes on without it."""
+        grammar, optional = request.grammar, False
+        if grammar is None:
+            grammar, optional = request.tool_grammar, True
         if grammar is None:
             return None
 
         def build() -> TokenMask:
             mask = self.mask(grammar)
-            if request.grammar_covers_prefix:
+            if request.grammar_covers_prefix or optional:
                 mask.advance(answer_prefix())
             return mask
 
         try:
             return await asyncio.to_thread(build)
         except GrammarError as exc:
+            if optional:
+                log.info("%s: the tool-call grammar does not fit this answer (%s); going on without it", backend, exc)
+                return None
             raise BackendError(f"grammar: {exc}", status=400, backend=backend) from exc
 
 

@@ -252,7 +252,9 @@ class OpenAICompatBackend(NoPrefixCache):
                 raise BackendError(f"cloud backend {self.name!r} failed mid-stream: {message}", 502, self.name)
             if chunk.get("usage"):
                 usage = self._usage(chunk["usage"], data)
-            for text, reason, lps, pieces in self._choices(chunk, data, request.logprobs is not None):
+            for text, reason, lps, pieces, reasoning in self._choices(chunk, data, request.logprobs is not None):
+                if reasoning:
+                    yield TokenEvent(text="", reasoning=reasoning)
                 if text:
                     self.tokens_generated += 1
                     yield TokenEvent(text=text, logprobs=lps)
@@ -283,9 +285,10 @@ class OpenAICompatBackend(NoPrefixCache):
 
     def _choices(
         self, chunk: dict, data: bytes, logprobs: bool = False
-    ) -> list[tuple[str, str | None, tuple[TokenLogprob, ...] | None, list]]:
-        """(text, finish reason, logprobs if asked, tool call pieces) of each choice of a chunk; a chunk of any
-        other shape is an        upstream fault."""
+    ) -> list[tuple[str, str | None, tuple[TokenLogprob, ...] | None, list, str]]:
+        """(text, finish reason, logprobs if asked, tool call pieces, reasoning) of each choice of a chunk; a chunk
+        of any other shape is an upstream fault. Reasoning is a chat delta's `reasoning_content` (DeepSeek, vLLM
+        before 0.10, llama-server, SGLang) or `reasoning` (vLLM since, OpenRouter, Ollama)."""
         choices = chunk.get("choices")
         if choices is None:
             return []
@@ -296,6 +299,7 @@ class OpenAICompatBackend(NoPrefixCache):
             if not isinstance(choice, dict):
                 raise self._malformed(f"sent a choice that is not a JSON object: {data[:100]!r}")
             pieces = []
+            reasoning = None
             if "text" in choice:
                 text = choice["text"]
             else:
@@ -305,20 +309,45 @@ class OpenAICompatBackend(NoPrefixCache):
                 if not isinstance(delta, dict):
                     raise self._malformed(f"sent a delta that is not a JSON object: {data[:100]!r}")
                 text = delta.get("content")
+                reasoning = delta.get("reasoning_content")
+                if reasoning is None:
+                    reasoning = delta.get("reasoning")
                 pieces = delta.get("tool_calls") or []
                 if not isinstance(pieces, list):
                     raise self._malformed(f"sent tool_calls that are not a list: {data[:100]!r}")
             reason = choice.get("finish_reason")
-            if not isinstance(text, str | None) or not isinstance(reason, str | None):
-                raise self._malformed(f"sent a choice whose text or finish_reason is not a string: {data[:100]!r}")
-            out.append((text or "", reason, _logprobs(choice.get("logprobs")) if logprobs else None, pieces))
+            if not all(isinstance(v, str | None) for v in (text, reason, reasoning)):
+                raise self._malformed(
+                    f"sent a choice whose text, reasoning or finish_reason is not a string: {data[:100]!r}"
+                )
+            lps = _logprobs(choice.get("logprobs")) if logprobs else None
+            out.append((text or "", reason, lps, pieces, reasoning or ""))
         return out
 
     def _usage(self, u, data: bytes) -> Usage:
-        counts = (u.get("prompt_tokens", 0), u.get("completion_tokens", 0)) if isinstance(u, dict) else None
-        if counts is None or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        """The upstream's usage, with the parts it bills apart: `prompt_tokens_details.cached_tokens` (OpenAI, and
+        DeepSeek's `prompt_cache_hit_tokens`) and `completion_tokens_details.reasoning_tokens`. A detail that is
+        absent or null counts 0; one of the wrong type, or a part larger than its whole, is an upstream fault."""
+        if not isinstance(u, dict):
             raise self._malformed(f"sent a malformed usage object: {data[:100]!r}")
-        return Usage(*counts, exact=True)
+        prompt_details = u.get("prompt_tokens_details")
+        completion_details = u.get("completion_tokens_details")
+        prompt_details = {} if prompt_details is None else prompt_details
+        completion_details = {} if completion_details is None else completion_details
+        if not isinstance(prompt_details, dict) or not isinstance(completion_details, dict):
+            raise self._malformed(f"sent a malformed usage object: {data[:100]!r}")
+        counts = (
+            u.get("prompt_tokens", 0),
+            u.get("completion_tokens", 0),
+            prompt_details.get("cached_tokens") or u.get("prompt_cache_hit_tokens") or 0,
+            completion_details.get("reasoning_tokens") or 0,
+        )
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+            raise self._malformed(f"sent a malformed usage object: {data[:100]!r}")
+        prompt, completion, cached, reasoning = counts
+        if cached > prompt or reasoning > completion:
+            raise self._malformed(f"sent usage whose parts exceed their totals: {data[:100]!r}")
+        return Usage(prompt, completion, exact=True, cached_tokens=cached, reasoning_tokens=reasoning)
 
 
 def _call_text(call: dict) -> str:

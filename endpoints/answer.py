@@ -109,10 +109,12 @@ class Collected(NamedTuple):
     finish: str
     logprobs: list[TokenLogprob]
     calls: list[ToolCall]
+    reasoning: str = ""  # a reasoning model's thinking, as the endpoint sent it
 
 
 async def collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> Collected:
     parts = [first.text]
+    thoughts = [first.reasoning]
     logprobs = list(first.logprobs or ())
     calls = list(first.tool_calls)
     delta = first
@@ -120,6 +122,7 @@ async def collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> Colle
         while delta.finish_reason is None:
             delta = await anext(stream)
             parts.append(delta.text)
+            thoughts.append(delta.reasoning)
             calls += delta.tool_calls
             if delta.logprobs:
                 logprobs.extend(delta.logprobs)
@@ -129,4 +132,4 @@ async def collect(job: Job, first: Delta, stream: AsyncIterator[Delta]) -> Colle
         ) from exc
     finally:
         await stream.aclose()
-    return Collected("".join(parts), delta.finish_reason, logprobs, calls)
+    return Collected("".join(parts), delta.finish_reason, logprobs, calls, "".join(thoughts))

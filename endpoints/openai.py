@@ -33,20 +33,21 @@ from endpoints.logprobs import LogprobsRenderer
 from endpoints.options import ApiOptions, ApiOptionsDep
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
 from endpoints.serving import Serving, ServingDep, chat_input, completion_input
-from endpoints.sse import ChatChunks, stream_answer, stream_choices
+from endpoints.sse import ChatChunks, stream_answer, stream_choices, usage_object
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
 def _usage(job: Job | Usage) -> dict:
-    u = job.usage if isinstance(job, Job) else job
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+    return usage_object(job.usage if isinstance(job, Job) else job)
 
 
 def _choice(body, chat: bool, index: int, answer: Collected) -> dict:
-    text, finish, logprobs, calls = answer
+    text, finish, logprobs, calls, _ = answer
     if chat:
         message = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
+        if answer.reasoning:
+            message["reasoning_content"] = answer.reasoning
         if calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
@@ -90,7 +91,12 @@ async def _answer(request: Request, serving: Serving, api: ApiOptions, body, job
 
 def _summed_usage(jobs: list[Job]) -> Usage:
     """The prompt counts once (as OpenAI counts it); the completions add up."""
-    return Usage(jobs[0].usage.prompt_tokens, sum(j.usage.completion_tokens for j in jobs))
+    return Usage(
+        jobs[0].usage.prompt_tokens,
+        sum(j.usage.completion_tokens for j in jobs),
+        cached_tokens=jobs[0].usage.cached_tokens,
+        reasoning_tokens=sum(j.usage.reasoning_tokens for j in jobs),
+    )
 
 
 async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta | BaseException]]:

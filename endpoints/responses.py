@@ -160,9 +160,9 @@ class _Response:
         u = self.job.usage
         usage = {
             "input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.total_tokens,
         }
         reason = _INCOMPLETE.get(finish) if status == "incomplete" else None
@@ -257,6 +257,9 @@ class _Response:
         event = f'{self._delta}{self.seq},"delta":{json.dumps(text)}}}\n\n'
         self.seq += 1
         return head + event.encode()
+
+    def reasoning(self, text: str) -> bytes:
+        return b""  # counted in the usage's reasoning_tokens; no reasoning items in this API's answers (yet)
 
     def tool_calls(self, calls, first_index: int) -> bytes:
         out = [self._close_message()]

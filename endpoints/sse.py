@@ -45,6 +45,9 @@ class Events(Protocol):
 
     def text(self, text: str, logprobs: tuple[TokenLogprob, ...] | None = None) -> bytes: ...
 
+    def reasoning(self, text: str) -> bytes:
+        """A reasoning model's thinking, as the endpoint sent it."""
+
     def tool_calls(self, calls: Sequence[ToolCall], first_index: int) -> bytes:
         """Complete calls; `first_index` counts this choice's calls before them."""
 
@@ -70,10 +73,15 @@ class ChoiceRenderer:
         """The bytes of one delta (empty while the relay holds everything back)."""
         if delta.finish_reason is None and not delta.tool_calls:  # the hot path: one token's text
             if not delta.text:
-                return b""
-            out = self.events.text(delta.text, delta.logprobs)
+                if not delta.reasoning:
+                    return b""
+                out = b""
+            else:
+                out = self.events.text(delta.text, delta.logprobs)
         else:
             out = self._calls_and_closing(delta)
+        if delta.reasoning:  # the thinking comes before the text it led to
+            out = self.events.reasoning(delta.reasoning) + out
         if self._head:
             out, self._head = self._head + out, b""
         return out
@@ -189,6 +197,13 @@ class ChatChunks:
             return (self._head + body + self._lp_tail % (self._logprobs.json(logprobs or ()), fin)).encode()
         return (self._head + body + self._tail % fin).encode()
 
+    def reasoning(self, text: str) -> bytes:
+        """Chat's `reasoning_content` delta (DeepSeek's field, which OpenAI-compatible clients read); completions
+        have no place for it."""
+        if not self.chat:
+            return b""
+        return (self._head + f'"delta":{{"reasoning_content":{json.dumps(text)}}},' + self._tail % "null").encode()
+
     def tool_calls(self, calls: Sequence[ToolCall], first_index: int) -> bytes:
         """Each complete call as two chunks, as OpenAI streams them: its id and name, then its arguments."""
         out = []
@@ -220,16 +235,23 @@ class ChatChunks:
                     "model": self._model,
                     "system_fingerprint": None,
                     "choices": [],
-                    "usage": {
-                        "prompt_tokens": u.prompt_tokens,
-                        "completion_tokens": u.completion_tokens,
-                        "total_tokens": u.total_tokens,
-                    },
+                    "usage": usage_object(u),
                 },
                 separators=(",", ":"),
             )
             + "\n\n"
         ).encode()
+
+
+def usage_object(u: Usage) -> dict:
+    """OpenAI's usage object, with the parts providers bill apart (cached prompt tokens, reasoning tokens)."""
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+    }
 
 
 class SSEResponse(Response):

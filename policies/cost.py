@@ -82,21 +82,59 @@ def usd_per_pflop(value: float) -> float:
 
 @dataclass(frozen=True)
 class TokenPrices:
-    """Cost of one prompt (prefill) token and one generated (decode) token, in one currency."""
+    """Cost of one prompt (prefill) token and one generated (decode) token, in one currency.
+
+    Providers bill two kinds of token at prices of their own (OpenAI, DeepSeek, Anthropic, Gemini): a prompt token
+    read from their prompt cache (`cached`, often a tenth to a half of the input price) and a reasoning token (billed
+    as output by all of them today, but kept apart so a price list that differs can say so). None: the prefill's
+    (decode's) price."""
 
     prefill: float
     decode: float
+    cached: float | None = None
+    reasoning: float | None = None
 
     @classmethod
-    def per_million(cls, input_price: float, output_price: float) -> TokenPrices:
+    def per_million(
+        cls, input_price: float, output_price: float, cached: float | None = None, reasoning: float | None = None
+    ) -> TokenPrices:
         """From a provider's price list (USD per 1M tokens, Table 8) to USD per token."""
-        return cls(prefill=input_price / 1e6, decode=output_price / 1e6)
+        return cls(
+            prefill=input_price / 1e6,
+            decode=output_price / 1e6,
+            cached=None if cached is None else cached / 1e6,
+            reasoning=None if reasoning is None else reasoning / 1e6,
+        )
 
-    def cost(self, prefill_tokens: float, decode_tokens: float) -> float:
-        return self.prefill * prefill_tokens + self.decode * decode_tokens
+    @property
+    def cached_prefill(self) -> float:
+        """The price of a prompt token the provider read from its cache."""
+        return self.prefill if self.cached is None else self.cached
+
+    @property
+    def reasoning_decode(self) -> float:
+        """The price of a reasoning token."""
+        return self.decode if self.reasoning is None else self.reasoning
+
+    def cost(
+        self, prefill_tokens: float, decode_tokens: float, *, cached_tokens: float = 0, reasoning_tokens: float = 0
+    ) -> float:
+        """`prefill_tokens` prompt tokens, `cached_tokens` of them read from the provider's cache; `decode_tokens`
+        generated tokens, `reasoning_tokens` of them reasoning (each part at its own price)."""
+        return (
+            self.prefill * (prefill_tokens - cached_tokens)
+            + self.cached_prefill * cached_tokens
+            + self.decode * (decode_tokens - reasoning_tokens)
+            + self.reasoning_decode * reasoning_tokens
+        )
 
     def scaled(self, factor: float) -> TokenPrices:
-        return TokenPrices(self.prefill * factor, self.decode * factor)
+        return TokenPrices(
+            self.prefill * factor,
+            self.decode * factor,
+            None if self.cached is None else self.cached * factor,
+            None if self.reasoning is None else self.reasoning * factor,
+        )
 
 
 def cloud_prices(model: str) -> TokenPrices:
@@ -258,8 +296,13 @@ class CostModel:
         """Device prices in money: λ·FLOPs per token."""
         return TokenPrices(self.lam * self.energy.prefill_per_token, self.lam * self.energy.decode_per_token)
 
-    def server_cost(self, prefill_tokens: float, decode_tokens: float) -> float:
-        return self.server.cost(prefill_tokens, decode_tokens)
+    def server_cost(
+        self, prefill_tokens: float, decode_tokens: float, *, cached_tokens: float = 0, reasoning_tokens: float = 0
+    ) -> float:
+        """What the cloud bills (TokenPrices.cost: cached and reasoning tokens are parts of the two counts)."""
+        return self.server.cost(
+            prefill_tokens, decode_tokens, cached_tokens=cached_tokens, reasoning_tokens=reasoning_tokens
+        )
 
     def device_cost(self, prefill_tokens: float, decode_tokens: float) -> float:
         energy = self.energy.prefill_per_token * prefill_tokens + self.energy.decode_per_token * decode_tokens

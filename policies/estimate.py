@@ -376,6 +376,19 @@ class Estimators:
         self.prompt_lengths = PromptLengths(window=window)
         self.output_lengths = OutputLengths(window=window)
         self.migration_times = MigrationTimes()
+        # Per cloud: the share of the prompt tokens it billed that its provider read from its prompt cache (the
+        # usage it reports), i.e. how much of a re-sent prefix is expected at the cached-input price.
+        self.prompt_cache: dict[str, MovingAverage] = {}
+
+    def observe_prompt_cache(self, backend: str, prompt_tokens: int, cached_tokens: int) -> None:
+        if prompt_tokens > 0:
+            share = min(cached_tokens, prompt_tokens) / prompt_tokens
+            self.prompt_cache.setdefault(backend, MovingAverage()).update(share)
+
+    def cached_share(self, backend: str) -> float:
+        """The share of a prompt `backend`'s provider is expected to bill as cached (0 until it reports one)."""
+        average = self.prompt_cache.get(backend)
+        return 0.0 if average is None else average.get()
 
     def server(self, backend: str) -> EmpiricalTTFT:
         """The TTFT distribution of one cloud backend (created with the prior on first use)."""

@@ -10,7 +10,10 @@ the longest cached prefix).
 
     migrate iff  Δc_decode · l_remaining > overhead                         (Eqs. 4-5)
     Δc_decode  = c_source^d − c_target^d   (> 0: only from the dearer endpoint)
-    overhead   = c_target^p · (prompt + delivered − cached) + fixed costs
+    overhead   = c_target^p · (prompt + delivered − cached) + c_target^cached · cached + fixed costs
+
+(`cached` is free on the device — its own KV cache; on a cloud with a prompt cache it is the share the provider
+bills at its cached-input price, which is what re-sending the prefix really costs there.)
 
 The switch must not show: the client reads at r_c tokens/s, so token i is due at
 t_first + i/r_c (the consumption clock). The source keeps generating until the
@@ -92,7 +95,8 @@ def should_migrate(
     prompt_tokens: int,
     delivered_tokens: int,
     expected_remaining: float,
-    cached_tokens: int = 0,
+    cached_tokens: float = 0,
+    target_cached_price: float = 0.0,
     fixed_overhead: float = 0.0,
     client_lead: float | None = None,
     buffer: float | None = None,
@@ -102,12 +106,15 @@ def should_migrate(
     Prices are per token in one currency (λ already applied to the device, see
     `policies.cost.CostModel.prices`). expected_remaining: l_remaining, e.g.
     `OutputLengths.expected_remaining(delivered)`. cached_tokens: how much of prompt +
-    delivered the target already holds in its KV cache. client_lead / buffer: the client's
+    delivered the target already holds in its KV cache (or its provider's prompt cache), each at
+    target_cached_price (0: a device's own cache costs nothing). client_lead / buffer: the client's
     current lead (see `lead`) and B (see `buffer_tokens`); when both are given,
     `start_now` says whether to begin now.
     """
     delta = source_decode_price - target_decode_price
-    overhead = target_prefill_price * max(0, prompt_tokens + delivered_tokens - cached_tokens) + fixed_overhead
+    context = prompt_tokens + delivered_tokens
+    cached = min(max(0.0, cached_tokens), context)
+    overhead = target_prefill_price * (context - cached) + target_cached_price * cached + fixed_overhead
     saving = delta * max(0.0, expected_remaining)
     b = math.nan if buffer is None else buffer
 

@@ -13,7 +13,9 @@ model works per token (`Price.token_prices`).
 * exchange_rate λ ≥ 0 — USD per 10^15 device FLOPs (see policies.cost.usd_per_pflop);
 * consumption_rate r_c > 0 — client reading speed, tokens/s (Eq. 6's buffer);
 * migration — whether DiSCo may migrate generation mid-answer;
-* prices — per cloud backend, USD per million prompt (prefill) / generated (decode) tokens.
+* prices — per cloud backend, USD per million prompt (prefill) / generated (decode) tokens, and where a provider
+  bills them apart, per million prompt tokens read from its prompt cache (cached; absent: the prefill price) and
+  reasoning tokens (reasoning; absent: the decode price).
 """
 
 from __future__ import annotations
@@ -72,25 +74,34 @@ def _number(name: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class Price:
-    """A cloud backend's list price, USD per million tokens (as providers publish it, Table 8)."""
+    """A cloud backend's list price, USD per million tokens (as providers publish it, Table 8). `cached` and
+    `reasoning`: the prices of the prompt tokens its provider reads from its prompt cache and of reasoning tokens,
+    where they differ; None: the prefill (decode) price."""
 
     prefill: float
     decode: float
+    cached: float | None = None
+    reasoning: float | None = None
 
     def token_prices(self) -> TokenPrices:
         """USD per token, the unit policies.cost works in."""
-        return TokenPrices.per_million(self.prefill, self.decode)
+        return TokenPrices.per_million(self.prefill, self.decode, self.cached, self.reasoning)
 
     def to_dict(self) -> dict[str, float]:
-        return {"prefill": self.prefill, "decode": self.decode}
+        """The prices set (an unset cached or reasoning price is absent: it follows prefill or decode)."""
+        out = {"prefill": self.prefill, "decode": self.decode}
+        out.update({k: v for k in _OPTIONAL_PRICE_KEYS if (v := getattr(self, k)) is not None})
+        return out
 
 
 _PRICE_KEYS = ("prefill", "decode")
+_OPTIONAL_PRICE_KEYS = ("cached", "reasoning")
 
 
 def _price(backend: str, value: Any, base: Price | None = None) -> Price:
-    """A Price from a Price, a {"prefill", "decode"} mapping (partial if `base` fills the gaps)
-    or a (prefill, decode) pair; each non-negative."""
+    """A Price from a Price, a {"prefill", "decode", "cached", "reasoning"} mapping (partial if `base` fills the
+    gaps; cached or reasoning null goes back to following prefill or decode) or a (prefill, decode) pair; each
+    non-negative."""
     where = f"prices.{backend}"
     if isinstance(value, Price):
         value = value.to_dict()
@@ -99,15 +110,19 @@ def _price(backend: str, value: Any, base: Price | None = None) -> Price:
     if not isinstance(value, Mapping):
         raise BudgetValidationError(where, f"{where} must be an object with 'prefill' and 'decode', got {value!r}")
     for key in value:
-        if key not in _PRICE_KEYS:
-            raise BudgetValidationError(f"{where}.{key}", f"unknown field {where}.{key}; expected prefill or decode")
+        if key not in _PRICE_KEYS + _OPTIONAL_PRICE_KEYS:
+            raise BudgetValidationError(
+                f"{where}.{key}", f"unknown field {where}.{key}; expected prefill, decode, cached or reasoning"
+            )
     out = {}
-    for key in _PRICE_KEYS:
+    for key in _PRICE_KEYS + _OPTIONAL_PRICE_KEYS:
         name = f"{where}.{key}"
-        if key in value:
+        if key in value and (value[key] is not None or key in _PRICE_KEYS):
             out[key] = _number(name, value[key])
             if out[key] < 0:
                 raise BudgetValidationError(name, f"{name} must be ≥ 0 (USD per 1M tokens), got {out[key]!r}")
+        elif key in value or (key in _OPTIONAL_PRICE_KEYS and base is None):
+            out[key] = None  # an optional price set to null, or not given at all
         elif base is not None:
             out[key] = getattr(base, key)
         else:
@@ -253,7 +268,12 @@ def from_config(settings: Any) -> BudgetSettings:
     names its config field: `disco.budget: budget must be in [0, 1], got 1.5`."""
     disco = settings.disco
     prices = {
-        name: Price(cloud.price.prefill_per_million, cloud.price.decode_per_million)
+        name: Price(
+            cloud.price.prefill_per_million,
+            cloud.price.decode_per_million,
+            cloud.price.cached_per_million,
+            cloud.price.reasoning_per_million,
+        )
         for name, cloud in settings.clouds.items()
     }
     try:

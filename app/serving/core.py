@@ -420,10 +420,10 @@ class ServingCore:
         knows_tools = getattr(self.device, "template_knows_tools", False)
         rendered = template_messages(chat.messages, knows_tools)
         if structure.tools and knows_tools:
-            prompt_text = self.device.render_chat(rendered, tools=structure.tools)
+            prompt_text = self.device.render_chat(rendered, tools=structure.prompt_tools)
         else:
             prompt_text = self.device.render_chat(
-                add_tools_prompt(rendered, structure.tools) if structure.tools else rendered
+                add_tools_prompt(rendered, structure.prompt_tools) if structure.tools else rendered
             )
         prompt_ids = await self._tokenize_prompt(prompt_text)
         # A chat upstream gets the conversation as the client sent it (tool calls and results included).
@@ -475,6 +475,7 @@ class ServingCore:
 def _structured_fields(structure: Structure) -> dict:
     return {
         "grammar": structure.grammar,
+        "tool_grammar": structure.tool_grammar,
         "tools": structure.tools,
         "tool_choice": structure.tool_choice,
         "parallel_tool_calls": structure.parallel_tool_calls,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from app.serving.budget import BudgetSettings, pinned_side
 from app.serving.ledger import Ledger
+from clients.base import Usage
 from policies.cost import CostModel, DeviceEnergy, ModelArch, Side, TokenPrices
 from policies.dispatch import DispatchPlan, DispatchPolicy, canonical_name, make_policy
 from policies.estimate import Estimators
@@ -113,11 +114,17 @@ class DiscoRuntime:
         delivered: int,
         max_tokens: int,
         lead: float,
-        cached_tokens: int = 0,
+        cached_tokens: float = 0,
     ) -> MigrationDecision:
         t_m = self.migration_time(target_role, cloud, prompt_tokens + delivered - cached_tokens)
         cost = self.cost(cloud)
         src, dst = cost.prices(source_role), cost.prices(target_role)
+        cached_price = 0.0  # the device's own KV cache: no energy spent on it
+        if target_role == "cloud":
+            # The cloud is sent the whole context again; its provider bills the share it reads from its prompt
+            # cache (as its usage reports show) at the cached-input price, and the rest at the input price.
+            cached_tokens = self.estimators.cached_share(cloud) * (prompt_tokens + delivered)
+            cached_price = dst.cached_prefill
         return should_migrate(
             source=source_role,
             target=target_role,
@@ -128,14 +135,28 @@ class DiscoRuntime:
             delivered_tokens=delivered,
             expected_remaining=self.estimators.output_lengths.expected_remaining(delivered, max_tokens=max_tokens),
             cached_tokens=cached_tokens,
+            target_cached_price=cached_price,
             client_lead=lead,
             buffer=buffer_tokens(self.settings.consumption_rate, t_m),
         )
 
-    def cost_of(self, role: str, cloud: str, prefill_tokens: int, decode_tokens: int) -> float:
+    def cost_of(
+        self,
+        role: str,
+        cloud: str,
+        prefill_tokens: int,
+        decode_tokens: int,
+        *,
+        cached_tokens: int = 0,
+        reasoning_tokens: int = 0,
+    ) -> float:
+        """Eq. 8's term of one endpoint's work: a cloud's at its prices (cached and reasoning tokens, parts of the
+        two counts, at theirs), the device's energy at λ."""
         cost = self.cost(cloud)
         if role == "cloud":
-            return cost.server_cost(prefill_tokens, decode_tokens)
+            return cost.server_cost(
+                prefill_tokens, decode_tokens, cached_tokens=cached_tokens, reasoning_tokens=reasoning_tokens
+            )
         return cost.device_cost(prefill_tokens, decode_tokens)
 
     # -- observations (fed live by the orchestrator) --------------------------------------------------
@@ -167,6 +188,10 @@ class DiscoRuntime:
         for cloud, values in samples.items():
             for seconds in values:
                 self.estimators.server(cloud).add(seconds)
+
+    def observe_usage(self, cloud: str, usage: Usage) -> None:
+        """A cloud's own usage report: how much of what it was sent its provider read from its prompt cache."""
+        self.estimators.observe_prompt_cache(cloud, usage.prompt_tokens, usage.cached_tokens)
 
     def observe_output(self, tokens: int) -> None:
         self.estimators.output_lengths.add(tokens)

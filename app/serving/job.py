@@ -26,12 +26,26 @@ class Attempt:
     stream: AsyncIterator[TokenEvent] | None = None
     first_at: float | None = None
     ended_at: float | None = None  # when it finished, failed, lost, was migrated from or cancelled
-    decode_tokens: int = 0
+    decode_tokens: int = 0  # answer tokens it produced (reasoning not included)
+    reasoning_tokens: int = 0  # reasoning pieces it streamed (clients/base.py: TokenEvent.reasoning)
+    usage: Usage | None = None  # its own usage report, when it sent one (an upstream's last event)
     outcome: str = "running"  # won | lost | failed | migrated-from | finished | cancelled
     error: str | None = None
     # The backend is at the end of its answer too (it said so, or it hit the same token limit):
     # reading its last events lets an HTTP upstream's connection go back to the pool.
     ended: bool = False
+
+    def billed(self) -> tuple[int, int, int, int]:
+        """(prompt, cached, completion, reasoning) tokens its work is booked for, cached and reasoning being parts
+        of the two before them. A cloud that reported its usage is booked at its own counts: what its provider
+        bills, the prefix a continuation re-sent included (as cached where it says so). Otherwise ours: the context
+        it was sent (less what the device took from its own KV cache: no energy spent there) and what it streamed."""
+        usage = self.usage
+        if usage is not None and self.role == "cloud":
+            reasoning = usage.reasoning_tokens or min(self.reasoning_tokens, usage.completion_tokens)
+            return usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, reasoning
+        decoded = self.decode_tokens + self.reasoning_tokens
+        return self.context_tokens - self.cached_tokens, 0, decoded, self.reasoning_tokens
 
 
 @dataclass

@@ -73,6 +73,8 @@ class _Totals:
     requests: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    cached_tokens: int = 0  # of the prefill tokens, read from the provider's prompt cache
+    reasoning_tokens: int = 0  # of the decode tokens, reasoning
     cost_usd: float = 0.0
     cost_micro: int = 0  # the same in integer micro-dollars, each booking rounded as a shared store adds it up
 
@@ -302,6 +304,8 @@ class Ledger:
         *,
         constrained: bool,
         prompt_tokens: int | None = None,
+        cached_tokens: int = 0,
+        reasoning_tokens: int = 0,
     ) -> None:
         """Book what one endpoint did for one request; call once per endpoint that ran
         (a cancelled race loser too: its prefill was done and paid for). Calls with the
@@ -314,9 +318,15 @@ class Ledger:
           (counted once however many endpoints prefilled it). Without it the largest
           prefill booked for the request stands in, which over-counts a migrated request's
           denominator by its delivered prefix.
+        cached_tokens / reasoning_tokens: the parts of prefill_tokens / decode_tokens a provider billed at its
+          cached-input / reasoning price (its usage report; cost_usd already prices them).
         """
         _count("prefill_tokens", prefill_tokens)
         _count("decode_tokens", decode_tokens)
+        if _count("cached_tokens", cached_tokens) > prefill_tokens:
+            raise ValueError(f"cached_tokens ({cached_tokens}) are part of prefill_tokens ({prefill_tokens})")
+        if _count("reasoning_tokens", reasoning_tokens) > decode_tokens:
+            raise ValueError(f"reasoning_tokens ({reasoning_tokens}) are part of decode_tokens ({decode_tokens})")
         if prompt_tokens is not None:
             _count("prompt_tokens", prompt_tokens)
         if isinstance(cost_usd, bool) or not isinstance(cost_usd, int | float) or not math.isfinite(cost_usd):
@@ -348,6 +358,8 @@ class Ledger:
                 totals.requests += 1
             totals.prefill_tokens += prefill_tokens
             totals.decode_tokens += decode_tokens
+            totals.cached_tokens += cached_tokens
+            totals.reasoning_tokens += reasoning_tokens
             totals.cost_usd += float(cost_usd)
             totals.cost_micro += to_micro(cost_usd)
             self._cost += float(cost_usd)
@@ -400,6 +412,8 @@ class Ledger:
                         "requests": t.requests,
                         "prefill_tokens": t.prefill_tokens,
                         "decode_tokens": t.decode_tokens,
+                        "cached_tokens": t.cached_tokens,
+                        "reasoning_tokens": t.reasoning_tokens,
                         "cost_usd": t.cost_usd,
                         "cost_micro": t.cost_micro,
                     }

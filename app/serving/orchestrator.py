@@ -42,7 +42,7 @@ from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from clients.deadline import Deadline
 from policies.cost import role_of
-from policies.dispatch import DispatchPlan
+from policies.dispatch import DispatchPlan, canonical_name
 from policies.estimate import MovingAverage
 from policies.privacy import allows
 
@@ -112,6 +112,19 @@ class Orchestrator:
         # Tools travel in the prompt the gateway renders, except to a chat upstream, which must take them itself.
         return not (job.gen.tools and kind == "none" and not backend.can_continue)
 
+    def _keeps_calls_whole(self, job: Job, name: str | None, continuing: bool = False) -> bool:
+        """Whether a call the model starts on `name` comes out whole and valid: it applies the request's tool grammar
+        (tool_choice auto; app/serving/structured.py), or it is a chat upstream that takes the tools itself. True for
+        a request without one."""
+        if job.gen.tool_grammar is None or job.gen.grammar is not None:
+            return True
+        if name is None:
+            return False
+        kind = self.backends[name].structured_output
+        if kind == "native":
+            return not continuing
+        return kind == "grammar" and (self._takes_ids(name) or "<[" not in job.gen.tool_grammar)
+
     def _name_of(self, job: Job, role: str) -> str | None:
         return self.device if role == "device" else job.cloud
 
@@ -134,6 +147,8 @@ class Orchestrator:
         attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration, from_token)
         if not self._takes_ids(name):  # device-vocabulary ids mean nothing there: it gets the text
             gen = replace(gen, prompt_ids=None, prefix_ids=None)
+            if gen.tool_grammar is not None and "<[" in gen.tool_grammar:
+                gen = replace(gen, tool_grammar=None)  # its `<[id]>` tokens are the device vocabulary's
         attempt.stream = self.backends[name].stream(gen)
         job.attempts.append(attempt)
         self._publish_attempt("endpoint.started", job, attempt, context_tokens=context, from_token=attempt.from_token)
@@ -226,8 +241,15 @@ class Orchestrator:
             cloud=job.cloud,
             pinned=job.pinned,
         )
+        keeps = [n for n in (self.device, job.cloud) if n is not None and self._keeps_calls_whole(job, n)]
         if job.pinned is not None:
             names = [job.pinned]
+        elif len(keeps) == 1 and self._serves(job, keeps[0]) and canonical_name(job.policy).startswith("disco"):
+            # tool_choice auto with one endpoint of the pair where a started call comes out whole: DiSCo starts the
+            # answer there, whatever its plan said (the other is the fallback). The baselines (server-only,
+            # device-only, Stoch) keep their plans: an operator who chose one chose where answers go.
+            other = job.cloud if keeps[0] == self.device else self.device
+            names = [keeps[0], *([other] if self.fallback and other is not None else [])]
         elif plan.start_cloud and plan.start_device and self._serves(job, job.cloud) and self._serves(job, self.device):
             return await self._race(job, plan.device_delay or 0.0)
         else:
@@ -327,6 +349,9 @@ class Orchestrator:
             while True:
                 delta = relay.feed(event, time.monotonic())
                 attempt.decode_tokens = relay.produced - attempt.from_token
+                attempt.reasoning_tokens += bool(event.reasoning)
+                if event.usage is not None:
+                    attempt.usage = event.usage
                 if delta.finish_reason is not None:
                     self._finished(job, attempt, relay, delta.finish_reason, event.usage)
                     yield delta
@@ -406,6 +431,8 @@ class Orchestrator:
         target = self._name_of(job, target_role)
         if not self._can_continue(target) or not self._serves(job, target, continuing=True):
             return None
+        if not self._keeps_calls_whole(job, target, continuing=True) and self._keeps_calls_whole(job, attempt.name):
+            return None  # saving money is no reason to lose the guarantee that a call comes out whole
         decision = self.disco.check_migration(
             attempt.role,
             target_role,
@@ -527,32 +554,47 @@ class Orchestrator:
 
     # -- accounting and traces ----------------------------------------------------------------------
     def _account(self, job: Job, produced: int, upstream: Usage | None, finished: bool = True) -> None:
+        reasoning = sum(a.reasoning_tokens for a in job.attempts)
         single_upstream = len(job.attempts) == 1 and upstream is not None and upstream.completion_tokens
-        completion = upstream.completion_tokens if single_upstream else produced
-        job.usage = Usage(job.prompt_tokens, completion, True)
+        if single_upstream:
+            job.usage = Usage(
+                job.prompt_tokens,
+                upstream.completion_tokens,
+                True,
+                cached_tokens=min(upstream.cached_tokens, job.prompt_tokens),
+                reasoning_tokens=upstream.reasoning_tokens or min(reasoning, upstream.completion_tokens),
+            )
+        else:
+            job.usage = Usage(job.prompt_tokens, produced + reasoning, True, reasoning_tokens=reasoning)
         if finished:
-            self.disco.observe_output(completion)
+            self.disco.observe_output(job.usage.completion_tokens)
         total = 0.0
         # The side this request was dispatched under: its own policy's, which may differ from the configured one.
         constrained_role = role_of(self.disco.side(job.cloud, job.policy))
         for a in job.attempts:
-            prefilled = a.context_tokens - a.cached_tokens
+            prefilled, cached, decoded, reasoned = a.billed()
+            if a.usage is not None and a.role == "cloud":
+                self.disco.observe_usage(a.name, a.usage)
             # A cloud attempt pays its own cloud's prices (a fault or migration may have moved the answer to a
             # cloud other than the request's); the device's energy term is the same under every cloud's λ.
             priced = a.name if a.role == "cloud" else (job.cloud or a.name)
-            cost = self.disco.cost_of(a.role, priced, prefilled, a.decode_tokens)
+            cost = self.disco.cost_of(
+                a.role, priced, prefilled, decoded, cached_tokens=cached, reasoning_tokens=reasoned
+            )
             total += cost
             self.ledger.record(
                 job.id,
                 a.role,
                 prefilled,
-                a.decode_tokens,
+                decoded,
                 cost,
                 constrained=a.role == constrained_role,
                 prompt_tokens=job.prompt_tokens,
+                cached_tokens=cached,
+                reasoning_tokens=reasoned,
             )
             self.metrics.tokens.labels(backend=a.name, phase="prompt").inc(prefilled)
-            self.metrics.tokens.labels(backend=a.name, phase="completion").inc(a.decode_tokens)
+            self.metrics.tokens.labels(backend=a.name, phase="completion").inc(decoded)
             self.metrics.spend.labels(endpoint=a.role).inc(cost)
         job.cost = total
         self.metrics.delayed_tokens.inc(job.delayed_tokens)

@@ -14,7 +14,7 @@ recovery are the orchestrator's (app/serving/orchestrator.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from app.serving.tool_calls import ToolCall, ToolCallSplitter
 from clients.base import GenerationRequest, TokenEvent, TokenLogprob
@@ -30,6 +30,7 @@ class Delta:
     # Only when the request asked for logprobs: one entry per token of `text` (their texts join to it).
     logprobs: tuple[TokenLogprob, ...] | None = None
     tool_calls: tuple[ToolCall, ...] = ()
+    reasoning: str = ""  # a reasoning model's thinking, as the endpoint sent it (clients/base.py: TokenEvent)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Relay:
         self.produced = 0  # the answer's tokens so far (delivered, or held back here)
         self.delayed = 0  # tokens that came after the consumption clock's deadline
         self.stopped = False  # a stop sequence ended the answer (the endpoint did not: its stream goes on)
+        self.reasoning_tokens = 0  # reasoning pieces passed on (one token each, as an upstream streams them)
 
     @property
     def holding_call(self) -> bool:
@@ -77,6 +79,12 @@ class Relay:
     def feed(self, event: TokenEvent, now: float) -> Delta:
         """One event of the serving endpoint → what the client gets now. A delta with a finish reason is the
         answer's last; nothing may be fed after it."""
+        if event.reasoning:
+            # Thinking is not the answer: it goes out as it came, before this event's text, and nothing that
+            # shapes the answer (stops, the limit, tool calls, the continuation's prefix) reads it.
+            self.reasoning_tokens += 1
+            if not event.text and event.token_id is None and event.finish_reason is None:
+                return Delta("", reasoning=event.reasoning)
         token = bool(event.text) or event.token_id is not None
         content = event.text
         calls: list[ToolCall] = []
@@ -99,11 +107,13 @@ class Relay:
         if self._aligner is not None:
             self._aligner.add(event)
         if finish is not None:
-            return self._finish(text, calls, finish, stopped)
-        logprobs = None
-        if self._aligner is not None:
-            text, logprobs = self._aligner.release(text)
-        return Delta(text, None, logprobs, tuple(calls))
+            delta = self._finish(text, calls, finish, stopped)
+        else:
+            logprobs = None
+            if self._aligner is not None:
+                text, logprobs = self._aligner.release(text)
+            delta = Delta(text, None, logprobs, tuple(calls))
+        return replace(delta, reasoning=event.reasoning) if event.reasoning else delta
 
     def _finish(self, text: str, calls: list[ToolCall], finish: str, stopped: bool) -> Delta:
         self.stopped = stopped

@@ -11,6 +11,14 @@ instructions in a system message), and reads the calls back out of the generated
 so a call from the device, a completions cloud or HAT looks the same, and an answer can move between them.
 `tool_choice` "required" or a named function, and `response_format` json_object / json_schema, become an llguidance
 grammar (clients/grammar.py) that an endpoint able to constrain applies token by token.
+
+`tool_choice` "auto" (or unset) becomes a lazy call grammar, as llama.cpp's server does for the same format (its
+common/chat.cpp: `grammar_lazy` with trigger words): free text, until the model starts a call (its call token, or an
+answer that opens with `{"name"`); from there the call must name an offered tool and give arguments valid for its
+schema. An endpoint that constrains applies it; one that cannot serves the request as before, unconstrained. The tool
+list in the prompt shows each tool as the models' templates were trained on (name, description, parameters): a
+schema's `title`s are left out, so a model cannot take the parameters' title (`add_args` from the OpenAI Agents SDK)
+for the tool's name.
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ class Structure:
     # Tool calls to any offered function: what an endpoint must write when it takes over an answer whose source
     # failed inside a call (the call was not delivered, so it is written again, and written whole).
     call_grammar: str | None = None
+    # tool_choice auto: free text, but a call once started is well-formed (lazy_call_grammar); for the endpoints
+    # that can apply it.
+    tool_grammar: str | None = None
+    prompt_tools: tuple[dict, ...] = ()  # the tools as the prompt shows them (prompt_tool)
 
 
 def _arguments(value: str):
@@ -127,22 +139,87 @@ def _checked(schema, param: str) -> dict:
     return schema
 
 
+def _call_rules(tools: Sequence[dict], names: Sequence[str], marker: Callable[[str], str]) -> list[str]:
+    """`call` (one tagged call of the named functions), `body` (its JSON), and their parts."""
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    options = " | ".join(f"f{i}" for i in range(len(names)))
+    rules = [f'call: {marker(OPEN)} "\\n" body "\\n" {marker(CLOSE)}', f"body: {options}"]
+    for i, name in enumerate(names):
+        schema = by_name[name].get("parameters") or {"type": "object"}
+        head = _literal('{"name": ' + json.dumps(name) + ', "arguments": ')
+        rules.append(f'f{i}: {head} a{i} "}}"')
+        rules.append(f"a{i}: {_json_rule(schema)}")
+    return rules
+
+
 def tool_call_grammar(
     tools: Sequence[dict], names: Sequence[str], parallel: bool, marker: Callable[[str], str] = _literal
 ) -> str:
     """One call (or, with parallel calls, one or more) of the named functions, arguments valid for each one's
     `parameters` schema. `marker` writes the <tool_call> tags: a special token of the device's vocabulary
     (`<[id]>`) where it has one, so the model is not forced to spell the tag out."""
-    by_name = {t["function"]["name"]: t["function"] for t in tools}
     more = ' ("\\n" call)*' if parallel else ""
-    options = " | ".join(f"f{i}" for i in range(len(names)))
-    rules = [f"start: call{more}", f'call: {marker(OPEN)} "\\n" ({options}) "\\n" {marker(CLOSE)}']
-    for i, name in enumerate(names):
-        schema = by_name[name].get("parameters") or {"type": "object"}
-        head = _literal('{"name": ' + json.dumps(name) + ', "arguments": ')
-        rules.append(f'f{i}: {head} a{i} "}}"')
-        rules.append(f"a{i}: {_json_rule(schema)}")
+    return "\n".join([f"start: call{more}", *_call_rules(tools, names, marker)])
+
+
+# An answer that opens with `{"name"` (after whitespace) is a call: Qwen2.5-Coder often writes calls as bare JSON.
+_BARE_START = r'[ \t\n]*\{[ \t\n]*"name"(.|\n)*'
+
+
+def lazy_call_grammar(tools: Sequence[dict], parallel: bool, marker: Callable[[str], str] = _literal) -> str:
+    """tool_choice auto: any text (the answer), or text and then calls of the offered tools, or one bare JSON call;
+    what a call's start commits to is a whole, valid call (llama.cpp's lazy grammar, written as one grammar: the
+    free text is a lexeme that cannot contain a call's start, so the call's rules take over where it begins).
+
+    With the call token a special token of the vocabulary (`<[id]>`), free text, which cannot produce it, ends
+    where the model picks it. Written out in text, the opening tag ends the text lexeme instead (OPENING: text that
+    ends at its first tag), because the lexer does not go back to split a lexeme that has taken the tag's start."""
+    names = [t["function"]["name"] for t in tools]
+    more = ' ("\\n" call)*' if parallel else ""
+    rules = _call_rules(tools, names, marker)
+    text = f"TEXT: /(.|\\n)*/ & ~/{_BARE_START}/"
+    opening = marker(OPEN)
+    if opening.startswith("<["):
+        rules += [f"start: TEXT | TEXT call{more} | call{more} | body", text]
+    else:
+        tag = OPEN  # no regex metacharacters in it
+        rules += [
+            f'start: TEXT | OPENING "\\n" body "\\n" {marker(CLOSE)}{more} | body',
+            f"{text} & ~/(.|\\n)*{tag}(.|\\n)*/",
+            f"OPENING: /(.|\\n)*{tag}/ & ~/(.|\\n)*{tag}(.|\\n)+/ & ~/{_BARE_START}/",
+        ]
     return "\n".join(rules)
+
+
+def _untitled(schema):
+    """A JSON schema without its `title` annotations (names of the properties, which may be "title", are kept)."""
+    if isinstance(schema, list):
+        return [_untitled(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "title" and isinstance(value, str):
+            continue
+        if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+            out[key] = {name: _untitled(sub) for name, sub in value.items()}
+        elif key in ("enum", "const", "default", "examples", "required"):
+            out[key] = value  # values, not schemas
+        else:
+            out[key] = _untitled(value)
+    return out
+
+
+def prompt_tool(tool: dict) -> dict:
+    """A tool as the prompt lists it: the OpenAI shape the models' templates were trained on (type, and the
+    function's name, description and parameters), without the schema's titles or the request's other fields
+    (`strict`). The request's tools are unchanged for everything else (a chat upstream gets them as sent)."""
+    function = tool["function"]
+    shown = {"name": function["name"]}
+    if function.get("description"):
+        shown["description"] = function["description"]
+    shown["parameters"] = _untitled(function.get("parameters") or {"type": "object", "properties": {}})
+    return {"type": "function", "function": shown}
 
 
 def structure_of(chat: ChatInput, marker: Callable[[str], str] = _literal) -> Structure:
@@ -189,4 +266,9 @@ def structure_of(chat: ChatInput, marker: Callable[[str], str] = _literal) -> St
         # Logprobs line up with the content's tokens, and the tokens of a call are not content.
         raise InvalidRequest("logprobs cannot be combined with tools.", param="logprobs")
     call_grammar = tool_call_grammar(tools, names, chat.parallel_tool_calls is True, marker) if offered else None
-    return Structure(offered, choice, parallel, fmt, grammar, call_grammar)
+    tool_grammar = None
+    if offered and grammar is None:
+        # Several calls only when the client asked (as for forced calls: small models repeat a call otherwise).
+        tool_grammar = lazy_call_grammar(tools, chat.parallel_tool_calls is True, marker)
+    shown = tuple(prompt_tool(t) for t in offered)
+    return Structure(offered, choice, parallel, fmt, grammar, call_grammar, tool_grammar, shown)

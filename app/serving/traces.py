@@ -6,6 +6,8 @@ from __future__ import annotations
 from app.serving.job import Job
 from policies.dispatch import DispatchPlan
 
+_BILLED = ("prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens")
+
 
 def ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
@@ -67,6 +69,8 @@ def trace_of(job: Job) -> dict:
                 "cached_tokens": a.cached_tokens,
                 "from_token": a.from_token,
                 "decode_tokens": a.decode_tokens,
+                # What it is booked for (its provider's own counts where it reported them): the ledger's view.
+                "billed": dict(zip(_BILLED, a.billed(), strict=True)),
                 **({"error": a.error} if a.error else {}),
             }
             for a in job.attempts

@@ -39,6 +39,8 @@ class Answer:
     then: str = "done"
     raw: bytes = b""
     calls: tuple[dict, ...] = ()  # chat tool-call delta pieces ({"index", "id", "function": {...}}), after `pieces`
+    reasoning: tuple[str, ...] = ()  # chat `reasoning_content` delta pieces, before `pieces` (a reasoning model)
+    usage: dict | None = None  # the usage chunk sent before [DONE] when the request asked for it (include_usage)
 
 
 @dataclass
@@ -142,6 +144,12 @@ class ScriptedUpstream:
         # Asked for logprobs: each piece is one token with logprob -(k+1)/10, its alternatives " alt<j>" below it.
         top = (body.get("top_logprobs") or 0) if chat else body.get("logprobs")
         top = top if body.get("logprobs") not in (None, False) else None
+        for piece in answer.reasoning:
+            chunk = _chunk("", None, chat)
+            chunk["choices"][0]["delta"] = {"role": "assistant", "content": None, "reasoning_content": piece}
+            writer.write(_chunked(_event(chunk)))
+            await writer.drain()
+            await asyncio.sleep(answer.gap)
         for k, piece in enumerate(answer.pieces):
             writer.write(_chunked(_event(_chunk(piece, None, chat, None if top is None else (k, top)))))
             await writer.drain()
@@ -154,7 +162,11 @@ class ScriptedUpstream:
             await asyncio.sleep(answer.gap)
         then = answer.then
         if then == "done":
-            writer.write(_chunked(_event(_chunk("", "stop", chat)) + b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            usage = b""
+            if answer.usage is not None and (body.get("stream_options") or {}).get("include_usage"):
+                usage = _event({"id": "scripted-1", "object": "chunk", "model": "scripted", "choices": [],
+                                "usage": answer.usage})  # fmt: skip
+            writer.write(_chunked(_event(_chunk("", "stop", chat)) + usage + b"data: [DONE]\n\n") + b"0\r\n\r\n")
         elif then == "close-mid-chunk":
             event = _event(_chunk(" half", None, chat))
             writer.write(f"{len(event):x}\r\n".encode() + event[: len(event) // 2])

@@ -268,6 +268,8 @@ def test_per_endpoint_totals(ledger):
         "requests": 2,
         "prefill_tokens": 180,
         "decode_tokens": 20,
+        "cached_tokens": 0,
+        "reasoning_tokens": 0,
         "cost_usd": pytest.approx(0.003),
         "cost_micro": 3000,  # integer micro-dollars, each booking rounded: what a shared store adds up
     }

@@ -77,3 +77,24 @@ def test_failed_endpoints_are_not_tried_again(orchestrator):
     failed.outcome = "failed"
     j.attempts.append(failed)
     assert orchestrator._fault_targets(j, attempt("device")) == ["hat"]
+
+
+def test_a_started_call_comes_out_whole_only_where_the_tool_grammar_applies_or_the_upstream_takes_tools(orchestrator):
+    """tool_choice auto (a lazy tool grammar): an answer starts, and cost-migrates, where a call is kept whole."""
+    weather = ({"type": "function", "function": {"name": "f"}},)
+    auto = Job(
+        id="t",
+        gen=GenerationRequest(prompt_text="hi", tools=weather, tool_grammar="start: <[151657]>"),
+        prompt_tokens=1,
+        policy="disco",
+        cloud="raw",
+    )
+    keeps = [n for n in BACKENDS if orchestrator._keeps_calls_whole(auto, n)]
+    assert keeps == ["device", "hat", "chat"]  # not the completions cloud, which gets the tools as prompt text
+    assert not orchestrator._keeps_calls_whole(auto, "chat", continuing=True)  # a chat upstream starts answers only
+    BACKENDS["hat"].accepts_token_ids = False  # the grammar's special tokens are the device vocabulary's
+    try:
+        assert not orchestrator._keeps_calls_whole(auto, "hat")
+    finally:
+        BACKENDS["hat"].accepts_token_ids = True
+    assert all(orchestrator._keeps_calls_whole(job(tools=weather), n) for n in BACKENDS)  # no tool grammar: anywhere

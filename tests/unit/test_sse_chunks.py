@@ -61,8 +61,34 @@ def test_the_role_goes_with_the_first_text_and_the_end_with_the_last_chunk():
     assert deltas_of(writes[0]) == [{"role": "assistant", "content": ""}, {"content": "Hel"}]
     *last, usage, done = writes[1]
     assert deltas_of(last) == [{"content": "lo"}] and last[0]["choices"][0]["finish_reason"] == "stop"
-    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7} and done == "[DONE]"
+    assert usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+    assert done == "[DONE]"
     assert all(e["usage"] is None for w in writes for e in w if e != "[DONE]" and e["choices"])
+
+
+def test_reasoning_goes_out_as_it_came_before_the_text_it_led_to():
+    writes = one(
+        [Delta("", reasoning="Let me"), Delta("", reasoning=" think."), Delta("42", reasoning="\n"), Delta("", "stop")]
+    )
+    chunks = [d for w in writes for d in deltas_of(w)]
+    assert chunks[:5] == [
+        {"role": "assistant", "content": ""},
+        {"reasoning_content": "Let me"},
+        {"reasoning_content": " think."},
+        {"reasoning_content": "\n"},
+        {"content": "42"},
+    ]
+    # completions have no place for thinking: only the text goes out
+    text = [
+        d for w in one([Delta("", reasoning="hm"), Delta("42"), Delta("", "stop")], chat=False) for d in deltas_of(w)
+    ]
+    assert text[0] == "42"
 
 
 def test_tool_calls_follow_their_text_and_the_finish_has_a_chunk_of_its_own():
