@@ -180,7 +180,7 @@ class ServingCore:
     async def _admit(self, request: RequestInput, job: Job) -> None:
         """The job under its API key's limits, and on the device only where paid clouds may not be used now (a lost
         shared store under `on_store_loss = "closed"`, or the key at its cap with `at_cap = "device"`)."""
-        if not self.state.may_spend():
+        if not await self.state.may_spend():
             self._device_only(job, Unavailable("The shared store is unreachable and paid clouds wait for it."))
         key = request.key_limits
         if key is None:

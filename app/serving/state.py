@@ -34,7 +34,7 @@ class StateStore(Protocol):
 
     async def close(self) -> None: ...
 
-    def may_spend(self) -> bool:
+    async def may_spend(self) -> bool:
         """False while paid clouds must be refused (a lost store under `on_store_loss = "closed"`)."""
 
     async def admit(self, key: KeyLimits, admission_id: str, now: float, reserve_micro: int) -> tuple[Verdict, bool]:
@@ -85,7 +85,7 @@ class MemoryStore:
     async def close(self) -> None:
         pass
 
-    def may_spend(self) -> bool:
+    async def may_spend(self) -> bool:
         return True
 
     async def admit(self, key: KeyLimits, admission_id: str, now: float, reserve_micro: int) -> tuple[Verdict, bool]:

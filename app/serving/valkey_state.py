@@ -357,8 +357,20 @@ class ValkeyStore:
         await self._change_budget(lambda _: defaults)
 
     # -- admission -------------------------------------------------------------------------------------------------
-    def may_spend(self) -> bool:
-        return self._up or self.on_store_loss == "local"
+    async def may_spend(self) -> bool:
+        """Under "closed", a store believed up is asked (a PING) before each request may use a paid cloud: a loss the
+        background task has not noticed yet must not let a request spend unbooked. Once lost, no request waits on it."""
+        if self.on_store_loss == "local":
+            return True
+        if not self._up:
+            return False
+        try:
+            await self._redis.ping()
+        except _DOWN as exc:
+            self._lost(exc)
+            self._later()
+            return False
+        return True
 
     def _key_names(self, key: KeyLimits, now: float) -> tuple[str, str, str, str, int]:
         tag = f"{self.prefix}{{key:{key.name}}}"
