@@ -133,6 +133,11 @@ async function openTimeline(id, focus = true) {
   section.dataset.id = id;
   section.hidden = false;
   const body = $("timeline-body");
+  $("timeline-title").textContent = "Timeline of " + id;
+  if (focus) {
+    body.replaceChildren(el("p", "loading…"));
+    section.focus();
+  }
   let trace;
   try {
     trace = await getJSON("/v1/requests/" + encodeURIComponent(id));
@@ -140,10 +145,11 @@ async function openTimeline(id, focus = true) {
     body.replaceChildren(el("p", "No trace: " + err.message, "error"));
     return;
   }
+  if (section.dataset.id !== id) return; // another row was opened meanwhile
   const choices = trace.choices || [trace];
-  body.replaceChildren(...choices.map(renderTrace));
-  $("timeline-title").textContent = "Timeline of " + id;
-  if (focus) section.focus();
+  const rendered = choices.map(renderTrace);
+  rendered.forEach((box) => { box.dataset.id = id; });
+  body.replaceChildren(...rendered);
 }
 
 function renderTrace(t) {

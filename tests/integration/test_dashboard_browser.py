@@ -156,9 +156,10 @@ def open_timeline_by_keyboard(driver, row) -> list:
     driver.execute_script("arguments[0].focus()", row)
     row.send_keys(Keys.ENTER)
     section = driver.find_element(By.ID, "timeline")
-    wait(driver).until(lambda d: section.is_displayed() and d.find_elements(By.CSS_SELECTOR, "#timeline .lane"))
-    assert driver.switch_to.active_element == section  # focus moved to what opened
-    return driver.find_elements(By.CSS_SELECTOR, "#timeline .lane")
+    assert driver.switch_to.active_element == section  # focus moved at once to what opened
+    lanes = f'#timeline .trace[data-id="{row.get_attribute("data-id")}"] .lane'
+    wait(driver).until(lambda d: section.is_displayed() and d.find_elements(By.CSS_SELECTOR, lanes))
+    return driver.find_elements(By.CSS_SELECTOR, lanes)
 
 
 def test_a_race_with_a_fault_migration_appears_live_with_endpoints_tokens_and_timeline(gw, upstream, browser, shots):
