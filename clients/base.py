@@ -38,6 +38,7 @@ class GenerationRequest:
     # upstream gets them, `tool_choice` and `response_format` as the client sent them.
     grammar: str | None = None  # an llguidance grammar the answer must follow (clients/grammar.py)
     grammar_covers_prefix: bool = True  # the delivered prefix is part of what the grammar reads (else it follows it)
+    gbnf: str | None = None  # the same constraint in llama.cpp's GBNF, for an upstream that takes one (clients/gbnf.py)
     tools: tuple[dict, ...] = ()
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
@@ -125,7 +126,8 @@ class Backend(Protocol):
     accepts_token_ids: bool  # takes prompts as token ids of the device model's vocabulary
     evaluations: int  # generations started so far: its KV cache can only have changed when this moved
     # How it follows GenerationRequest.grammar: "grammar" applies it token by token, also from a delivered prefix;
-    # "native" passes tools / response_format to an upstream that enforces them (fresh answers only); "none" cannot.
+    # "native" passes tools / response_format to an upstream that enforces them (fresh answers only); "gbnf" sends
+    # GenerationRequest.gbnf to an upstream that applies it (advanced over a delivered prefix too); "none" cannot.
     structured_output: str
     # What leaves the device when it serves (policies/privacy.py): "device" nothing, "split" hidden states (HAT),
     # "cloud" the prompt's text.
