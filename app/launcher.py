@@ -135,7 +135,7 @@ def start_llama_server(
     command = [
         str(binary), "--model", str(model_path), "--alias", alias or Path(model_path).stem,
         "--host", "127.0.0.1", "--port", str(port), "--ctx-size", str(ctx_size), "--offline", "--no-webui",
-        *(("--threads", str(threads)) if threads else ()), *extra_args,
+        *(("--threads", str(threads), "--threads-batch", str(threads)) if threads else ()), *extra_args,
     ]  # fmt: skip
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(
