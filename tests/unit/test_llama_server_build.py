@@ -12,7 +12,7 @@ from deploy import llama_server
 def test_the_pinned_version_has_a_known_sdist_checksum():
     version = llama_server.pinned_version()
     assert version in llama_server.SDIST_SHA256
-    assert llama_server.binary_path().name.startswith(f"llama-server-{version}-")
+    assert llama_server.binary_path().parent.name.startswith(f"llama-server-{version}-")
 
 
 def test_a_tampered_sdist_is_refused(tmp_path):
@@ -27,6 +27,14 @@ def test_a_tampered_sdist_is_refused(tmp_path):
 def test_other_build_flags_build_another_binary(monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_BIN_DIR", str(tmp_path))
     before = llama_server.binary_path()
-    assert before.parent == tmp_path
-    monkeypatch.setattr(llama_server, "CMAKE_FLAGS", (*llama_server.CMAKE_FLAGS, "-DGGML_NATIVE=OFF"))
+    assert before.parent.parent == tmp_path
+    for flags in ("CMAKE_FLAGS", "LINKED_FLAGS"):
+        monkeypatch.setattr(llama_server, flags, (*getattr(llama_server, flags), "-DGGML_NATIVE=OFF"))
     assert llama_server.binary_path() != before
+
+
+def test_the_installed_package_is_linked_only_when_it_is_the_pinned_version(monkeypatch):
+    libraries = llama_server.installed_libraries()
+    assert libraries is not None and (libraries / "libllama.so.0").is_file()  # the set-up installed it
+    monkeypatch.setattr(llama_server, "pinned_version", lambda: "0.0.1")
+    assert llama_server.installed_libraries() is None
