@@ -33,8 +33,8 @@ def orchestrator() -> Orchestrator:
     return Orchestrator(BACKENDS, "device", "raw", True, Metrics(), disco=None, ledger=None)
 
 
-def job(privacy: str = "any", grammar: str | None = None, tools=(), cloud: str = "raw") -> Job:
-    gen = GenerationRequest(prompt_text="hi", grammar=grammar, tools=tools)
+def job(privacy: str = "any", grammar: str | None = None, tools=(), cloud: str = "raw", gbnf: str | None = None) -> Job:
+    gen = GenerationRequest(prompt_text="hi", grammar=grammar, tools=tools, gbnf=gbnf)
     return Job(id="t", gen=gen, prompt_tokens=1, policy="disco", cloud=cloud, privacy=privacy)
 
 
@@ -77,3 +77,15 @@ def test_failed_endpoints_are_not_tried_again(orchestrator):
     failed.outcome = "failed"
     j.attempts.append(failed)
     assert orchestrator._fault_targets(j, attempt("device")) == ["hat"]
+
+
+def test_an_upstream_that_takes_gbnf_serves_a_grammar_that_has_a_gbnf_form(orchestrator):
+    BACKENDS["gbnf"] = endpoint("cloud", "gbnf", ids=False)
+    try:
+        # The device's tag tokens in the llguidance grammar do not matter there: the GBNF spells the tags out.
+        with_gbnf = job(grammar="start: <[151657]>", gbnf='root ::= "x"')
+        assert orchestrator._serves(with_gbnf, "gbnf") and orchestrator._serves(with_gbnf, "gbnf", continuing=True)
+        assert "gbnf" in orchestrator._fault_targets(with_gbnf, attempt("device"))
+        assert not orchestrator._serves(job(grammar='start: "x"'), "gbnf")  # no GBNF form: not there
+    finally:
+        del BACKENDS["gbnf"]
