@@ -216,8 +216,10 @@ class CloudSettings(_Strict):
     token_id_prompts: bool = False
     # Whether a chat upstream takes `tools`, `tool_choice` and `response_format` (OpenAI, vLLM, SGLang and
     # llama.cpp's server do): "none" keeps requests that use them away from it. A completions upstream gets
-    # tools in the prompt the gateway renders and cannot enforce a format: its value is always "none".
-    structured_output: Literal["native", "none"] = "native"
+    # tools in the prompt the gateway renders; "gbnf" (llama.cpp's llama-server, llama-cpp-python's server: an
+    # embedded cloud's default) sends a forced tool call or a JSON format as a GBNF `grammar` it enforces, also when
+    # it continues an answer; otherwise a completions upstream cannot enforce one ("none").
+    structured_output: Literal["native", "none", "gbnf"] = "native"
     connect_timeout: Annotated[float, Field(gt=0)] = 3.0
     read_timeout: Annotated[float, Field(gt=0)] = 60.0  # max gap between two streamed chunks
     write_timeout: Annotated[float, Field(gt=0)] = 10.0
@@ -250,12 +252,21 @@ class CloudSettings(_Strict):
                 "set tokenizer='device' (upstream shares the device model's tokenizer) or continuation='chat'"
             )
         if self.continuation == "completions" and "structured_output" in self.model_fields_set:
-            if self.structured_output != "none":
+            if self.structured_output == "native":
                 raise ValueError(
-                    "structured_output='native' needs continuation='chat' (a completions upstream is "
-                    "given tools in the prompt and cannot enforce response_format)"
+                    "structured_output='native' needs continuation='chat' (a completions upstream is given tools "
+                    "in the prompt; set 'gbnf' if it enforces a GBNF grammar, else 'none')"
                 )
+        elif self.continuation == "chat" and self.structured_output == "gbnf":
+            raise ValueError("structured_output='gbnf' needs continuation='completions' (the grammar goes there)")
         return self
+
+    @property
+    def gbnf(self) -> bool:
+        """Whether the upstream is sent GBNF grammars: set so, or the embedded llama-cpp-python server by default."""
+        if "structured_output" in self.model_fields_set:
+            return self.structured_output == "gbnf"
+        return self.embedded is not None and self.continuation == "completions"
 
 
 class EmbeddedWorkerSettings(_Strict):

@@ -42,6 +42,7 @@ class GenerationRequest:
     # a backend that applies grammars follows it (over the delivered prefix too) when `grammar` is None; one that
     # cannot, or whose vocabulary it does not fit, answers without it.
     tool_grammar: str | None = None
+    gbnf: str | None = None  # the same constraint in llama.cpp's GBNF, for an upstream that takes one (clients/gbnf.py)
     tools: tuple[dict, ...] = ()
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
@@ -136,7 +137,8 @@ class Backend(Protocol):
     accepts_token_ids: bool  # takes prompts as token ids of the device model's vocabulary
     evaluations: int  # generations started so far: its KV cache can only have changed when this moved
     # How it follows GenerationRequest.grammar: "grammar" applies it token by token, also from a delivered prefix;
-    # "native" passes tools / response_format to an upstream that enforces them (fresh answers only); "none" cannot.
+    # "native" passes tools / response_format to an upstream that enforces them (fresh answers only); "gbnf" sends
+    # GenerationRequest.gbnf to an upstream that applies it (advanced over a delivered prefix too); "none" cannot.
     structured_output: str
     # What leaves the device when it serves (policies/privacy.py): "device" nothing, "split" hidden states (HAT),
     # "cloud" the prompt's text.

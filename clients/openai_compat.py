@@ -9,6 +9,9 @@ an unclosed streaming response would pin a pool connection for good.
 Continuation from a delivered prefix goes through raw `/v1/completions` with
 the chat template applied in the gateway and token IDs (when the upstream shares
 the device model's tokenizer); a plain chat upstream can only start answers.
+An upstream that takes GBNF (llama.cpp's servers) gets a request's forced tool
+call or JSON format as a `grammar`, residual over the delivered prefix when it
+continues one (clients/gbnf.py), so it follows it and can take over under it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from clients import gbnf
 from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent, TokenLogprob, Usage
 from clients.http_transport import AsyncioHTTPTransport
 from clients.tokencount import estimate_tokens
@@ -40,6 +44,7 @@ class UpstreamOptions:
     continues: bool = False  # continue answers through raw /completions (else fresh chat answers only)
     token_id_prompts: bool = False  # the upstream takes prompts as token ids
     native_structure: bool = True  # a chat upstream takes tools / tool_choice / response_format
+    gbnf: bool = False  # a completions upstream enforces a GBNF `grammar` field (llama.cpp's servers)
     connect_timeout: float = 3.0
     read_timeout: float = 60.0  # the longest silence between two streamed chunks
     write_timeout: float = 10.0
@@ -66,8 +71,12 @@ class OpenAICompatBackend(NoPrefixCache):
         # The device tokenizer when upstream shares it: exact usage without upstream help.
         self._count_exact = count_exact if options.shares_device_tokenizer else None
         self.can_continue = options.continues
-        # A chat upstream enforces tools and response_format itself; a completions one only sees text.
-        self.structured_output = "native" if options.native_structure and not options.continues else "none"
+        # A chat upstream enforces tools and response_format itself; a completions one only sees text, unless it
+        # takes a GBNF grammar.
+        if options.continues:
+            self.structured_output = "gbnf" if options.gbnf else "none"
+        else:
+            self.structured_output = "native" if options.native_structure else "none"
         self.accepts_token_ids = options.token_id_prompts
         # Uncompressed answers: a compressed stream holds tokens back in the compressor, and raw bytes are
         # what `_sse_lines` reads.
@@ -131,13 +140,16 @@ class OpenAICompatBackend(NoPrefixCache):
         continuing = bool(request.prefix_text) or bool(request.prefix_ids)
         # Tools go in the prompt rendered by the gateway where the upstream takes raw prompts: the calls come back
         # as text in the one format the gateway reads (app/serving/structured.py).
-        if self.can_continue and (continuing or request.messages is None or request.tools):
+        constrained = self.structured_output == "gbnf" and request.gbnf is not None
+        if self.can_continue and (continuing or request.messages is None or request.tools or constrained):
             if self.accepts_token_ids and request.prompt_ids is not None and (request.prefix_ids or not continuing):
                 prompt: str | list[int] = list(request.prompt_ids) + list(request.prefix_ids or ())
             else:
                 prompt = request.prompt_text + request.prefix_text
             if request.logprobs is not None:
                 common["logprobs"] = request.logprobs
+            if constrained:
+                common["grammar"] = request.gbnf  # stream() makes it the residual when it reads the prefix too
             return "/completions", {**common, "prompt": prompt}
         if continuing:
             raise BackendError(
@@ -160,6 +172,14 @@ class OpenAICompatBackend(NoPrefixCache):
             body["response_format"] = request.response_format
         return "/chat/completions", body
 
+    async def _residual_grammar(self, request: GenerationRequest) -> str:
+        """The request's GBNF past the delivered prefix, for a continuation whose grammar reads the prefix (on a
+        thread: ~0.1 ms a character). A 400 when the prefix leaves the grammar: this upstream cannot take over."""
+        try:
+            return await asyncio.to_thread(gbnf.residual, request.gbnf, request.prefix_text)
+        except gbnf.GBNFError as exc:
+            raise BackendError(f"cloud backend {self.name!r}: {exc}", status=400, backend=self.name) from exc
+
     def _sampling_fields(self, request: GenerationRequest, body: dict) -> None:
         """Penalties and logit_bias, passed through (logprobs go in the shape of the path's API)."""
         if request.presence_penalty:
@@ -179,6 +199,8 @@ class OpenAICompatBackend(NoPrefixCache):
     # -- streaming ---------------------------------------------------------------------------
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         path, body = self._body(request)
+        if "grammar" in body and request.prefix_text and request.grammar_covers_prefix:
+            body["grammar"] = await self._residual_grammar(request)
         url = self._urls[path]
         self.active += 1
         try:

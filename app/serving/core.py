@@ -429,7 +429,7 @@ class ServingCore:
         # A chat upstream gets the conversation as the client sent it (tool calls and results included).
         gen = self._generation(chat, prompt_text, prompt_ids, chat.messages, structure)
         job = self._job(chat.id_prefix, gen, len(prompt_ids), route)
-        job.call_grammar = structure.call_grammar
+        job.call_grammar, job.call_gbnf = structure.call_grammar, structure.call_gbnf
         self._decoding(job, chat)
         return job
 
@@ -476,6 +476,7 @@ def _structured_fields(structure: Structure) -> dict:
     return {
         "grammar": structure.grammar,
         "tool_grammar": structure.tool_grammar,
+        "gbnf": structure.gbnf,
         "tools": structure.tools,
         "tool_choice": structure.tool_choice,
         "parallel_tool_calls": structure.parallel_tool_calls,

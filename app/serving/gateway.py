@@ -63,6 +63,7 @@ def _upstream_options(cloud: CloudSettings) -> UpstreamOptions:
         continues=cloud.continuation == "completions",
         token_id_prompts=cloud.token_id_prompts,
         native_structure=cloud.structured_output == "native",
+        gbnf=cloud.gbnf,
         connect_timeout=cloud.connect_timeout,
         read_timeout=cloud.read_timeout,
         write_timeout=cloud.write_timeout,

@@ -59,6 +59,7 @@ class Job:
     pinned: str | None = None  # a backend name when the request's model names one
     cloud: str | None = None  # the cloud endpoint DiSCo plays against the device for this request
     call_grammar: str | None = None  # app/serving/structured.py: Structure.call_grammar
+    call_gbnf: str | None = None  # the same in GBNF
     privacy: str = "any"  # where it may go (policies/privacy.py)
     # Outline decoding (app/serving/outline.py): what the request needs of it when its gate said yes, and what the
     # trace says about it (mode, the gate's reason, the sub-requests).
@@ -98,6 +99,7 @@ class Job:
             pinned=self.pinned,
             cloud=self.cloud,
             call_grammar=self.call_grammar,
+            call_gbnf=self.call_gbnf,
             privacy=self.privacy,
             admission=self.admission,
             limit_headers=self.limit_headers,

@@ -96,9 +96,10 @@ class Orchestrator:
     def _serves(self, job: Job, name: str | None, continuing: bool = False) -> bool:
         """Whether `name` may serve this request: its privacy level allows the endpoint's locality, and the
         endpoint can give the answer the structure it asks for (a grammar from tool_choice or response_format: a
-        chat upstream that enforces it natively only from the start, a backend that applies the grammar itself
-        also from a delivered prefix; tools without a grammar go anywhere but to a chat upstream configured not
-        to take them). Starts, races, fallbacks, cost migrations and fault migrations all ask here."""
+        chat upstream that enforces it natively only from the start, a backend that applies the grammar itself, or
+        an upstream sent its GBNF form, also from a delivered prefix; tools without a grammar go anywhere but to a
+        chat upstream configured not to take them). Starts, races, fallbacks, cost migrations and fault migrations
+        all ask here."""
         if name is None:
             return False
         backend = self.backends[name]
@@ -108,6 +109,8 @@ class Orchestrator:
         if job.gen.grammar is not None:
             if kind == "grammar" and not self._takes_ids(name) and "<[" in job.gen.grammar:
                 return False  # its `<[id]>` special tokens are the device vocabulary's ids (a HAT with another model)
+            if kind == "gbnf":
+                return job.gen.gbnf is not None  # None: the constraint has no GBNF form (clients/gbnf.py)
             return kind == "grammar" or (kind == "native" and not continuing)
         # Tools travel in the prompt the gateway renders, except to a chat upstream, which must take them itself.
         return not (job.gen.tools and kind == "none" and not backend.can_continue)
@@ -481,7 +484,7 @@ class Orchestrator:
         exactly the delivered prefix, or raise when none can."""
         if relay.rewind_uncommitted_call() and job.gen.grammar is None:
             # The call is written again from its start: under the tool-call grammar, so it comes out whole.
-            job.gen = replace(job.gen, grammar=job.call_grammar, grammar_covers_prefix=False)
+            job.gen = replace(job.gen, grammar=job.call_grammar, gbnf=job.call_gbnf, grammar_covers_prefix=False)
         reason = "stall" if isinstance(exc, TimeoutError) else "error"
         if isinstance(exc, TimeoutError):
             exc = BackendError(f"{source.name} sent nothing for {self.stall_timeout:g} s (stalled)", 504, source.name)

@@ -10,7 +10,8 @@ The gateway renders the tools into the prompt (the model's own template when it 
 instructions in a system message), and reads the calls back out of the generated text (app/serving/tool_calls.py),
 so a call from the device, a completions cloud or HAT looks the same, and an answer can move between them.
 `tool_choice` "required" or a named function, and `response_format` json_object / json_schema, become an llguidance
-grammar (clients/grammar.py) that an endpoint able to constrain applies token by token.
+grammar (clients/grammar.py) that an endpoint able to constrain applies token by token, and the same constraint in
+GBNF (clients/gbnf.py) for an upstream that enforces one itself (llama.cpp's servers).
 
 `tool_choice` "auto" (or unset) becomes a lazy call grammar, as llama.cpp's server does for the same format (its
 common/chat.cpp: `grammar_lazy` with trigger words): free text, until the model starts a call (its call token, or an
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 from app.serving.errors import InvalidRequest
 from app.serving.requests import ChatInput
+from clients import gbnf
 from clients.grammar import GrammarError, check_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -51,9 +53,11 @@ class Structure:
     parallel_tool_calls: bool = True
     response_format: dict | None = None  # as sent, None for plain text
     grammar: str | None = None  # the llguidance grammar the answer must follow
+    gbnf: str | None = None  # the same in GBNF (None also when it has no GBNF form: then no GBNF upstream serves it)
     # Tool calls to any offered function: what an endpoint must write when it takes over an answer whose source
     # failed inside a call (the call was not delivered, so it is written again, and written whole).
     call_grammar: str | None = None
+    call_gbnf: str | None = None
     # tool_choice auto: free text, but a call once started is well-formed (lazy_call_grammar); for the endpoints
     # that can apply it.
     tool_grammar: str | None = None
@@ -220,6 +224,16 @@ def prompt_tool(tool: dict) -> dict:
         shown["description"] = function["description"]
     shown["parameters"] = _untitled(function.get("parameters") or {"type": "object", "properties": {}})
     return {"type": "function", "function": shown}
+def _gbnf(build: Callable[[], str]) -> str | None:
+    try:
+        return build()
+    except gbnf.GBNFError:
+        return None
+
+
+def tool_call_gbnf(tools: Sequence[dict], names: Sequence[str], parallel: bool) -> str | None:
+    """tool_call_grammar's language in GBNF (the tags spelled out: an upstream's vocabulary is its own)."""
+    return _gbnf(lambda: gbnf.tool_calls_grammar(tools, names, parallel, OPEN, CLOSE))
 
 
 def structure_of(chat: ChatInput, marker: Callable[[str], str] = _literal) -> Structure:
@@ -231,7 +245,7 @@ def structure_of(chat: ChatInput, marker: Callable[[str], str] = _literal) -> St
     if len(set(names)) != len(names):
         raise InvalidRequest("Tool function names must be unique.", param="tools")
     choice = chat.tool_choice
-    grammar = None
+    grammar = grammar_gbnf = None
     if choice is not None and not isinstance(choice, str):
         name = choice["function"]["name"]
         if name not in names:
@@ -247,6 +261,7 @@ def structure_of(chat: ChatInput, marker: Callable[[str], str] = _literal) -> St
         # function until max_tokens): as llama.cpp's server does, a grammar allows several only when asked to.
         several = chat.parallel_tool_calls is True and len(called) == len(names) and choice == "required"
         grammar = tool_call_grammar(tools, called, several, marker)
+        grammar_gbnf = tool_call_gbnf(tools, called, several)
     fmt = chat.response_format
     if fmt is not None and fmt["type"] != "text":
         if grammar is not None:
@@ -259,16 +274,21 @@ def structure_of(chat: ChatInput, marker: Callable[[str], str] = _literal) -> St
                 fmt["json_schema"].get("schema") or {"type": "object"}, "response_format.json_schema.schema"
             )
         grammar = "start: " + _json_rule(schema)
+        grammar_gbnf = _gbnf(lambda: gbnf.json_grammar(schema))
     else:
         fmt = None
     offered = tools if choice != "none" else ()
     if offered and chat.logprobs is not None:
         # Logprobs line up with the content's tokens, and the tokens of a call are not content.
         raise InvalidRequest("logprobs cannot be combined with tools.", param="logprobs")
-    call_grammar = tool_call_grammar(tools, names, chat.parallel_tool_calls is True, marker) if offered else None
+    parallel_calls = chat.parallel_tool_calls is True
+    call_grammar = tool_call_grammar(tools, names, parallel_calls, marker) if offered else None
+    call_gbnf = tool_call_gbnf(tools, names, parallel_calls) if offered else None
     tool_grammar = None
     if offered and grammar is None:
         # Several calls only when the client asked (as for forced calls: small models repeat a call otherwise).
-        tool_grammar = lazy_call_grammar(tools, chat.parallel_tool_calls is True, marker)
+        tool_grammar = lazy_call_grammar(tools, parallel_calls, marker)
     shown = tuple(prompt_tool(t) for t in offered)
-    return Structure(offered, choice, parallel, fmt, grammar, call_grammar, tool_grammar, shown)
+    return Structure(
+        offered, choice, parallel, fmt, grammar, grammar_gbnf, call_grammar, call_gbnf, tool_grammar, shown
+    )

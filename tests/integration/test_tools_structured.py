@@ -197,27 +197,17 @@ def test_json_object_output_parses(gateway):
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
 
 
-def test_an_endpoint_that_cannot_enforce_the_structure_is_not_used(gateway):
-    # The embedded cloud takes raw prompts (continuation = "completions"): it cannot apply a grammar.
+def test_an_endpoint_that_cannot_enforce_the_structure_is_not_used(scripted_gw, upstream):
+    # A completions upstream that takes no grammar (structured_output = "none") cannot serve a forced call pinned
+    # to it (the embedded cloud takes GBNF: tests/integration/test_upstream_grammars.py).
+    upstream.reset()
     pinned = httpx.post(
-        gateway.v1 + "/chat/completions",
-        json={"model": "cloud", "messages": ASK, "tools": [WEATHER], "tool_choice": "required"},
+        scripted_gw.v1 + "/chat/completions",
+        json={"model": "raw", "messages": ASK, "tools": [WEATHER], "tool_choice": "required"},
         timeout=60,
     )
     assert pinned.status_code == 400 and "cannot serve" in pinned.json()["error"]["message"]
-    # Routed to the cloud by policy, the answer comes from the device instead.
-    r = sdk(gateway).chat.completions.with_raw_response.create(
-        model="tandem",
-        messages=[{"role": "user", "content": "Describe Lyon as JSON."}],
-        response_format=CITY,
-        temperature=0,
-        max_tokens=120,
-        extra_body={"tandem": {"policy": "cloud"}},
-    )
-    assert r.headers["x-tandem-backend"] == "device"
-    valid_city(r.parse().choices[0].message.content)
-    t = trace(gateway, r.headers["x-request-id"])
-    assert [e["endpoint"] for e in t["endpoints"]] == ["device"]
+    assert upstream.requests == []
 
 
 @pytest.mark.parametrize(
@@ -276,6 +266,7 @@ base_url = "{upstream.base_url}"
 model = "scripted-raw"
 continuation = "completions"
 tokenizer = "device"
+structured_output = "none"
 """,
         wait_for=("device",),
     )

@@ -33,8 +33,8 @@ def orchestrator() -> Orchestrator:
     return Orchestrator(BACKENDS, "device", "raw", True, Metrics(), disco=None, ledger=None)
 
 
-def job(privacy: str = "any", grammar: str | None = None, tools=(), cloud: str = "raw") -> Job:
-    gen = GenerationRequest(prompt_text="hi", grammar=grammar, tools=tools)
+def job(privacy: str = "any", grammar: str | None = None, tools=(), cloud: str = "raw", gbnf: str | None = None) -> Job:
+    gen = GenerationRequest(prompt_text="hi", grammar=grammar, tools=tools, gbnf=gbnf)
     return Job(id="t", gen=gen, prompt_tokens=1, policy="disco", cloud=cloud, privacy=privacy)
 
 
@@ -98,3 +98,13 @@ def test_a_started_call_comes_out_whole_only_where_the_tool_grammar_applies_or_t
     finally:
         BACKENDS["hat"].accepts_token_ids = True
     assert all(orchestrator._keeps_calls_whole(job(tools=weather), n) for n in BACKENDS)  # no tool grammar: anywhere
+def test_an_upstream_that_takes_gbnf_serves_a_grammar_that_has_a_gbnf_form(orchestrator):
+    BACKENDS["gbnf"] = endpoint("cloud", "gbnf", ids=False)
+    try:
+        # The device's tag tokens in the llguidance grammar do not matter there: the GBNF spells the tags out.
+        with_gbnf = job(grammar="start: <[151657]>", gbnf='root ::= "x"')
+        assert orchestrator._serves(with_gbnf, "gbnf") and orchestrator._serves(with_gbnf, "gbnf", continuing=True)
+        assert "gbnf" in orchestrator._fault_targets(with_gbnf, attempt("device"))
+        assert not orchestrator._serves(job(grammar='start: "x"'), "gbnf")  # no GBNF form: not there
+    finally:
+        del BACKENDS["gbnf"]

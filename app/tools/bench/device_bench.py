@@ -1,10 +1,12 @@
-"""`tandem bench device`: decode speed and TTFT of the device path, against llama-cpp-python alone.
+"""`tandem bench device`: decode speed and TTFT of the device path, against llama-cpp-python and llama-server alone.
 
 One run, side by side on one machine, in alternating order (machine noise hits every subject alike):
 
 - `in-process`: llama-cpp-python's `Llama.create_chat_completion(stream=True)` in a subprocess of its own (not
   this interpreter, which also runs the load generator);
 - `llama_cpp.server`: llama-cpp-python's own OpenAI-compatible server (`python -m llama_cpp.server`);
+- `llama-server`: llama.cpp's own server (the set-up's build of the same llama.cpp: deploy/llama_server.py), the
+  one most users would run instead;
 - the gateway, three ways: `"model": "device"` (pinned: no race, no migration); `"model": "tandem"` with
   `"tandem": {"policy": "device"}`; and `"model": "tandem"` with DiSCo-S, which routes every prompt to the
   device (budget 0: the server side may take none) and runs the migration check after every token (the cloud
@@ -37,7 +39,7 @@ PROMPT = (
     "expiring keys, with type hints, docstrings and a few unit tests. Explain each part."
 )
 PINNED, POLICY_DEVICE, DISCO = "gateway, pinned", "gateway, policy device", "gateway, DiSCo → device"
-IN_PROCESS, PEER = "in-process", "llama_cpp.server"
+IN_PROCESS, PEER, LLAMA_SERVER = "in-process", "llama_cpp.server", "llama-server"
 GATEWAY_SUBJECTS = {
     PINNED: {"model": "device"},
     POLICY_DEVICE: {"model": "tandem", "tandem": {"policy": "device"}},
@@ -221,18 +223,20 @@ def _median(rows: list[dict], key: str) -> float:
 
 def report(results: dict[tuple[str, int], list[dict]], lengths: list[int], subjects: list[str]) -> str:
     lines = [
-        "| answer | subject | decode tok/s | TTFT ms | decode vs server | decode vs in-process | TTFT − server |",
-        "|---|---|---|---|---|---|---|",
+        "| answer | subject | decode tok/s | TTFT ms | decode vs server | decode vs in-process "
+        "| decode vs llama-server | TTFT − server |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n in lengths:
         peer_rate, peer_ttft = _median(results[PEER, n], "tok_s"), _median(results[PEER, n], "ttft")
         local_rate = _median(results[IN_PROCESS, n], "tok_s")
+        llama_rate = _median(results[LLAMA_SERVER, n], "tok_s")
         for subject in subjects:
             rows = results[subject, n]
             rate, ttft = _median(rows, "tok_s"), _median(rows, "ttft")
             lines.append(
                 f"| {n} tokens | {subject} | {rate:.1f} | {ttft * 1e3:.1f} | **{rate / peer_rate:.3f}×** | "
-                f"{rate / local_rate:.3f}× | {(ttft - peer_ttft) * 1e3:+.1f} ms |"
+                f"{rate / local_rate:.3f}× | {rate / llama_rate:.3f}× | {(ttft - peer_ttft) * 1e3:+.1f} ms |"
             )
     return "\n".join(lines)
 
@@ -258,28 +262,31 @@ def main(argv: list[str] | None = None) -> int:
         _serve_in_process(args.in_process[0], int(args.in_process[1]), int(args.in_process[2]))
         return 0
 
-    from app.launcher import free_port, start_gateway, stop_gateway
+    from app.launcher import free_port, start_gateway, start_llama_server, stop_gateway, stop_server
     from deploy.models import model_path
 
     model = model_path(DEVICE_MODEL)
     peer_port = free_port()
     peer_url = f"http://127.0.0.1:{peer_port}/v1"
-    peer = in_process = gw = None
+    peer = in_process = gw = llama = None
     try:
         peer = _start_peer(model, args.n_ctx, args.threads, peer_port)
+        llama = start_llama_server(model, alias=LLAMA_SERVER, ctx_size=args.n_ctx, threads=args.threads)
         in_process = _InProcess(model, args.n_ctx, args.threads)
         gw = start_gateway(gateway_config(peer_url, args.n_ctx, args.threads, args.embedded))
-        subjects = [IN_PROCESS, PEER, *GATEWAY_SUBJECTS]
+        subjects = [IN_PROCESS, PEER, LLAMA_SERVER, *GATEWAY_SUBJECTS]
 
         def measure(subject: str, nonce: str, n: int) -> dict:
             if subject == IN_PROCESS:
                 return in_process.measure(nonce, n)
             if subject == PEER:
                 return _measure_http(client, peer_url, {"model": "peer"}, nonce, n)
+            if subject == LLAMA_SERVER:
+                return _measure_http(client, llama.v1, {"model": LLAMA_SERVER}, nonce, n)
             return _measure_http(client, gw.v1, GATEWAY_SUBJECTS[subject], nonce, n)
 
         results: dict[tuple[str, int], list[dict]] = {(s, n): [] for s in subjects for n in args.lengths}
-        load = ForeignLoad([os.getpid(), peer.pid, in_process.process.pid, gw.process.pid])
+        load = ForeignLoad([os.getpid(), peer.pid, llama.process.pid, in_process.process.pid, gw.process.pid])
         repeated = 0
         with httpx.Client(timeout=120) as client:
             for subject in subjects:  # warm-up: code paths, connections, the shared system prompt's KV
@@ -309,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             stop_gateway(gw)
         if in_process is not None:
             in_process.stop()
+        if llama is not None:
+            stop_server(llama)
         if peer is not None:
             peer.terminate()
             peer.wait()
