@@ -330,6 +330,7 @@ class Orchestrator:
 
     def _finished(self, job: Job, attempt: Attempt, relay: Relay, finish: str, upstream: Usage | None) -> None:
         job.finish_reason = finish
+        job.stop_sequence = relay.stop_sequence
         attempt.outcome = "finished"
         attempt.ended = not relay.stopped
         job.delayed_tokens = relay.delayed
