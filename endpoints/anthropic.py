@@ -161,8 +161,8 @@ def _tool_use(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": {}}
 
 
-def _usage(job: Job, u: Usage) -> dict:
-    return {"input_tokens": u.prompt_tokens or job.prompt_tokens, "output_tokens": u.completion_tokens}
+def _usage(u: Usage) -> dict:
+    return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens}
 
 
 def _message(job: Job, model: str, content: list[dict], stop: str | None, usage: Usage) -> dict:
@@ -174,7 +174,7 @@ def _message(job: Job, model: str, content: list[dict], stop: str | None, usage:
         "content": content,
         "stop_reason": stop,
         "stop_sequence": job.stop_sequence if stop == "stop_sequence" else None,
-        "usage": _usage(job, usage),
+        "usage": _usage(usage),
     }
 
 
@@ -244,7 +244,7 @@ class MessageEvents:
     def end(self, usage: Usage) -> bytes:
         self.finished = True
         delta = {"stop_reason": stop_reason(self.job, self._finish), "stop_sequence": self.job.stop_sequence}
-        return _event("message_delta", {"delta": delta, "usage": _usage(self.job, usage)}) + _event("message_stop", {})
+        return _event("message_delta", {"delta": delta, "usage": _usage(usage)}) + _event("message_stop", {})
 
     def failure(self, exc: BaseException) -> bytes:
         self.finished = True

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
+from collections.abc import Callable
 from functools import cache
 
 import httpx
@@ -100,3 +102,16 @@ def embedded_server_pid(gw) -> int:
 
 def signal_process(pid: int, sig: signal.Signals) -> None:
     os.kill(pid, sig)
+
+
+def signal_at(pid: int, sig: signal.Signals, chunk: int) -> tuple[Callable[[int], None], threading.Event]:
+    """A streaming callback (called with the count of chunks received) that sends `sig` to `pid` once `chunk`
+    chunks have arrived, and the event that says it did."""
+    sent = threading.Event()
+
+    def on_chunk(n: int) -> None:
+        if n == chunk and not sent.is_set():
+            signal_process(pid, sig)
+            sent.set()
+
+    return on_chunk, sent

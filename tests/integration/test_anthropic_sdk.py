@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 from collections.abc import Iterator
 
 import anthropic
@@ -22,7 +21,7 @@ from tests.integration.disco_helpers import (
     embedded_server_pid,
     evict_cache,
     independent_continuation,
-    signal_process,
+    signal_at,
 )
 
 KEY = "anthropic-test-key"
@@ -342,14 +341,7 @@ def test_a_streamed_answer_that_migrates_arrives_whole(gw):
 
 def test_a_streamed_answer_whose_endpoint_dies_arrives_whole(gw):
     """Last: the cloud is killed."""
-    pid = embedded_server_pid(gw)
-    killed = threading.Event()
-
-    def kill_after_three(n: int) -> None:
-        if n == 3 and not killed.is_set():
-            signal_process(pid, signal.SIGKILL)
-            killed.set()
-
+    kill_after_three, killed = signal_at(embedded_server_pid(gw), signal.SIGKILL, 3)
     pieces: list[str] = []
     final, kinds = stream(
         gw,
