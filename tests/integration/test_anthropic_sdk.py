@@ -190,6 +190,11 @@ def test_a_stop_sequence_ends_the_answer_and_is_named(gw):
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
 
 
+def test_top_k_one_is_greedy_at_any_temperature(gw):
+    sampled = create(gw, max_tokens=8, extra_body={"temperature": 1.0, "top_k": 1}).parse()
+    assert text_of(sampled) == text_of(create(gw, max_tokens=8).parse())
+
+
 def test_count_tokens_is_what_the_device_prefills(gw):
     system = "You are a terse assistant."
     counted = client(gw).messages.count_tokens(model="device", system=system, messages=ASK, tools=[WEATHER])
