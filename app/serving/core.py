@@ -287,6 +287,8 @@ class ServingCore:
         knows_tools = getattr(self.device, "template_knows_tools", False)
         messages, prefill = chat.messages, ""
         if chat.continue_final_message:
+            if messages[-1]["role"] != "assistant":
+                raise InvalidRequest("Only an assistant message can be continued.", param="messages")
             # The template opens the assistant's turn (its generation prompt) and the answer begun follows it,
             # unclosed: what the model writes next continues it.
             messages, prefill = messages[:-1], message_text(messages[-1])
