@@ -148,6 +148,6 @@ async def _overloaded(scope, receive, send) -> None:
         retry=True,
         headers={"Retry-After": "1", "Connection": "close", "x-request-id": new_request_id()},
     )
-    response = error.response()
+    response = error.response(scope.get("path", ""))
     await send({"type": "http.response.start", "status": 503, "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body})

@@ -32,6 +32,7 @@ class GenerationRequest:
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # sample from the k likeliest tokens only; 0: no such cut
     stop: tuple[str, ...] = ()  # enforced by the gateway's relay, not by backends (why: clients/token_emitter.py)
     seed: int | None = None
     # Tools and structured output (app/serving/structured.py). The tools are in `prompt_text` already; a chat

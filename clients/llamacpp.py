@@ -327,7 +327,7 @@ class LlamaCppBackend:
             tail if self.reproducible else ids,
             temp=0.0 if greedy else request.temperature,
             top_p=1.0 if greedy else request.top_p,
-            top_k=0,
+            top_k=0 if greedy else request.top_k,  # 0: no cut
             min_p=0.0,
             repeat_penalty=1.0,
             reset=not self.reproducible,

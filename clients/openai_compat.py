@@ -136,6 +136,8 @@ class OpenAICompatBackend(NoPrefixCache):
             common["stop"] = list(request.stop)
         if request.seed is not None:
             common["seed"] = request.seed
+        if request.top_k:  # not OpenAI's own field: sent only when asked (vLLM, SGLang, llama.cpp take it)
+            common["top_k"] = request.top_k
         self._sampling_fields(request, common)
         continuing = bool(request.prefix_text) or bool(request.prefix_ids)
         # Tools go in the prompt rendered by the gateway where the upstream takes raw prompts: the calls come back

@@ -1,8 +1,9 @@
 """Token picking for the torch-based token sources (clients/torch_local.py, clients/hat/device.py).
 
-One rule everywhere: greedy at temperature 0, else softmax(logits / T) nucleus-filtered to top_p (the top token is
-always kept) and drawn from the caller's generator. Speculative decoding must accept drafts against exactly the
-distribution plain decoding samples from, so both go through `probabilities`.
+One rule everywhere: greedy at temperature 0, else softmax(logits / T) cut to the top_k likeliest tokens (when
+top_k > 0), nucleus-filtered to top_p (the top token is always kept) and drawn from the caller's generator.
+Speculative decoding must accept drafts against exactly the distribution plain decoding samples from, so both go
+through `probabilities`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ import torch
 from clients.base import GenerationRequest, TokenLogprob
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """The distribution a sampler draws from: softmax(logits / T), nucleus-filtered to top_p and renormalised.
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """The distribution a sampler draws from: softmax(logits / T), cut to the top_k likeliest tokens (top_k > 0),
+    nucleus-filtered to top_p and renormalised.
 
     Works on [..., vocab].
     """
-    probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
+    logits = logits.float()
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits / max(temperature, 1e-6), dim=-1)
     if 0 < top_p < 1:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
@@ -31,20 +37,22 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) 
 
 
 def choose(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None, top_k: int = 0
 ) -> tuple[int, torch.Tensor]:
     """The next token and the distribution it was chosen from (plain softmax when greedy: a draft's confidence)."""
     if temperature <= 0:
         return int(torch.argmax(logits)), torch.softmax(logits, dim=-1)
-    probs = probabilities(logits, temperature, top_p)
+    probs = probabilities(logits, temperature, top_p, top_k)
     return int(torch.multinomial(probs, 1, generator=generator)), probs
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None, top_k: int = 0
+) -> int:
     """The next token alone (greedy skips the softmax `choose` would compute)."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    return choose(logits, temperature, top_p, generator)[0]
+    return choose(logits, temperature, top_p, generator, top_k)[0]
 
 
 def seeded_generator(temperature: float, seed: int | None) -> torch.Generator | None:

@@ -14,15 +14,17 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(s for s in stops if s)
         self.held = ""
+        self.matched: str | None = None  # the stop sequence that ended the text, once one did
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self.stops:
             return text, False
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return buf[: min(hits)], True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return buf[:at], True
         keep = 0
         for stop in self.stops:
             for n in range(min(len(stop) - 1, len(buf)), keep, -1):

@@ -1,5 +1,6 @@
-"""The one bearer-key check: the gateway's API keys (`require_api_key`, every /v1 route but the budget's), its
-admin keys and the HAT worker's device token.
+"""The one key check: the gateway's API keys (`require_api_key`, every /v1 route but the budget's, and
+`require_messages_key`, the Anthropic Messages API's, which also takes its `x-api-key` header), its admin keys and
+the HAT worker's device token.
 
 Every configured key is compared, with no early exit, each in constant time (`hmac.compare_digest`), so the
 time an answer takes says nothing about which key, or how much of one, matched. Keys are never logged.
@@ -13,7 +14,7 @@ from collections.abc import Iterable
 from fastapi import Request
 
 from endpoints.errors import ApiError
-from endpoints.options import ApiOptionsDep
+from endpoints.options import ApiOptions, ApiOptionsDep
 from endpoints.serving import KeyAccess
 
 
@@ -44,13 +45,23 @@ def matches_any(given: bytes, keys: Iterable[bytes]) -> bool:
 async def require_api_key(request: Request, options: ApiOptionsDep) -> None:
     """Every /v1 route but the budget's. Sets `request.state.key`: the matched key's privacy level and limits,
     where it has them."""
+    _check_api_key(request, options, bearer(request.headers.get("authorization")), "'Authorization: Bearer <key>'")
+
+
+async def require_messages_key(request: Request, options: ApiOptionsDep) -> None:
+    """The Anthropic Messages API's routes: the same keys and privacy levels, sent as its SDKs send them
+    (`x-api-key: <key>`) or as a bearer token."""
+    given = request.headers.get("x-api-key", "").strip().encode() or bearer(request.headers.get("authorization"))
+    _check_api_key(request, options, given, "'x-api-key: <key>' (or 'Authorization: Bearer <key>')")
+
+
+def _check_api_key(request: Request, options: ApiOptions, given: bytes, how: str) -> None:
     request.state.key = KeyAccess()
     keys = options.api_keys
     if not keys:
         return
-    given = bearer(request.headers.get("authorization"))
     found = matching(given, (secret(key) for key in keys))
     if found is None:
-        message = "Missing API key: send 'Authorization: Bearer <key>'." if not given else "Incorrect API key provided."
+        message = f"Missing API key: send {how}." if not given else "Incorrect API key provided."
         raise ApiError(401, message, code="invalid_api_key", type="authentication_error")
     request.state.key = KeyAccess(getattr(keys[found], "privacy", None), options.key_limits[found])

@@ -1,9 +1,10 @@
-"""The OpenAI error envelope, for every error the gateway answers before a stream starts.
+"""The error envelopes, for every error the gateway answers before a stream starts.
 
 Clients parse `{"error": {"message", "type", "param", "code"}}`; FastAPI's own
 `{"detail": ...}` would surface in the SDK as an unhelpful generic error, so
 validation errors, unknown routes, the serving core's refusals (app/serving/errors.py)
-and our own failures all go through here.
+and our own failures all go through here. Under the Anthropic Messages API's paths (/v1/messages...) the same
+errors go out in that API's envelope, `{"type": "error", "error": {"type", "message"}}`, with its error types.
 """
 
 from __future__ import annotations
@@ -22,6 +23,19 @@ _TYPES = {
     404: "not_found_error",
     429: "rate_limit_error",
 }
+ANTHROPIC_PATH = "/v1/messages"  # the Anthropic Messages API's routes: its envelope for their errors
+_ANTHROPIC_TYPES = {
+    **_TYPES,
+    413: "request_too_large",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    """The Anthropic Messages API's error object (a response's body, or a stream's `error` event)."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class ApiError(Exception):
@@ -47,11 +61,15 @@ class ApiError(Exception):
             # The OpenAI SDK retries 408/409/429/5xx unless told that retrying cannot help.
             self.headers["x-should-retry"] = "true" if retry else "false"
 
-    def body(self) -> dict:
+    def body(self, path: str = "") -> dict:
+        """The envelope of the API `path` belongs to."""
+        if path.startswith(ANTHROPIC_PATH):  # no `param` there: the message names the field
+            named = self.param and self.param not in self.message
+            return anthropic_error(self.status, f"{self.param}: {self.message}" if named else self.message)
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
 
 
 def refusal(exc: Refused) -> ApiError:
@@ -109,16 +127,16 @@ def _union_member(part) -> bool:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError):
-        return exc.response()
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response(request.url.path)
 
     @app.exception_handler(Refused)
-    async def _refused(_: Request, exc: Refused):
-        return refusal(exc).response()
+    async def _refused(request: Request, exc: Refused):
+        return refusal(exc).response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return _validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -128,4 +146,4 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        return ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+        return ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)).response(request.url.path)

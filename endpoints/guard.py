@@ -6,8 +6,8 @@ chunks pay one function call here, nothing more):
   one, so a user can always quote one;
 - a body-size limit (`gateway.max_body_bytes`): a larger body is refused with 413 by its Content-Length before
   it is read; a body sent without one (chunked) is read here first, and refused as soon as it grows past it;
-- the OpenAI error envelope for anything that escapes a route: a bug answers 500 with the envelope, never a
-  bare `text/plain` 500, and the process keeps serving.
+- the error envelope (OpenAI's, or Anthropic's under its paths: endpoints/errors.py) for anything that escapes a
+  route: a bug answers 500 with the envelope, never a bare `text/plain` 500, and the process keeps serving.
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ class RequestGuard:
         limit = self.max_body_bytes
         declared = _content_length(scope)
         if declared is not None and declared > limit:
-            await self._refuse(send_with_id, _too_large(declared, limit))
+            await self._refuse(send_with_id, _too_large(declared, limit), scope)
             return
         if declared is None and scope.get("method") in ("POST", "PUT", "PATCH"):
             # A body without a Content-Length (chunked) is read here, up to the limit, before any route sees it.
             body = await _read_body(receive, limit)
             if body is None:
-                await self._refuse(send_with_id, _too_large(None, limit))
+                await self._refuse(send_with_id, _too_large(None, limit), scope)
                 return
             receive = _replay(body, receive)
         try:
@@ -64,11 +64,11 @@ class RequestGuard:
                 raise  # mid-body: the server can only drop the connection
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             error = ApiError(500, f"Internal error: {type(exc).__name__}: {exc}", code="internal_error")
-            await self._refuse(send_with_id, error)
+            await self._refuse(send_with_id, error, scope)
 
     @staticmethod
-    async def _refuse(send, error: ApiError) -> None:
-        response = error.response()
+    async def _refuse(send, error: ApiError, scope) -> None:
+        response = error.response(scope.get("path", ""))
         await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
         await send({"type": "http.response.body", "body": response.body})
 

@@ -4,7 +4,7 @@ Routes reach the core through one typed protocol, `Serving` (app/serving/core.py
 FastAPI's dependencies (`ServingDep`); the gateway's composition root (app/serving/gateway.py) sets it on the app.
 Turning an HTTP body into what the core prepares a job from lives here too (`chat_input`, `completion_input`, as
 vLLM's serving_chat does), so the core never sees a pydantic model; a refusal comes back as app/serving/errors.py's
-types, which endpoints/errors.py maps to the OpenAI envelope.
+types, which endpoints/errors.py maps to the envelope of the API asked (OpenAI's, or Anthropic's).
 """
 
 from __future__ import annotations

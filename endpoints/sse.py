@@ -1,11 +1,12 @@
-"""An answer as server-sent events: one renderer of its deltas for chat and completions (n = 1 and n > 1) and for
-the Responses API, and the response that sends them.
+"""An answer as server-sent events: one renderer of its deltas for chat and completions (n = 1 and n > 1), for
+the Responses API and for the Anthropic Messages API, and the response that sends them.
 
 `ChoiceRenderer` turns one choice's deltas into bytes, whatever the API: the opening (chat's role chunk, the
 Responses API's `response.created`) goes out with the first content, text as it comes, each complete tool call
 after the text before it, and the answer's last delta closes the choice. The bytes are the API's `Events`:
-`ChatChunks` here, the Responses API's in endpoints/responses.py. Chunks are pre-rendered around the only part
-that changes per token (its text), because the relay's per-chunk cost is the gateway's overhead on every token.
+`ChatChunks` here, the Responses API's in endpoints/responses.py, the Messages API's in endpoints/anthropic.py.
+Chunks are pre-rendered around the only part that changes per token (its text), because the relay's per-chunk cost
+is the gateway's overhead on every token.
 
 `stream_answer` (one choice) and `stream_choices` (n > 1, merged) drive a renderer; a failure after the first token
 is the API's failure event, which ends the stream. `SSEResponse` sends the bytes.
@@ -259,7 +260,8 @@ class SSEResponse(Response):
     own task; one watcher task turns a client disconnect into cancelling it and sends `: ping` comments when
     the stream has been quiet for `ping` seconds. sse-starlette's EventSourceResponse starts a task group of
     four tasks per response, which under load cost the first token tens of milliseconds (BENCHMARKS.md).
-    `last` says which chunk ends the stream (chat's ends with [DONE]), so the body's end goes in its write."""
+    `last` says which chunk ends the stream (chat's ends with [DONE]), so the body's end goes in its write;
+    `keepalive` is what a ping sends (an API may name its own event for it)."""
 
     def __init__(
         self,
@@ -267,10 +269,12 @@ class SSEResponse(Response):
         headers: dict[str, str],
         ping: float,
         last: Callable[[bytes], bool] = lambda chunk: chunk.endswith(DONE),
+        keepalive: bytes = PING,
     ) -> None:
         self.stream = body
         self.ping = ping
         self.last = last
+        self.keepalive = keepalive
         self.status_code = 200
         self.background = None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
@@ -293,7 +297,7 @@ class SSEResponse(Response):
                 except TimeoutError:
                     if loop.time() - last >= self.ping:
                         async with lock:
-                            await send({"type": "http.response.body", "body": PING, "more_body": True})
+                            await send({"type": "http.response.body", "body": self.keepalive, "more_body": True})
                         last = loop.time()
                     continue
                 if message["type"] == "http.disconnect":

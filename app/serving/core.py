@@ -386,6 +386,7 @@ class ServingCore:
             max_tokens=self._limits(request, len(prompt_ids)),
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
             stop=request.stop,
             seed=request.seed,
             **(_structured_fields(structure) if structure is not None else {}),
@@ -418,16 +419,26 @@ class ServingCore:
         self._require_loaded()
         structure = structure_of(chat, self._tag)
         knows_tools = getattr(self.device, "template_knows_tools", False)
-        rendered = template_messages(chat.messages, knows_tools)
+        messages, prefill = chat.messages, ""
+        if chat.continue_final_message:
+            if messages[-1]["role"] != "assistant":
+                raise InvalidRequest("Only an assistant message can be continued.", param="messages")
+            # The template opens the assistant's turn (its generation prompt) and the answer begun follows it,
+            # unclosed: what the model writes next continues it.
+            messages, prefill = messages[:-1], message_text(messages[-1])
+        rendered = template_messages(messages, knows_tools)
         if structure.tools and knows_tools:
             prompt_text = self.device.render_chat(rendered, tools=structure.prompt_tools)
         else:
             prompt_text = self.device.render_chat(
                 add_tools_prompt(rendered, structure.prompt_tools) if structure.tools else rendered
             )
+        prompt_text += prefill
         prompt_ids = await self._tokenize_prompt(prompt_text)
-        # A chat upstream gets the conversation as the client sent it (tool calls and results included).
-        gen = self._generation(chat, prompt_text, prompt_ids, chat.messages, structure)
+        # A chat upstream gets the conversation as the client sent it (tool calls and results included); a prefill
+        # only an upstream that continues raw prompts can honour (a chat one would answer after it, not continue it).
+        upstream_messages = None if chat.continue_final_message else chat.messages
+        gen = self._generation(chat, prompt_text, prompt_ids, upstream_messages, structure)
         job = self._job(chat.id_prefix, gen, len(prompt_ids), route)
         job.call_grammar, job.call_gbnf = structure.call_grammar, structure.call_gbnf
         self._decoding(job, chat)
@@ -445,6 +456,7 @@ class ServingCore:
             or (fmt is not None and fmt["type"] != "text")
             or chat.logprobs is not None
             or chat.choices > 1
+            or chat.continue_final_message
         )
         question = message_text(users[-1]) if users else ""
         verdict = gate(mode, len(users), question, job.gen.max_tokens, plain)

@@ -1,6 +1,6 @@
 """A request the serving core refuses, and why: the core's own error type, free of HTTP.
 
-endpoints/errors.py maps each kind to its status and the OpenAI envelope. `param` names the field of the request
+endpoints/errors.py maps each kind to its status and the API's envelope. `param` names the field of the request
 the refusal concerns, as the chat API names it; `code` is a stable machine-readable reason.
 """
 

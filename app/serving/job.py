@@ -71,6 +71,7 @@ class Job:
     plan: DispatchPlan | None = None
     usage: Usage = field(default_factory=Usage)
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop sequence that ended the answer (finish_reason "stop"), if one did
     ttft: float | None = None
     attempts: list[Attempt] = field(default_factory=list)
     migrations: list[dict] = field(default_factory=list)

@@ -410,6 +410,7 @@ class Orchestrator:
 
     def _finished(self, job: Job, attempt: Attempt, relay: Relay, finish: str, upstream: Usage | None) -> None:
         job.finish_reason = finish
+        job.stop_sequence = relay.stop_sequence
         attempt.outcome = "finished"
         attempt.ended_at = time.monotonic()
         attempt.ended = not relay.stopped

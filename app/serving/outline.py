@@ -66,8 +66,8 @@ class OutlineDecoding:
         self, job: Job, suffix: str, messages: tuple[dict, ...], max_tokens: int, endpoint: str | None = None
     ) -> Job:
         """A sub-request routed like the request (`endpoint` None) or started on `endpoint` (with the request's
-        fallback and migration rules still applying). It keeps the request's model, key, temperature, top_p and
-        seed; nothing else of it (the gate only lets plain requests through)."""
+        fallback and migration rules still applying). It keeps the request's model, key, temperature, top_p, top_k
+        and seed; nothing else of it (the gate only lets plain requests through)."""
         request = job.outline.request
         route = {"policy": request.policy, "cloud": request.cloud}
         if endpoint is not None:
@@ -82,6 +82,7 @@ class OutlineDecoding:
             max_tokens=max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
+            top_k=request.top_k,
             seed=request.seed,
             **route,
         )

@@ -65,6 +65,11 @@ class Relay:
         return self._calls is not None and self._calls.holding
 
     @property
+    def stop_sequence(self) -> str | None:
+        """The stop sequence that ended the answer, if one did."""
+        return self._stops.matched
+
+    @property
     def ids(self) -> list[int] | None:
         """The answer's token ids so far (None once a token came without one). Read-only."""
         return self._ids

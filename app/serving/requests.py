@@ -2,7 +2,8 @@
 
 endpoints/ turns each HTTP body into one of these (endpoints/serving.py); the core prepares a Job from it and never
 sees a pydantic model. Optional fields left None take the gateway's defaults. Messages, tools, tool_choice and
-response_format keep the OpenAI wire shapes (plain dicts), because a chat upstream is sent them as they are.
+response_format keep the OpenAI wire shapes (plain dicts), because a chat upstream is sent them as they are; the
+Anthropic Messages API's bodies are translated into the same shapes (endpoints/anthropic.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class RequestInput:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None  # sample from the k likeliest tokens only (None or 0: no such cut)
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: int | None = None  # None when not asked, else how many alternatives per token
@@ -42,6 +44,9 @@ class ChatInput(RequestInput):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
+    # The last message is the assistant's answer begun (a prefill): the answer continues its text, and the
+    # deltas carry only what follows it (the Anthropic Messages API's trailing assistant message).
+    continue_final_message: bool = False
     id_prefix: str = "chatcmpl-"  # names the request's kind in its id (`resp_` for the Responses API)
 
 

@@ -85,7 +85,9 @@ class DraftRun:
             if not torch.isfinite(logits).any():  # a reduced draft vocabulary without an allowed token
                 self.done = True
                 return
-        d, probs = choose(logits, self.sampling.temperature, self.sampling.top_p, self.sampling.generator)
+        d, probs = choose(
+            logits, self.sampling.temperature, self.sampling.top_p, self.sampling.generator, self.sampling.top_k
+        )
         keep, stop = self.rule.decide(float(probs[d]), len(self.tokens))
         if not keep:
             self.done = True
@@ -176,7 +178,7 @@ class Drafter:
             logits = self.half.draft_logits(feats[:, -1], pos)
             chosen, probs, dists = [], [], []
             for row in logits:
-                d, dist = choose(row, sampling.temperature, sampling.top_p, sampling.generator)
+                d, dist = choose(row, sampling.temperature, sampling.top_p, sampling.generator, sampling.top_k)
                 chosen.append(d)
                 probs.append(float(dist[d]))
                 dists.append(dist)

@@ -1,8 +1,8 @@
 """How one HAT request's tokens are picked: one value, handed to drafting, verification and the drafting station.
 
-The same six facts decide every pick of a generation — the draft model's (Eq. 5's drafts), verification's (the
-LLM's accepted prefix and its next token) and, through them, the station's batched ones: temperature and top-p,
-the seeded generator, the penalties / logit_bias adjuster, the grammar's token mask and the logprobs asked for.
+The same seven facts decide every pick of a generation — the draft model's (Eq. 5's drafts), verification's (the
+LLM's accepted prefix and its next token) and, through them, the station's batched ones: temperature, top-p and
+top-k, the seeded generator, the penalties / logit_bias adjuster, the grammar's token mask and the logprobs asked for.
 The generator, adjuster and mask are the request's own stateful objects (shared, not copied); the value only
 groups them and says which of the backend's shortcuts they allow.
 """
@@ -28,6 +28,7 @@ class Sampling:
     adjust: LogitAdjuster | None = None  # penalties / logit_bias, applied before every pick
     mask: TokenMask | None = None  # the request's grammar, applied after the adjuster
     logprobs: int | None = None  # alternatives per token when the request asked for logprobs
+    top_k: int = 0  # 0: no top-k cut
 
     @classmethod
     def of(
@@ -37,7 +38,7 @@ class Sampling:
         adjust: LogitAdjuster | None = None,
         mask: TokenMask | None = None,
     ) -> Sampling:
-        return cls(request.temperature, request.top_p, generator, adjust, mask, request.logprobs)
+        return cls(request.temperature, request.top_p, generator, adjust, mask, request.logprobs, request.top_k)
 
     @property
     def greedy(self) -> bool:

@@ -77,7 +77,11 @@ def verify_draft(draft: Draft, head: Head, sampling: Sampling) -> Verdict:
                 )
             if mask is not None:  # after penalties, as in plain decoding
                 logits = torch.stack([constrain(j, row) for j, row in enumerate(logits, start=len(rows))])
-            rows.extend(logits if sampling.greedy else probabilities(logits, sampling.temperature, sampling.top_p))
+            rows.extend(
+                logits
+                if sampling.greedy
+                else probabilities(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+            )
         return rows[i]
 
     try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
+from collections.abc import Callable
 from functools import cache
 
 import httpx
@@ -58,7 +60,7 @@ def rendered(messages) -> str:
     return render_chat(_template(), messages)
 
 
-def evict_cache(gw, backend: str) -> None:
+def evict_cache(gw, backend: str, headers: dict | None = None) -> None:
     """Leave `backend`'s KV cache holding an unrelated one-word prompt, so that its next request is evaluated from
     position 0. Greedy text is bit-identical only along the same computation path, and the llama.cpp server behind
     a stand-in cloud reuses the longest prefix it holds: two requests for the same input follow the same path only
@@ -66,18 +68,23 @@ def evict_cache(gw, backend: str) -> None:
     r = httpx.post(
         gw.v1 + "/completions",
         json={"model": backend, "prompt": "Hello", "max_tokens": 1, "temperature": 0},
+        headers=headers,
         timeout=180,
     )
     r.raise_for_status()
 
 
-def independent_continuation(gw, backend: str, messages, prefix: str, max_tokens: int) -> str:
+def independent_continuation(
+    gw, backend: str, messages, prefix: str, max_tokens: int, headers: dict | None = None
+) -> str:
     """What `backend` generates greedily after prompt + prefix, asked directly (no migration), from an evicted cache:
-    the path a migration onto it took when the test evicted its cache before the migrating request."""
-    evict_cache(gw, backend)
+    the path a migration onto it took when the test evicted its cache before the migrating request. `headers`: the
+    gateway's API key, where it has keys."""
+    evict_cache(gw, backend, headers)
     r = httpx.post(
         gw.v1 + "/completions",
         json={"model": backend, "prompt": rendered(messages) + prefix, "max_tokens": max_tokens, "temperature": 0},
+        headers=headers,
         timeout=180,
     )
     r.raise_for_status()
@@ -95,3 +102,16 @@ def embedded_server_pid(gw) -> int:
 
 def signal_process(pid: int, sig: signal.Signals) -> None:
     os.kill(pid, sig)
+
+
+def signal_at(pid: int, sig: signal.Signals, chunk: int) -> tuple[Callable[[int], None], threading.Event]:
+    """A streaming callback (called with the count of chunks received) that sends `sig` to `pid` once `chunk`
+    chunks have arrived, and the event that says it did."""
+    sent = threading.Event()
+
+    def on_chunk(n: int) -> None:
+        if n == chunk and not sent.is_set():
+            signal_process(pid, sig)
+            sent.set()
+
+    return on_chunk, sent

@@ -8,7 +8,6 @@ SIGSTOPped / SIGKILLed while it streams; the answer must finish on the device
 from __future__ import annotations
 
 import signal
-import threading
 
 import pytest
 
@@ -16,6 +15,7 @@ from tests.conftest import start_gateway, stop_gateway
 from tests.integration.disco_helpers import (
     embedded_server_pid,
     independent_continuation,
+    signal_at,
     signal_process,
     stream_chunks,
     trace,
@@ -70,13 +70,7 @@ def _check_continuity(gw, request_id, pieces, finish, reason):
 
 def test_stalled_cloud_mid_stream_migrates_to_device(fault_gateway):
     pid = embedded_server_pid(fault_gateway)
-    stopped = threading.Event()
-
-    def stall_after_three(n: int) -> None:
-        if n == 3 and not stopped.is_set():
-            signal_process(pid, signal.SIGSTOP)
-            stopped.set()
-
+    stall_after_three, stopped = signal_at(pid, signal.SIGSTOP, 3)
     try:
         rid, pieces, finish = stream_chunks(fault_gateway, MESSAGES, max_tokens=12, on_chunk=stall_after_three)
     finally:
@@ -87,14 +81,7 @@ def test_stalled_cloud_mid_stream_migrates_to_device(fault_gateway):
 
 
 def test_killed_cloud_mid_stream_migrates_to_device(fault_gateway):
-    pid = embedded_server_pid(fault_gateway)
-    killed = threading.Event()
-
-    def kill_after_three(n: int) -> None:
-        if n == 3 and not killed.is_set():
-            signal_process(pid, signal.SIGKILL)
-            killed.set()
-
+    kill_after_three, killed = signal_at(embedded_server_pid(fault_gateway), signal.SIGKILL, 3)
     rid, pieces, finish = stream_chunks(fault_gateway, MESSAGES, max_tokens=12, on_chunk=kill_after_three)
     assert killed.is_set()
     _check_continuity(fault_gateway, rid, pieces, finish, "error")

@@ -15,6 +15,17 @@ def test_sample_next() -> None:
     g = torch.Generator().manual_seed(0)
     draws = {sample_next(logits, 1.0, 0.5, g) for _ in range(50)}
     assert draws <= {1, 3} and draws  # nucleus keeps only the top tokens
+    flat = torch.tensor([1.0, 1.0, 1.1, 1.2, 0.9])
+    draws = {sample_next(flat, 1.0, 1.0, g, top_k=2) for _ in range(60)}
+    assert draws == {2, 3}  # top-k keeps the k likeliest, whatever their mass
+
+
+def test_top_k_cuts_before_top_p() -> None:
+    probs = probabilities(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), 1.0, top_p=1.0, top_k=2)
+    assert probs[0, 2:].sum() == 0 and torch.isclose(probs.sum(), torch.tensor(1.0))
+    assert torch.equal(
+        probabilities(torch.tensor([3.0, 2.0]), 1.0, top_k=5), probabilities(torch.tensor([3.0, 2.0]), 1.0)
+    )
 
 
 def test_speculative_sampling_preserves_the_target_distribution() -> None:

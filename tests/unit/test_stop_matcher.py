@@ -34,6 +34,13 @@ def test_earliest_of_several_stops_wins():
     assert run(["bb", "a"], ["xxbba"]) == ("xx", True)
 
 
+def test_the_stop_that_ended_the_text_is_named():
+    m = StopMatcher(("a", "bb"))
+    assert m.matched is None
+    assert m.feed("xb") == ("x", False) and m.matched is None
+    assert m.feed("ba") == ("", True) and m.matched == "bb"  # the earliest, not the first listed
+
+
 def test_held_text_flushed_at_end():
     assert run(["END"], ["the E"]) == ("the E", False)
 
