@@ -147,11 +147,14 @@ def test_a_tool_result_round_trip(gateway, model):
     answer = second.choices[0]
     # The result reached the prompt: the same question without it is a shorter prompt.
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20
+    # Both bundled models call the tool again rather than answer. Unconstrained, the 0.5B model wrote a bare call
+    # and then echoed the result (`{"name": ...}\n{"temperature": 31, ...}`), which read as text; under the lazy
+    # call grammar (tool_choice auto) the call it starts is whole and ends the turn. Either way a well-formed turn.
+    assert answer.finish_reason in ("stop", "length", "tool_calls")
+    for again in answer.message.tool_calls or ():
+        assert again.function.name == "get_weather" and valid_weather_arguments(again.function.arguments)
     if model == "device":
-        assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
-        assert "31" in answer.message.content  # the model read the tool's result
-    else:  # Qwen2.5-Coder-1.5B calls the tool again rather than answer: still a well-formed turn
-        assert answer.finish_reason in ("stop", "length", "tool_calls")
+        assert answer.finish_reason == "tool_calls" or "31" in answer.message.content
 
 
 @pytest.mark.parametrize("model", ["device", "cloud"])
