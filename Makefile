@@ -33,8 +33,9 @@ $(SERVE_STAMP) $(DEV_STAMP): $(BIN)/python pyproject.toml deploy/constraints.txt
 models: $(BIN)/python
 	$(BIN)/python -m deploy.models fetch
 
-# deploy.llama_server needs only the standard library, pip, cmake and a C++ compiler.
-llama-server: $(BIN)/python
+# deploy.llama_server needs the standard library, pip, cmake and a C++ compiler; after the package
+# install, so that it links the libllama/libggml the installed llama-cpp-python built (~3 min on 2 cores).
+llama-server: $(SERVE_STAMP)
 	$(BIN)/python -m deploy.llama_server build
 
 setup: $(DEV_STAMP) models llama-server
