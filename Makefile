@@ -53,8 +53,9 @@ browser:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
 	else echo "the dashboard's browser tests need chromium and chromium-driver: sudo apt-get install chromium chromium-driver"; fi
 
-# deploy.llama_server needs only the standard library, pip, cmake and a C++ compiler.
-llama-server: $(BIN)/python
+# deploy.llama_server needs the standard library, pip, cmake and a C++ compiler; after the package
+# install, so that it links the libllama/libggml the installed llama-cpp-python built (~3 min on 2 cores).
+llama-server: $(SERVE_STAMP)
 	$(BIN)/python -m deploy.llama_server build
 
 setup: $(DEV_STAMP) models llama-server store-server browser
