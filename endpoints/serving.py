@@ -86,15 +86,23 @@ def chat_input(body: ChatCompletionRequest, key_privacy: str | None, id_prefix: 
     return ChatInput(
         **_common(body, key_privacy),
         messages=tuple(
-            {**m.model_dump(exclude_none=True), "role": "system" if m.role == "developer" else m.role}
+            {
+                **m.model_dump(exclude_none=True, exclude={"prefix"}),
+                "role": "system" if m.role == "developer" else m.role,
+            }
             for m in body.messages
         ),
+        continue_final=body.continues_final,
         tools=tuple(t.model_dump(exclude_none=True) for t in body.tools or ()),
         tool_choice=choice.model_dump() if hasattr(choice, "model_dump") else choice,
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=fmt.model_dump(exclude_none=True, by_alias=True) if fmt is not None else None,
         id_prefix=id_prefix,
     )
+
+
+def _role(role: str) -> str:
+    return "system" if role == "developer" else role
 
 
 def completion_input(body: CompletionRequest, key_privacy: str | None) -> CompletionInput:

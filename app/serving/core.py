@@ -13,7 +13,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -27,6 +27,7 @@ from app.serving.orchestrator import Orchestrator
 from app.serving.outline import OutlineDecoding, OutlineRequest
 from app.serving.relay import Delta
 from app.serving.requests import ChatInput, CompletionInput, RequestInput
+from app.serving.seam import split_trailing_whitespace
 from app.serving.structured import Structure, add_tools_prompt, message_text, structure_of, template_messages
 from clients.base import Backend, GenerationRequest
 from clients.embeddings import SentenceEmbedder
@@ -283,20 +284,35 @@ class ServingCore:
         route = self._route(chat)
         self._require_loaded()
         structure = structure_of(chat, self._tag)
+        messages, prefill, held = chat.messages, "", ""
+        if chat.continue_final:
+            if structure.grammar is not None:
+                raise InvalidRequest(
+                    "A continued final assistant message cannot be combined with a forced tool call or a JSON "
+                    "response_format (the format would have to start where the client's text does).",
+                    param="messages",
+                )
+            *history, final = messages
+            messages = tuple(history)
+            # The prompt ends where the client's text does, less its trailing whitespace (app/serving/seam.py).
+            prefill, held = split_trailing_whitespace(message_text(final))
         knows_tools = getattr(self.device, "template_knows_tools", False)
-        rendered = template_messages(chat.messages, knows_tools)
+        rendered = template_messages(messages, knows_tools)
         if structure.tools and knows_tools:
             prompt_text = self.device.render_chat(rendered, tools=structure.tools)
         else:
             prompt_text = self.device.render_chat(
                 add_tools_prompt(rendered, structure.tools) if structure.tools else rendered
             )
+        prompt_text += prefill
         prompt_ids = await self._tokenize_prompt(prompt_text)
         # A chat upstream gets the conversation as the client sent it (tool calls and results included).
-        gen = self._generation(chat, prompt_text, prompt_ids, chat.messages, structure)
-        job = self._job(chat.id_prefix, gen, len(prompt_ids), route)
+        gen = self._generation(chat, prompt_text, prompt_ids, messages, structure)
+        job = self._job(chat.id_prefix, replace(gen, prefill=prefill), len(prompt_ids), route)
         job.call_grammar = structure.call_grammar
-        self._decoding(job, chat)
+        job.prefill_held = held
+        if not chat.continue_final:  # outline decoding writes an answer of its own, never the client's
+            self._decoding(job, chat)
         return job
 
     def _decoding(self, job: Job, chat: ChatInput) -> None:

@@ -39,6 +39,7 @@ class ChatInput(RequestInput):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
+    continue_final: bool = False  # the last message (an assistant one) is the answer's start, to be continued
     id_prefix: str = "chatcmpl-"  # names the request's kind in its id (`resp_` for the Responses API)
 
 

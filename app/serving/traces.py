@@ -66,6 +66,8 @@ def trace_of(job: Job) -> dict:
                 "cached_tokens": a.cached_tokens,
                 "from_token": a.from_token,
                 "decode_tokens": a.decode_tokens,
+                **({"dialect": a.dialect} if a.dialect else {}),
+                **({"seam": a.seam.describe()} if a.seam is not None else {}),
                 **({"error": a.error} if a.error else {}),
             }
             for a in job.attempts
