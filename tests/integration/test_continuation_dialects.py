@@ -68,7 +68,13 @@ def fresh_script(upstream: ScriptedUpstream) -> None:
 
 
 def ask(gw: GatewayProcess, cloud: str, model: str = "tandem", max_tokens: int = 40) -> httpx.Response:
-    body = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "tandem": {"cloud": cloud}}
+    body = {
+        "model": model,
+        "messages": MESSAGES,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "tandem": {"cloud": cloud},
+    }
     r = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r
