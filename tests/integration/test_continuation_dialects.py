@@ -18,7 +18,7 @@ from clients.chat_template import render_chat
 from clients.gguf_meta import read_chat_template
 from deploy.models import model_path
 from tests.integration.disco_helpers import trace
-from tests.integration.scripted_upstream import PIECES, ScriptedUpstream
+from tests.integration.scripted_upstream import PIECES, Answer, ScriptedUpstream
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a cat who learns to sail."}]
 CHEAP = "{ prefill_per_million = 0.05, decode_per_million = 0.10 }"
@@ -47,7 +47,7 @@ price = {CHEAP}
 [gateway]
 policy = "device"
 cloud = "prefill"
-stall_timeout = 5
+stall_timeout = 60     # a shared test machine: the device may be slow, never a fault here
 [device]
 reproducible = true   # the device's own answer is asked again below: one evaluation path
 model = "smollm2-135m-instruct"
@@ -182,3 +182,70 @@ def test_the_device_continues_a_client_prefill_and_contradicting_flags_are_refus
     )
     assert bad.status_code == 400 and "add_generation_prompt" in bad.json()["error"]["message"]
     assert upstream.requests == []
+
+
+# --- seams: a cloud's text continued on the device (another vocabulary) after the cloud fails mid-answer ------------
+
+SMOLLM_TEMPLATE = read_chat_template(model_path("smollm2-135m-instruct"))
+
+
+def faulted_onto_device(gw: GatewayProcess, upstream: ScriptedUpstream, piece: str, max_tokens: int = 12, **extra):
+    """The scripted cloud streams `piece` and drops the connection; the device goes on. (answer, its trace)."""
+    upstream.push(Answer(pieces=(piece,), then="close"))
+    body = {
+        "model": "tandem",
+        "messages": MESSAGES,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "tandem": {"policy": "cloud", "cloud": "prefill"},
+        **extra,
+    }
+    r = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    t = trace(gw, r.headers["x-request-id"])
+    assert [(m["from"], m["to"], m["reason"]) for m in t["migrations"]] == [("prefill", "device", "error")]
+    return r.json()["choices"][0]["message"]["content"], t
+
+
+def device_after(gw: GatewayProcess, text: str, max_tokens: int) -> str:
+    """What the device writes after the prompt and `text`, asked directly (its reproducible path)."""
+    prompt = render_chat(SMOLLM_TEMPLATE, MESSAGES) + text
+    body = {"model": "device", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(gw.v1 + "/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_seam_inside_a_word(gw, upstream):
+    piece = "Once upon a time, a cat named Whisk"
+    answer, t = faulted_onto_device(gw, upstream, piece)
+    assert t["endpoints"][1]["seam"] == {"dialect": "tokens", "prefix_chars": len(piece), "held": "", "dropped": ""}
+    assert answer == piece + device_after(gw, piece, 11)
+
+
+def test_seam_after_trailing_whitespace(gw, upstream):
+    piece = "Once upon a time, there was a "
+    answer, t = faulted_onto_device(gw, upstream, piece)
+    seam = t["endpoints"][1]["seam"]
+    assert (seam["held"], seam["prefix_chars"]) == (" ", len(piece) - 1)
+    own = device_after(gw, piece.rstrip(), 11)  # the device continues the text without its trailing space ...
+    assert own.startswith(" ") and seam["dropped"] == " "
+    assert answer == piece + own[1:]  # ... and the space it writes again is dropped: no doubled space
+    assert "  " not in answer
+
+
+def test_seam_after_a_multi_byte_character(gw, upstream):
+    piece = "Once upon a time, a cat 🐱 named"
+    answer, _ = faulted_onto_device(gw, upstream, piece)
+    assert answer == piece + device_after(gw, piece, 11)
+    assert "\ufffd" not in answer
+
+
+def test_a_stop_sequence_spanning_the_seam_stops(gw, upstream):
+    piece = "Once upon a time, a cat named Whisk"
+    own = device_after(gw, piece, 11)
+    assert len(own) >= 2
+    stop = piece[-2:] + own[:2]  # begins in the cloud's text, ends in the device's
+    answer, t = faulted_onto_device(gw, upstream, piece, stop=[stop])
+    assert answer == piece[:-2]
+    assert t["finish_reason"] == "stop"
