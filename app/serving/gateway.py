@@ -63,7 +63,7 @@ def _upstream_template(cloud: CloudSettings) -> str | None:
         raise ValueError(f"clouds: template {cloud.template!r}: {exc}") from None
 
 
-def _upstream_options(cloud: CloudSettings) -> UpstreamOptions:
+def upstream_options(cloud: CloudSettings) -> UpstreamOptions:
     return UpstreamOptions(
         base_url=cloud.base_url,
         model=cloud.model,
@@ -97,7 +97,7 @@ class Gateway:
                 server = EmbeddedServer(cloud.embedded, resolve_model(cloud.embedded.model), alias=cloud.model)
                 cloud = cloud.model_copy(update={"base_url": server.base_url})
                 self.embedded.append(server)
-            self.backends[name] = OpenAICompatBackend(name, _upstream_options(cloud), count_exact=self._count_device)
+            self.backends[name] = OpenAICompatBackend(name, upstream_options(cloud), count_exact=self._count_device)
         for name, backend in self.backends.items():
             self.metrics.backend_active.labels(backend=name).set_function(lambda b=backend: b.active)
             self.metrics.backend_generated.labels(backend=name).set_function(lambda b=backend: b.tokens_generated)

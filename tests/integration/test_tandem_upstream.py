@@ -1,4 +1,5 @@
-"""A second Tandem as the continuing cloud, and Tandem continuing a client's own start of the answer.
+"""A second Tandem as the continuing cloud, Tandem continuing a client's own start of the answer, and
+`tandem check-cloud`'s verdicts.
 
 Real parts: two gateways started with `tandem serve`. Tandem B serves SmolLM2-135M on its device (another tokenizer
 than A's); Tandem A serves Qwen2.5-Coder-0.5B on its device and has B as its cloud twice, once per dialect B takes
@@ -9,7 +10,10 @@ answer is compared with B's own answer to the same continuation, asked directly 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +23,9 @@ from clients.chat_template import render_chat
 from clients.gguf_meta import read_chat_template
 from deploy.models import model_path
 from tests.integration.disco_helpers import trace
+from tests.integration.scripted_upstream import Answer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a cat who learns to sail."}]
 CHEAP = "{ prefill_per_million = 0.05, decode_per_million = 0.10 }"
@@ -156,3 +163,66 @@ def test_a_prefill_ending_in_a_multi_byte_character(tandem_b):
     """The emoji is several byte tokens in SmolLM2's vocabulary: the answer goes on after the whole character."""
     answer = continue_on_b(tandem_b, "Le chat dit: miaou 🐱", max_tokens=6)
     assert answer and "\ufffd" not in answer
+
+
+# --- tandem check-cloud ---------------------------------------------------------------------------------------------
+
+
+def check_cloud(config: Path, name: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", "check-cloud", name, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+
+
+def test_check_cloud_says_what_each_upstream_does(tandem_b, upstream, tmp_path):
+    upstream.reset()
+    upstream.push(Answer(), Answer(status=400))  # answers a fresh request, refuses the continuation
+    config = tmp_path / "clouds.toml"
+    config.write_text(f"""
+[gateway]
+cloud = "prefixflag"
+[device]
+model = "smollm2-135m-instruct"
+[clouds.prefixflag]
+base_url = "{tandem_b.v1}"
+model = "tandem"
+continuation = "prefix-flag"
+[clouds.cfm]
+base_url = "{tandem_b.v1}"
+model = "tandem"
+continuation = "continue-final-message"
+[clouds.history]        # to Tandem, a final assistant message without a flag is history: it starts again
+base_url = "{tandem_b.v1}"
+model = "tandem"
+continuation = "prefill"
+[clouds.refusing]
+base_url = "{upstream.base_url}"
+model = "scripted"
+continuation = "prefill"
+[clouds.embedded]       # the embedded stand-in: raw completions with the device's template
+model = "qwen2.5-coder-0.5b-instruct"
+tokenizer = "device"
+continuation = "completions"
+[clouds.embedded.embedded]
+model = "qwen2.5-coder-0.5b-instruct"
+port = 0
+n_ctx = 1024
+""")
+    verdicts = {}
+    for name in ("prefixflag", "cfm", "history", "refusing", "embedded"):
+        done = check_cloud(config, name)
+        line = next(ln for ln in done.stdout.splitlines() if "continuation:" in ln)
+        verdicts[name] = (done.returncode, line.split()[1])
+    assert verdicts == {
+        "prefixflag": (0, "continued"),
+        "cfm": (0, "continued"),
+        "history": (1, "restarted"),
+        "refusing": (1, "refused"),
+        "embedded": (0, "continued"),
+    }
+    # The refused continuation went in the prefill dialect: the answer so far as a final assistant message.
+    assert upstream.requests[-1].body["messages"][-1] == {"role": "assistant", "content": "1, 2, 3, 4, 5,"}
