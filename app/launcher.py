@@ -1,6 +1,7 @@
 """Start a real `tandem serve` in a subprocess on a free loopback port and wait until it
 is ready. Used by the integration tests and the benchmarks, so both exercise exactly
-what a user runs."""
+what a user runs. The same for llama.cpp's own `llama-server` (built by the set-up:
+deploy/llama_server.py), the real peer they run beside it."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def free_port() -> int:
 
 
 @dataclass
-class GatewayProcess:
+class ServerProcess:
     url: str  # http://127.0.0.1:PORT
     process: subprocess.Popen
     log_path: Path
@@ -38,6 +39,8 @@ class GatewayProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+
+class GatewayProcess(ServerProcess):
     def metric(self, name: str, **labels: str) -> float:
         """Read one sample from /metrics (0.0 when absent)."""
         from prometheus_client.parser import text_string_to_metric_families
@@ -94,11 +97,66 @@ def start_gateway(
         time.sleep(0.25)
 
 
-def stop_gateway(gw: GatewayProcess) -> None:
-    if gw.process.poll() is None:
-        os.killpg(gw.process.pid, signal.SIGTERM)
+def stop_server(server: ServerProcess) -> None:
+    """Stop a server started here (its whole process group): SIGTERM, then SIGKILL after 20 s."""
+    if server.process.poll() is None:
+        os.killpg(server.process.pid, signal.SIGTERM)
         try:
-            gw.process.wait(timeout=20)
+            server.process.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(gw.process.pid, signal.SIGKILL)
-            gw.process.wait()
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+
+
+stop_gateway = stop_server
+
+
+def start_llama_server(
+    model_path: str | Path,
+    *,
+    alias: str | None = None,
+    extra_args: tuple[str, ...] = (),
+    ctx_size: int = 4096,
+    threads: int | None = None,
+    cpus: list[int] | None = None,
+    ready_timeout: float = 120.0,
+) -> ServerProcess:
+    """llama.cpp's `llama-server` (the set-up's build, deploy/llama_server.py) serving one GGUF on a free loopback
+    port, offline, without its web UI; returned once /health answers 200 (the model is loaded). Its OpenAI API is
+    at `.v1`, the model named `alias` (default: the file's stem). Stop it with stop_server."""
+    from deploy.llama_server import binary_path
+
+    binary = binary_path()
+    if not binary.is_file():
+        raise RuntimeError(f"llama-server is not built at {binary}: run `make llama-server` (the set-up does)")
+    port = free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="tandem-llama-server-"))
+    log_path = tmp / "llama-server.log"
+    command = [
+        str(binary), "--model", str(model_path), "--alias", alias or Path(model_path).stem,
+        "--host", "127.0.0.1", "--port", str(port), "--ctx-size", str(ctx_size), "--offline", "--no-webui",
+        *(("--threads", str(threads), "--threads-batch", str(threads)) if threads else ()), *extra_args,
+    ]  # fmt: skip
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(
+            command,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + ready_timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"llama-server exited during start-up:\n{server.log()[-3000:]}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:  # 503 while the model loads
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop_server(server)
+            raise RuntimeError(f"llama-server not ready after {ready_timeout} s:\n{server.log()[-3000:]}")
+        time.sleep(0.1)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from app.launcher import GatewayProcess, start_gateway, stop_gateway
+from app.launcher import GatewayProcess, ServerProcess, start_gateway, start_llama_server, stop_gateway, stop_server
+from deploy.models import model_path
 from tests.integration.scripted_upstream import ScriptedUpstream
 
 _RESERVED: list[socket.socket] = []
@@ -55,6 +56,16 @@ def gateway() -> Iterator[GatewayProcess]:
     gw = start_gateway(EMBEDDED_CONFIG)
     yield gw
     stop_gateway(gw)
+
+
+@pytest.fixture(scope="session")
+def llama_server_smollm() -> Iterator[ServerProcess]:
+    """llama.cpp's own llama-server (built by the set-up) serving SmolLM2-135M on loopback, under the model name
+    "smollm2-135m-instruct": a real upstream with a tokenizer other than the device's Qwen one. Its OpenAI API is at
+    `.v1`; it takes GBNF `grammar` and `json_schema` fields and continues a trailing assistant message (prefill)."""
+    server = start_llama_server(model_path("smollm2-135m-instruct"), alias="smollm2-135m-instruct", ctx_size=2048)
+    yield server
+    stop_server(server)
 
 
 class SilentServer:

@@ -148,8 +148,10 @@ class Orchestrator:
             attempt.dialect = "token-ids" if by_ids else backend.dialect
             if gen.prefix_ids is None:  # a text continuation: the seam is where its text joins the answer's
                 held = held if migration else job.prefill_held
-                attempt.seam = Seam(held, len(gen.prefill) + len(gen.prefix_text), attempt.dialect)
-                if held:
+                head = gen.prefill + gen.prefix_text
+                echo = head if backend.dialect == "prefill" else ""  # a server that sends the prefill back first
+                attempt.seam = Seam(held, len(head), attempt.dialect, echo)
+                if attempt.seam.active:
                     stream = _through_seam(stream, attempt.seam)
         attempt.stream = stream
         job.attempts.append(attempt)

@@ -55,3 +55,17 @@ def test_logprob_token_texts_lose_the_dropped_characters():
     lp = (TokenLogprob(-0.1, b" hi", (), " hi"),)
     (out,) = fed(Seam(" ", 1, "prefill"), TokenEvent(" hi", logprobs=lp))
     assert out.logprobs[0].token == "hi" and out.logprobs[0].bytes == b"hi"
+
+
+def test_a_prefill_sent_back_first_is_dropped():
+    seam = Seam(" ", 9, "prefill", echo="The cat")
+    out = fed(seam, TokenEvent("The"), TokenEvent(" cat"), TokenEvent(" sat"), TokenEvent(" down"))
+    assert [e.text for e in out] == ["sat", " down"]  # the echo, then the held space it wrote again
+    assert seam.describe()["echo_dropped"] is True
+
+
+def test_text_that_only_begins_like_the_prefix_goes_out_whole():
+    seam = Seam("", 7, "prefill", echo="The cat")
+    out = fed(seam, TokenEvent("The"), TokenEvent(" dog"))
+    assert [e.text for e in out] == ["The dog"]
+    assert "echo_dropped" not in seam.describe()
