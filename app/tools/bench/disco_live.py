@@ -135,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--consumption-rate", type=float, default=None, help="r_c (tokens/s) with --dialects (default: the config's)"
     )
+    parser.add_argument(
+        "--llama-server",
+        action="store_true",
+        help="with --dialects: the cloud is llama.cpp's llama-server serving SmolLM2-135M (another tokenizer), "
+        "continued in the prefill dialect",
+    )
     args = parser.parse_args(argv)
     if args.dialects:
         return _dialects(args)
@@ -238,34 +244,39 @@ def _answer(url: str, messages, cloud: str, max_tokens: int) -> tuple[float, dic
 
 def _dialects(args) -> int:
     """DiSCo (auto side) with the device's decoding dear (λ = 50) and a cheap cloud: the constrained side is the
-    device, so DiSCo-D races, and an answer the device starts pays to move to the cloud. The one cloud server
-    (Qwen2.5-Coder-1.5B behind the delay link) is configured twice, as a provider would be (tokenizer unknown):
-    `chat`, today's only choice, and `text`, `continuation = "completions"` with the cloud's own template."""
+    device, so DiSCo-D races, and an answer the device starts pays to move to the cloud. The one cloud server behind
+    the delay link is configured twice, as a provider would be (tokenizer unknown): `chat`, today's only choice, and
+    `text`, in a continuation dialect: the embedded Qwen2.5-Coder-1.5B with `continuation = "completions"` and its
+    own template, or (`--llama-server`) llama.cpp's llama-server serving SmolLM2-135M with `continuation =
+    "prefill"`."""
     from app.config import EmbeddedServerSettings
     from app.embedded import EmbeddedServer
     from app.launcher import start_gateway, stop_gateway
     from deploy.models import fetch
 
-    cloud = EmbeddedServer(
-        EmbeddedServerSettings(port=0, n_threads=1, cpus=[1]),
-        fetch("qwen2.5-coder-1.5b-instruct"),
-        "qwen2.5-coder-1.5b-instruct",
-    )
-    cloud.start()
+    model = "smollm2-135m-instruct" if args.llama_server else "qwen2.5-coder-1.5b-instruct"
+    if args.llama_server:
+        from app.launcher import start_llama_server, stop_server
+
+        server = start_llama_server(fetch(model), alias=model, ctx_size=2048, threads=1, cpus=[1])
+        port, stop = int(server.url.rsplit(":", 1)[1]), lambda: stop_server(server)
+        moving = 'continuation = "prefill"'
+    else:
+        cloud = EmbeddedServer(EmbeddedServerSettings(port=0, n_threads=1, cpus=[1]), fetch(model), model)
+        cloud.start()
+        asyncio.run(cloud.wait_ready())
+        port, stop = cloud.port, cloud.stop
+        moving = f'continuation = "completions"\ntemplate = "{model}"'
     gw = None
     price = "{ prefill_per_million = 0.05, decode_per_million = 0.10 }"
-    entries = {
-        "chat": 'continuation = "chat"',
-        "text": 'continuation = "completions"\ntemplate = "qwen2.5-coder-1.5b-instruct"',
-    }
+    entries = {"chat": 'continuation = "chat"', "text": moving}
     try:
-        asyncio.run(cloud.wait_ready())
-        link = DelayLink(cloud.port, args.ttft_median, args.ttft_sigma, args.seed)
+        link = DelayLink(port, args.ttft_median, args.ttft_sigma, args.seed)
         clouds = "".join(
             f"""
 [clouds.{name}]
 base_url = "http://127.0.0.1:{link.port}/v1"
-model = "qwen2.5-coder-1.5b-instruct"
+model = "{model}"
 price = {price}
 {entry}
 """
@@ -299,11 +310,12 @@ migration = true
     finally:
         if gw is not None:
             stop_gateway(gw)
-        cloud.stop()
+        stop()
 
     lines = [
         f"tandem bench disco-live --dialects -n {args.requests} --max-tokens {args.max_tokens}"
         + (f" --consumption-rate {args.consumption_rate}" if args.consumption_rate else "")
+        + (" --llama-server" if args.llama_server else "")
         + "  "
         f"({time.strftime('%Y-%m-%d')}; injected cloud delay log-normal(median {args.ttft_median} s, "
         f"σ {args.ttft_sigma}); DiSCo auto side, λ = 50, cloud 0.05 / 0.10 USD per million)",
@@ -323,7 +335,7 @@ migration = true
             for _, tr in results
         )
         moved = sum(any(m["to"] == name for m in tr["migrations"]) for _, tr in results)
-        label = "chat (today: never a target)" if name == "chat" else "completions + the cloud's template"
+        label = "chat (today: never a target)" if name == "chat" else entries[name].replace("\n", ", ")
         lines.append(
             f"| {label} | {costs[name]:.3f} | {statistics.median(ttfts):.3f} | "
             f"{ttfts[min(len(ttfts) - 1, round(0.9 * (len(ttfts) - 1)))]:.3f} | {started}/{len(results)} | "
