@@ -156,6 +156,18 @@ def _bench(args: argparse.Namespace) -> int:
     return main(args.rest)
 
 
+def _check_cloud(args) -> int:
+    from app.check_cloud import run
+    from app.config import ConfigError, embedded_default, load_settings
+
+    try:
+        settings = load_settings(args.config or embedded_default())
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return run(settings, args.name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Device-cloud LLM serving gateway")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -216,6 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train-adapter", help="distil the HAT draft adapter (see --help)", add_help=False)
     train.add_argument("rest", nargs=argparse.REMAINDER)
     train.set_defaults(func=_train_adapter)
+
+    check = sub.add_parser(
+        "check-cloud",
+        help="ask a configured cloud for one answer and one continuation in its dialect; say what it did",
+    )
+    check.add_argument("name", help="the cloud's name in [clouds]")
+    check.add_argument("--config", help="TOML settings file (default: the embedded default)")
+    check.set_defaults(func=_check_cloud)
 
     mod = sub.add_parser("models", help="list, fetch or locate the bundled model weights")
     mod.add_argument("action", choices=["list", "fetch", "path"])

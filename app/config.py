@@ -33,6 +33,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
+from app.providers import PRESETS, with_preset
 from app.serving.budget import (
     DEFAULT_BUDGET,
     DEFAULT_CONSUMPTION_RATE,
@@ -200,6 +201,8 @@ class EmbeddedServerSettings(_Strict):
 
 class CloudSettings(_Strict):
     kind: Literal["openai"] = "openai"
+    # A known kind of upstream (app/providers.py): fills in the fields below that the table leaves out.
+    provider: Literal[tuple(PRESETS)] | None = None  # type: ignore[valid-type]
     base_url: str = "http://127.0.0.1:8001/v1"
     api_key: SecretStr | None = None
     model: str = "qwen2.5-coder-1.5b-instruct"
@@ -207,19 +210,28 @@ class CloudSettings(_Strict):
     # Qwen pair does), so prompts and continuations go as token IDs and usage is exact.
     # "tiktoken": unknown tokenizer; text continuation, usage estimated with cl100k_base.
     tokenizer: Literal["device", "tiktoken"] = "tiktoken"
-    # How to continue an answer from a delivered prefix:
-    # "completions": raw /v1/completions with the chat template applied in the gateway;
+    # How to continue an answer from a delivered prefix (clients/continuation.py):
+    # "prefill": a final assistant message (llama-server, Anthropic, OpenRouter, Ollama);
+    # "prefix-flag": that message with "prefix": true (Mistral, DeepSeek's beta URL);
+    # "continue-final-message": that message and continue_final_message = true (vLLM, SGLang);
+    # "completions": raw /v1/completions with the chat template applied in the gateway (the device's; or the
+    #   upstream's own, named by `template`, for an upstream whose tokenizer differs);
     # "chat": /v1/chat/completions only (no continuation; fresh answers only).
-    continuation: Literal["completions", "chat"] = "chat"
+    continuation: Literal["chat", "prefill", "prefix-flag", "continue-final-message", "completions"] = "chat"
+    # The upstream's chat template, for continuation = "completions" with a tokenizer of its own: a bundled model
+    # name, or the path of its GGUF, its tokenizer_config.json or a Jinja template file.
+    template: str = ""
     # Upstream accepts `prompt` as a list of token IDs (vLLM does; llama.cpp's Python
     # server does not, so continuations to it go as text and it re-tokenises them).
     token_id_prompts: bool = False
     # Whether a chat upstream takes `tools`, `tool_choice` and `response_format` (OpenAI, vLLM, SGLang and
-    # llama.cpp's server do): "none" keeps requests that use them away from it. A completions upstream gets
-    # tools in the prompt the gateway renders; "gbnf" (llama.cpp's llama-server, llama-cpp-python's server: an
-    # embedded cloud's default) sends a forced tool call or a JSON format as a GBNF `grammar` it enforces, also when
-    # it continues an answer; otherwise a completions upstream cannot enforce one ("none").
+    # llama.cpp's server do): "none" keeps requests that use them away from it. A completions upstream that shares
+    # the device's template gets tools in the prompt the gateway renders; "gbnf" (llama.cpp's llama-server,
+    # llama-cpp-python's server: an embedded cloud's default) sends a forced tool call or a JSON format as a GBNF
+    # `grammar` it enforces, also when it continues an answer; otherwise such an upstream cannot enforce one ("none").
     structured_output: Literal["native", "none", "gbnf"] = "native"
+    # Ask for usage in the stream (`stream_options`); off for a server that refuses the field (it sends usage anyway).
+    stream_usage: bool = True
     connect_timeout: Annotated[float, Field(gt=0)] = 3.0
     read_timeout: Annotated[float, Field(gt=0)] = 60.0  # max gap between two streamed chunks
     write_timeout: Annotated[float, Field(gt=0)] = 10.0
@@ -227,6 +239,11 @@ class CloudSettings(_Strict):
     max_connections: Annotated[int, Field(gt=0)] = 64
     price: PriceSettings = PriceSettings()
     embedded: EmbeddedServerSettings | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _provider_preset(cls, data):
+        return with_preset(data) if isinstance(data, dict) else data
 
     @field_validator("model")
     @classmethod
@@ -244,21 +261,38 @@ class CloudSettings(_Strict):
             raise ValueError(f"must start with http:// or https://, got {value!r}")
         return value.rstrip("/")
 
+    @property
+    def gateway_template(self) -> bool:
+        """Whether continuations go as the gateway's own rendered prompt (a completions upstream with the device's
+        tokenizer), not in a dialect of the upstream's."""
+        return self.continuation == "completions" and self.tokenizer == "device"
+
     @model_validator(mode="after")
     def _completions_needs_template(self) -> CloudSettings:
-        if self.continuation == "completions" and self.tokenizer != "device":
+        if self.continuation == "completions" and self.tokenizer != "device" and not self.template:
             raise ValueError(
-                "continuation='completions' needs the gateway to know the upstream chat template; "
-                "set tokenizer='device' (upstream shares the device model's tokenizer) or continuation='chat'"
+                "continuation='completions' needs the upstream's chat template: set tokenizer='device' (the "
+                "upstream shares the device model's tokenizer) or template = its GGUF, tokenizer_config.json, Jinja "
+                "file or bundled model name; or use the dialect the upstream speaks (prefill, prefix-flag, "
+                "continue-final-message)"
             )
-        if self.continuation == "completions" and "structured_output" in self.model_fields_set:
+        if self.template and not (self.continuation == "completions" and self.tokenizer != "device"):
+            raise ValueError(
+                "template is read only with continuation='completions' and a tokenizer other than the device's"
+            )
+        if self.token_id_prompts and self.tokenizer != "device":
+            raise ValueError("token_id_prompts needs tokenizer='device' (the ids are the device model's)")
+        if self.gateway_template and "structured_output" in self.model_fields_set:
             if self.structured_output == "native":
                 raise ValueError(
-                    "structured_output='native' needs continuation='chat' (a completions upstream is given tools "
-                    "in the prompt; set 'gbnf' if it enforces a GBNF grammar, else 'none')"
+                    "structured_output='native' needs a chat upstream (a completions upstream with the device's "
+                    "tokenizer is given tools in the prompt; set 'gbnf' if it enforces a GBNF grammar, else 'none')"
                 )
-        elif self.continuation == "chat" and self.structured_output == "gbnf":
-            raise ValueError("structured_output='gbnf' needs continuation='completions' (the grammar goes there)")
+        elif self.structured_output == "gbnf" and not self.gateway_template:
+            raise ValueError(
+                "structured_output='gbnf' needs continuation='completions' with tokenizer='device' (the grammar goes "
+                "with the gateway's rendered prompt)"
+            )
         return self
 
     @property
@@ -266,7 +300,7 @@ class CloudSettings(_Strict):
         """Whether the upstream is sent GBNF grammars: set so, or the embedded llama-cpp-python server by default."""
         if "structured_output" in self.model_fields_set:
             return self.structured_output == "gbnf"
-        return self.embedded is not None and self.continuation == "completions"
+        return self.embedded is not None and self.gateway_template
 
 
 class EmbeddedWorkerSettings(_Strict):

@@ -29,6 +29,10 @@ class GenerationRequest:
     messages: tuple[dict, ...] | None = None
     prefix_text: str = ""
     prefix_ids: tuple[int, ...] | None = None
+    # The start of the answer the client wrote itself (a final assistant message it asked to have continued), its
+    # trailing whitespace moved out (app/serving/seam.py). `prompt_text` / `prompt_ids` already end with it; a chat
+    # upstream gets it as the start of the final assistant message, and `messages` go without that message.
+    prefill: str = ""
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -135,6 +139,11 @@ class Backend(Protocol):
     model_id: str  # the model this backend serves, as reported by /v1/models
     # What the orchestrator plans with:
     can_continue: bool  # continues an answer from a delivered prefix (GenerationRequest.prefix_*)
+    # How it continues one (clients/continuation.py): "tokens" (a backend on the device's side of the wire: it
+    # evaluates the prefix itself), or an upstream's dialect: "completions", "prefill", "prefix-flag",
+    # "continue-final-message"; "chat" cannot.
+    dialect: str
+    device_vocabulary: bool  # its model has the device model's tokenizer (a text prefix re-tokenises as it was)
     accepts_token_ids: bool  # takes prompts as token ids of the device model's vocabulary
     evaluations: int  # generations started so far: its KV cache can only have changed when this moved
     # How it follows GenerationRequest.grammar: "grammar" applies it token by token, also from a delivered prefix;

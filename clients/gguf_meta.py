@@ -1,4 +1,4 @@
-"""Read a device model's architecture from its GGUF metadata.
+"""Read a model's architecture and chat template from its GGUF metadata.
 
 Why: DiSCo prices device tokens by the FLOPs of the model actually loaded
 (App. E.2), so the gateway reads the shape from the file it serves instead of a
@@ -87,13 +87,17 @@ class _Metadata:
             raise ValueError(f"unsupported GGUF array element type {kind}")
 
 
-@functools.lru_cache(maxsize=16)
-def _read(path: str, size: int, mtime_ns: int) -> ModelArch:
+def _metadata(path: str) -> _Metadata:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            meta = _Metadata(data)
+            return _Metadata(data)
     except (ValueError, OSError, struct.error) as exc:
         raise GGUFMetaError(f"{path}: not a readable GGUF file ({exc})") from exc
+
+
+@functools.lru_cache(maxsize=16)
+def _read(path: str, size: int, mtime_ns: int) -> ModelArch:
+    meta = _metadata(path)
     scalars = meta.scalars
     arch = scalars.get("general.architecture")
     if not arch:
@@ -134,3 +138,9 @@ def read_arch(gguf_path: str | os.PathLike[str]) -> ModelArch:
     except OSError as exc:
         raise GGUFMetaError(f"{path}: {exc.strerror or exc}") from exc
     return _read(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def read_chat_template(gguf_path: str | os.PathLike[str]) -> str | None:
+    """The model's own chat template (`tokenizer.chat_template`), None when the file has none."""
+    template = _metadata(str(Path(gguf_path))).scalars.get("tokenizer.chat_template")
+    return template if isinstance(template, str) and template else None

@@ -56,6 +56,8 @@ CANONICAL_CHUNK = 32
 
 class LlamaCppBackend:
     can_continue = True
+    dialect = "tokens"
+    device_vocabulary = True  # it is the device model
     locality = "device"
     structured_output = "grammar"  # clients/grammar.py, in the sampling loop
     accepts_token_ids = True  # the device model's own vocabulary

@@ -1,17 +1,16 @@
 """Cloud backend on any OpenAI-compatible server (vLLM, SGLang, llama.cpp server, a provider).
 
-One shared `httpx.AsyncClient` per backend with explicit connect / read (the
-longest gap between two streamed chunks) / write / pool timeouts. Each stream
-owns its upstream response inside `async with`, so the response is closed when
-the consumer closes the iterator, is cancelled, or the client disconnects —
+One shared `httpx.AsyncClient` per backend with explicit connect / read (the longest gap between two streamed
+chunks) / write / pool timeouts; streamed requests go straight to its pooled transport. Each stream owns its
+upstream response and closes it when the consumer closes the iterator, is cancelled, or the client disconnects —
 an unclosed streaming response would pin a pool connection for good.
 
-Continuation from a delivered prefix goes through raw `/v1/completions` with
-the chat template applied in the gateway and token IDs (when the upstream shares
-the device model's tokenizer); a plain chat upstream can only start answers.
-An upstream that takes GBNF (llama.cpp's servers) gets a request's forced tool
-call or JSON format as a `grammar`, residual over the delivered prefix when it
-continues one (clients/gbnf.py), so it follows it and can take over under it.
+Continuation from a delivered prefix goes in the upstream's own dialect (clients/continuation.py): a final
+assistant message (prefill, `prefix: true`, `continue_final_message`), or raw `/v1/completions` with the chat
+template applied here (the device's, with token IDs where the upstream takes them, or the upstream's own when its
+tokenizer differs); a plain chat upstream can only start answers. An upstream that takes GBNF (llama.cpp's
+servers) gets a request's forced tool call or JSON format as a `grammar`, residual over the delivered prefix when
+it continues one (clients/gbnf.py), so it follows it and can take over under it.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import httpx
 
 from clients import gbnf
 from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent, TokenLogprob, Usage
+from clients.continuation import CHAT_DIALECTS, chat_continuation, completions_prompt
 from clients.http_transport import AsyncioHTTPTransport
 from clients.tokencount import estimate_tokens
 
@@ -41,10 +41,13 @@ class UpstreamOptions:
     model: str
     api_key: str | None = None
     shares_device_tokenizer: bool = False  # exact usage and token-id continuation with the device's tokenizer
-    continues: bool = False  # continue answers through raw /completions (else fresh chat answers only)
+    dialect: str = "chat"  # how it continues an answer (clients/continuation.py); "chat": fresh answers only
+    # "completions" to an upstream with a tokenizer of its own: its chat template, which continuations render
+    chat_template: str | None = None
     token_id_prompts: bool = False  # the upstream takes prompts as token ids
     native_structure: bool = True  # a chat upstream takes tools / tool_choice / response_format
     gbnf: bool = False  # a completions upstream enforces a GBNF `grammar` field (llama.cpp's servers)
+    stream_usage: bool = True  # ask for usage with `stream_options` (a server that rejects the field sends it anyway)
     connect_timeout: float = 3.0
     read_timeout: float = 60.0  # the longest silence between two streamed chunks
     write_timeout: float = 10.0
@@ -70,10 +73,15 @@ class OpenAICompatBackend(NoPrefixCache):
         self.options = options
         # The device tokenizer when upstream shares it: exact usage without upstream help.
         self._count_exact = count_exact if options.shares_device_tokenizer else None
-        self.can_continue = options.continues
-        # A chat upstream enforces tools and response_format itself; a completions one only sees text, unless it
-        # takes a GBNF grammar.
-        if options.continues:
+        self.dialect = options.dialect
+        self.can_continue = options.dialect != "chat"
+        self.device_vocabulary = options.shares_device_tokenizer
+        # Everything but requests with tools goes to /chat/completions, except to a completions upstream that shares
+        # the device's template: that one gets the gateway's rendered prompt whenever there are tools or a prefix.
+        self._gateway_prompt = options.dialect == "completions" and options.chat_template is None
+        # A chat request's upstream enforces tools and response_format itself; a raw prompt is only text, unless the
+        # upstream takes a GBNF grammar.
+        if self._gateway_prompt:
             self.structured_output = "gbnf" if options.gbnf else "none"
         else:
             self.structured_output = "native" if options.native_structure else "none"
@@ -127,11 +135,12 @@ class OpenAICompatBackend(NoPrefixCache):
         common = {
             "model": self.options.model,
             "stream": True,
-            "stream_options": {"include_usage": True},
             "max_tokens": request.max_tokens,
             "temperature": request.temperature,
             "top_p": request.top_p,
         }
+        if self.options.stream_usage:
+            common["stream_options"] = {"include_usage": True}
         if request.stop:
             common["stop"] = list(request.stop)
         if request.seed is not None:
@@ -139,32 +148,41 @@ class OpenAICompatBackend(NoPrefixCache):
         if request.top_k:  # not OpenAI's own field: sent only when asked (vLLM, SGLang, llama.cpp take it)
             common["top_k"] = request.top_k
         self._sampling_fields(request, common)
-        continuing = bool(request.prefix_text) or bool(request.prefix_ids)
+        continuing = bool(request.prefill or request.prefix_text or request.prefix_ids)
+        dialect = self.options.dialect
+        constrained = self.structured_output == "gbnf" and request.gbnf is not None
         # Tools go in the prompt rendered by the gateway where the upstream takes raw prompts: the calls come back
         # as text in the one format the gateway reads (app/serving/structured.py).
-        constrained = self.structured_output == "gbnf" and request.gbnf is not None
-        if self.can_continue and (continuing or request.messages is None or request.tools or constrained):
+        if request.messages is None or (self._gateway_prompt and (continuing or request.tools or constrained)):
+            if dialect != "completions":
+                raise BackendError(f"cloud backend {self.name!r} serves chat only", status=400, backend=self.name)
             if self.accepts_token_ids and request.prompt_ids is not None and (request.prefix_ids or not continuing):
                 prompt: str | list[int] = list(request.prompt_ids) + list(request.prefix_ids or ())
             else:
                 prompt = request.prompt_text + request.prefix_text
-            if request.logprobs is not None:
-                common["logprobs"] = request.logprobs
+            fields = self._completion_logprobs(request)
             if constrained:
-                common["grammar"] = request.gbnf  # stream() makes it the residual when it reads the prefix too
-            return "/completions", {**common, "prompt": prompt}
+                fields["grammar"] = request.gbnf  # stream() makes it the residual when it reads the prefix too
+            return "/completions", {**common, **fields, "prompt": prompt}
+        messages: list[dict] = list(request.messages)
+        head = request.prefill + request.prefix_text  # the answer so far, as text
+        if continuing and dialect == "completions":
+            prompt = completions_prompt(self.options.chat_template, messages, head, request.tools)
+            return "/completions", {**common, **self._completion_logprobs(request), "prompt": prompt}
+        body = dict(common)
         if continuing:
-            raise BackendError(
-                f"cloud backend {self.name!r} cannot continue an answer (continuation='chat')",
-                status=501,
-                backend=self.name,
-            )
-        if request.messages is None:
-            raise BackendError(f"cloud backend {self.name!r} serves chat only", status=400, backend=self.name)
+            if dialect not in CHAT_DIALECTS:
+                raise BackendError(
+                    f"cloud backend {self.name!r} cannot continue an answer (continuation='chat')",
+                    status=501,
+                    backend=self.name,
+                )
+            messages, fields = chat_continuation(dialect, messages, head)
+            body.update(fields)
         if request.logprobs is not None:
-            common["logprobs"] = True
-            common["top_logprobs"] = request.logprobs
-        body = {**common, "messages": list(request.messages)}
+            body["logprobs"] = True
+            body["top_logprobs"] = request.logprobs
+        body["messages"] = messages
         if request.tools:
             body["tools"] = list(request.tools)
             body["parallel_tool_calls"] = request.parallel_tool_calls
@@ -173,6 +191,10 @@ class OpenAICompatBackend(NoPrefixCache):
         if request.response_format is not None:
             body["response_format"] = request.response_format
         return "/chat/completions", body
+
+    @staticmethod
+    def _completion_logprobs(request: GenerationRequest) -> dict:
+        return {"logprobs": request.logprobs} if request.logprobs is not None else {}
 
     async def _residual_grammar(self, request: GenerationRequest) -> str:
         """The request's GBNF past the delivered prefix, for a continuation whose grammar reads the prefix (on a

@@ -148,6 +148,8 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
     """
 
     can_continue = True
+    dialect = "tokens"
+    device_vocabulary = True  # it is the device model
     locality = "device"
     structured_output = "grammar"  # clients/grammar.py, in the decode loop
     accepts_token_ids = True  # the device model's own vocabulary

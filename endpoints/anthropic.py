@@ -7,7 +7,7 @@ orchestrator answers it, so routing, races, migrations, fault recovery, privacy 
 unchanged. What is this API's own: `system` as the first message, tool_use / tool_result blocks as the chat shape's
 tool calls and tool messages, `tool_choice` any / tool as a forced call (grammar-constrained, as `required` / a named
 function are), `top_k`, `stop_sequences` beyond chat's four, and a trailing assistant message, which the answer
-continues (ChatInput.continue_final_message). Only the wire differs on the way out: a `message` object, or its
+continues (ChatInput.continue_final). Only the wire differs on the way out: a `message` object, or its
 named SSE events (`MessageEvents`), `stop_reason` for chat's finish reasons, and the errors in this API's envelope
 (endpoints/errors.py, by path). As everywhere the HTTP status waits for the first token; a failure after it is an
 `error` event that ends the stream.
@@ -128,7 +128,7 @@ def messages_input(body: Conversation, key: KeyAccess | None) -> ChatInput:
     extra = {}
     if isinstance(body, MessagesRequest):
         extra = {"stop": tuple(body.stop_sequences or ()), "top_k": body.top_k}
-    return replace(chat, continue_final_message=body.prefill, **extra)
+    return replace(chat, continue_final=body.prefill, **extra)
 
 
 def _param(chat_param: str | None) -> str | None:

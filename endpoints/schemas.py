@@ -83,11 +83,15 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    # Mistral's and DeepSeek's prefix completion: this final assistant message is the start of the answer.
+    prefix: bool | None = None
 
     @model_validator(mode="after")
     def _tool_fields_fit_the_role(self):
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.prefix and self.role != "assistant":
+            raise ValueError("only an assistant message can be a prefix")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id it answers")
         return self
@@ -213,6 +217,9 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM's and SGLang's way to continue the final assistant message (transformers' chat-template flags).
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -220,6 +227,27 @@ class ChatCompletionRequest(_Sampling):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
         return value
+
+    @model_validator(mode="after")
+    def _continued_message_is_the_last(self):
+        if any(m.prefix for m in self.messages[:-1]):
+            raise ValueError('only the last message can be a prefix ("prefix": true)')
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.add_generation_prompt is False and not self.continue_final_message:
+            raise ValueError("add_generation_prompt = false is only taken with continue_final_message = true")
+        if self.continues_final:
+            final = self.messages[-1]
+            if final.role != "assistant" or final.tool_calls:
+                raise ValueError("the message to continue must be a final assistant message with text, no tool_calls")
+            if len(self.messages) < 2:
+                raise ValueError("a continued assistant message needs the conversation before it")
+        return self
+
+    @property
+    def continues_final(self) -> bool:
+        """Whether the final (assistant) message is the start of the answer, to be continued."""
+        return bool(self.continue_final_message or self.messages[-1].prefix)
 
     @property
     def token_limit(self) -> int | None:

@@ -105,9 +105,13 @@ def chat_input(body: ChatCompletionRequest, key: KeyAccess | None, id_prefix: st
     return ChatInput(
         **_common(body, key),
         messages=tuple(
-            {**m.model_dump(exclude_none=True), "role": "system" if m.role == "developer" else m.role}
+            {
+                **m.model_dump(exclude_none=True, exclude={"prefix"}),
+                "role": "system" if m.role == "developer" else m.role,
+            }
             for m in body.messages
         ),
+        continue_final=body.continues_final,
         tools=tuple(t.model_dump(exclude_none=True) for t in body.tools or ()),
         tool_choice=choice.model_dump() if hasattr(choice, "model_dump") else choice,
         parallel_tool_calls=body.parallel_tool_calls,

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import anyio
@@ -31,6 +31,7 @@ from app.serving.orchestrator import Orchestrator
 from app.serving.outline import OutlineDecoding, OutlineRequest
 from app.serving.relay import Delta
 from app.serving.requests import ChatInput, CompletionInput, RequestInput
+from app.serving.seam import split_trailing_whitespace
 from app.serving.state import StateStore, StoreUnavailable
 from app.serving.structured import Structure, add_tools_prompt, message_text, structure_of, template_messages
 from clients.base import Backend, GenerationRequest
@@ -418,14 +419,21 @@ class ServingCore:
         route = self._route(chat)
         self._require_loaded()
         structure = structure_of(chat, self._tag)
-        knows_tools = getattr(self.device, "template_knows_tools", False)
-        messages, prefill = chat.messages, ""
-        if chat.continue_final_message:
-            if messages[-1]["role"] != "assistant":
+        messages, prefill, held = chat.messages, "", ""
+        if chat.continue_final:
+            if structure.grammar is not None:
+                raise InvalidRequest(
+                    "A continued final assistant message cannot be combined with a forced tool call or a JSON "
+                    "response_format (the format would have to start where the client's text does).",
+                    param="messages",
+                )
+            *history, final = messages
+            if final["role"] != "assistant":
                 raise InvalidRequest("Only an assistant message can be continued.", param="messages")
-            # The template opens the assistant's turn (its generation prompt) and the answer begun follows it,
-            # unclosed: what the model writes next continues it.
-            messages, prefill = messages[:-1], message_text(messages[-1])
+            messages = tuple(history)
+            # The prompt ends where the client's text does, less its trailing whitespace (app/serving/seam.py).
+            prefill, held = split_trailing_whitespace(message_text(final))
+        knows_tools = getattr(self.device, "template_knows_tools", False)
         rendered = template_messages(messages, knows_tools)
         if structure.tools and knows_tools:
             prompt_text = self.device.render_chat(rendered, tools=structure.prompt_tools)
@@ -435,13 +443,13 @@ class ServingCore:
             )
         prompt_text += prefill
         prompt_ids = await self._tokenize_prompt(prompt_text)
-        # A chat upstream gets the conversation as the client sent it (tool calls and results included); a prefill
-        # only an upstream that continues raw prompts can honour (a chat one would answer after it, not continue it).
-        upstream_messages = None if chat.continue_final_message else chat.messages
-        gen = self._generation(chat, prompt_text, prompt_ids, upstream_messages, structure)
-        job = self._job(chat.id_prefix, gen, len(prompt_ids), route)
+        # A chat upstream gets the conversation as the client sent it (tool calls and results included).
+        gen = self._generation(chat, prompt_text, prompt_ids, messages, structure)
+        job = self._job(chat.id_prefix, replace(gen, prefill=prefill), len(prompt_ids), route)
         job.call_grammar, job.call_gbnf = structure.call_grammar, structure.call_gbnf
-        self._decoding(job, chat)
+        job.prefill_held = held
+        if not chat.continue_final:  # outline decoding writes an answer of its own, never the client's
+            self._decoding(job, chat)
         return job
 
     def _decoding(self, job: Job, chat: ChatInput) -> None:
@@ -456,7 +464,6 @@ class ServingCore:
             or (fmt is not None and fmt["type"] != "text")
             or chat.logprobs is not None
             or chat.choices > 1
-            or chat.continue_final_message
         )
         question = message_text(users[-1]) if users else ""
         verdict = gate(mode, len(users), question, job.gen.max_tokens, plain)

@@ -26,6 +26,7 @@ from app.serving.orchestrator import Orchestrator
 from app.serving.state import MemoryStore, StateStore
 from app.serving.telemetry import TelemetryOptions, start_telemetry
 from clients.base import Backend, GenerationRequest
+from clients.continuation import load_chat_template
 from clients.embeddings import SentenceEmbedder
 from clients.gguf_meta import read_arch
 from clients.openai_compat import OpenAICompatBackend, UpstreamOptions
@@ -54,16 +55,29 @@ def _device_backend(settings: Settings) -> Backend:
     )
 
 
-def _upstream_options(cloud: CloudSettings) -> UpstreamOptions:
+def _upstream_template(cloud: CloudSettings) -> str | None:
+    """The upstream's own chat template, for a completions upstream with a tokenizer of its own."""
+    if not cloud.template:
+        return None
+    source = resolve_model(cloud.template) if cloud.template in bundled.MODELS else cloud.template
+    try:
+        return load_chat_template(source)
+    except ValueError as exc:
+        raise ValueError(f"clouds: template {cloud.template!r}: {exc}") from None
+
+
+def upstream_options(cloud: CloudSettings) -> UpstreamOptions:
     return UpstreamOptions(
         base_url=cloud.base_url,
         model=cloud.model,
         api_key=cloud.api_key.get_secret_value() if cloud.api_key is not None else None,
         shares_device_tokenizer=cloud.tokenizer == "device",
-        continues=cloud.continuation == "completions",
+        dialect=cloud.continuation,
+        chat_template=_upstream_template(cloud),
         token_id_prompts=cloud.token_id_prompts,
         native_structure=cloud.structured_output == "native",
         gbnf=cloud.gbnf,
+        stream_usage=cloud.stream_usage,
         connect_timeout=cloud.connect_timeout,
         read_timeout=cloud.read_timeout,
         write_timeout=cloud.write_timeout,
@@ -106,7 +120,7 @@ class Gateway:
                 server = EmbeddedServer(cloud.embedded, resolve_model(cloud.embedded.model), alias=cloud.model)
                 cloud = cloud.model_copy(update={"base_url": server.base_url})
                 self.embedded.append(server)
-            self.backends[name] = OpenAICompatBackend(name, _upstream_options(cloud), count_exact=self._count_device)
+            self.backends[name] = OpenAICompatBackend(name, upstream_options(cloud), count_exact=self._count_device)
         for name, backend in self.backends.items():
             self.metrics.backend_active.labels(backend=name).set_function(lambda b=backend: b.active)
             self.metrics.backend_generated.labels(backend=name).set_function(lambda b=backend: b.tokens_generated)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from app.serving.seam import Seam
 from clients.base import GenerationRequest, TokenEvent, Usage
 from policies.dispatch import DispatchPlan
 
@@ -31,6 +32,8 @@ class Attempt:
     usage: Usage | None = None  # its own usage report, when it sent one (an upstream's last event)
     outcome: str = "running"  # won | lost | failed | migrated-from | finished | cancelled
     error: str | None = None
+    dialect: str | None = None  # how it continued the answer (clients/continuation.py); None for a fresh start
+    seam: Seam | None = None  # where a continuation from text joins the answer
     # The backend is at the end of its answer too (it said so, or it hit the same token limit):
     # reading its last events lets an HTTP upstream's connection go back to the pool.
     ended: bool = False
@@ -61,6 +64,9 @@ class Job:
     call_grammar: str | None = None  # app/serving/structured.py: Structure.call_grammar
     call_gbnf: str | None = None  # the same in GBNF
     privacy: str = "any"  # where it may go (policies/privacy.py)
+    # The trailing whitespace of the client's prefill (gen.prefill goes without it): dropped from the answer's start
+    # where the answer writes it again (app/serving/seam.py).
+    prefill_held: str = ""
     # Outline decoding (app/serving/outline.py): what the request needs of it when its gate said yes, and what the
     # trace says about it (mode, the gate's reason, the sub-requests).
     outline: Any = None
@@ -104,4 +110,5 @@ class Job:
             privacy=self.privacy,
             admission=self.admission,
             limit_headers=self.limit_headers,
+            prefill_held=self.prefill_held,
         )

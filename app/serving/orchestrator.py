@@ -11,8 +11,9 @@
 - Migrate: after every token DiSCo's migration rule may say "move": once the lead
   reaches the buffer B = r_c·t_m the source stops and the target continues from
   exactly the delivered prefix (token IDs when it shares the vocabulary, else
-  text). A source that errors or stalls mid-stream is migrated the same way, so
-  a fault becomes a migration, not a broken answer.
+  text, in the target's continuation dialect, joined at a seam: app/serving/seam.py).
+  A source that errors or stalls mid-stream is migrated the same way, so a fault
+  becomes a migration, not a broken answer.
 - Account: usage, the cost of every attempt into the ledger, metrics, a trace.
 
 Each step is published on the event bus (app/serving/events.py) as it happens: the plan, every endpoint's start,
@@ -38,6 +39,7 @@ from app.serving.events import EventBus
 from app.serving.job import Attempt, Job
 from app.serving.metrics import Metrics
 from app.serving.relay import Delta, Prefix, Relay
+from app.serving.seam import Seam, split_trailing_whitespace
 from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from clients.deadline import Deadline
@@ -105,6 +107,9 @@ class Orchestrator:
         backend = self.backends[name]
         if not allows(job.privacy, backend.locality):  # the one place every route passes: plan, race, moves
             return False
+        continuing = continuing or bool(job.gen.prefill)  # the client's own prefill is continued from the start
+        if continuing and not backend.can_continue:
+            return False
         kind = backend.structured_output
         if job.gen.grammar is not None:
             if kind == "grammar" and not self._takes_ids(name) and "<[" in job.gen.grammar:
@@ -135,24 +140,54 @@ class Orchestrator:
         """Whether a backend takes prompts as token ids of the device's vocabulary."""
         return self.backends[name].accepts_token_ids
 
-    @staticmethod
-    def _continuation(job: Job, prefix: Prefix) -> GenerationRequest:
-        return replace(
-            job.gen,
-            prefix_text=prefix.text,
-            prefix_ids=prefix.ids,
-            max_tokens=max(1, job.gen.max_tokens - prefix.tokens),
+    def _continuation(self, job: Job, prefix: Prefix, target: str) -> tuple[GenerationRequest, str]:
+        """What `target` continues the answer from, and the whitespace held out of it at the seam. The text goes
+        after the prompt, which ends with the client's prefill less its trailing whitespace (held by the job)."""
+        text = job.prefill_held + prefix.text
+        held = ""
+        if (prefix.ids is None or not self._takes_ids(target)) and self._moves_whitespace(job, target):
+            text, held = split_trailing_whitespace(text)
+        gen = replace(
+            job.gen, prefix_text=text, prefix_ids=prefix.ids, max_tokens=max(1, job.gen.max_tokens - prefix.tokens)
         )
+        return gen, held
+
+    def _moves_whitespace(self, job: Job, target: str) -> bool:
+        """Whether a text continuation on `target` moves trailing whitespace out of its prefix (app/serving/seam.py):
+        always in a chat dialect, and whenever the text crosses from one vocabulary to another."""
+        backend = self.backends[target]
+        if backend.dialect not in ("tokens", "completions") or not backend.device_vocabulary:
+            return True
+        return any(not self.backends[a.name].device_vocabulary for a in job.attempts if a.first_at is not None)
 
     def _open(
-        self, job: Job, name: str, gen: GenerationRequest, context: int, migration: bool, from_token: int = 0
+        self,
+        job: Job,
+        name: str,
+        gen: GenerationRequest,
+        context: int,
+        migration: bool,
+        from_token: int = 0,
+        held: str = "",
     ) -> Attempt:
         attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration, from_token)
+        backend = self.backends[name]
         if not self._takes_ids(name):  # device-vocabulary ids mean nothing there: it gets the text
             gen = replace(gen, prompt_ids=None, prefix_ids=None)
             if gen.tool_grammar is not None and "<[" in gen.tool_grammar:
                 gen = replace(gen, tool_grammar=None)  # its `<[id]>` tokens are the device vocabulary's
-        attempt.stream = self.backends[name].stream(gen)
+        stream = backend.stream(gen)
+        if gen.prefill or gen.prefix_text or gen.prefix_ids:
+            by_ids = gen.prefix_ids is not None and backend.dialect != "tokens"
+            attempt.dialect = "token-ids" if by_ids else backend.dialect
+            if gen.prefix_ids is None:  # a text continuation: the seam is where its text joins the answer's
+                held = held if migration else job.prefill_held
+                head = gen.prefill + gen.prefix_text
+                echo = head if backend.dialect == "prefill" else ""  # a server that sends the prefill back first
+                attempt.seam = Seam(held, len(head), attempt.dialect, echo)
+                if attempt.seam.active:
+                    stream = _through_seam(stream, attempt.seam)
+        attempt.stream = stream
         job.attempts.append(attempt)
         self._publish_attempt("endpoint.started", job, attempt, context_tokens=context, from_token=attempt.from_token)
         return attempt
@@ -264,8 +299,8 @@ class Orchestrator:
         if not names:
             raise BackendError(
                 f"{job.pinned or 'no endpoint of this request'} cannot serve it: its tool_choice or response_format "
-                "needs an endpoint that enforces it (the device model, HAT, a chat upstream), within its privacy "
-                f"level '{job.privacy}'",
+                "needs an endpoint that enforces it (the device model, HAT, a chat upstream), and a continued final "
+                f"assistant message one that can continue answers, within its privacy level '{job.privacy}'",
                 400,
             )
         last: BaseException | None = None
@@ -512,10 +547,10 @@ class Orchestrator:
         source (a cost migration) still holds its stream, unread, and the answer goes on there."""
         prefix = relay.prefix()
         produced = prefix.tokens
-        gen = self._continuation(job, prefix)
+        gen, held = self._continuation(job, prefix, target)
         context = job.prompt_tokens + produced
         log.info("request %s: migrating %s -> %s at token %d (%s)", job.id, source.name, target, produced, reason)
-        attempt = self._open(job, target, gen, context, True, produced)
+        attempt = self._open(job, target, gen, context, True, produced, held)
         record = {
             "at_token": produced,
             "from": source.name,
@@ -525,6 +560,7 @@ class Orchestrator:
             # How far the client's reader was behind what it had been sent (the buffer a migration hides behind).
             "lead_tokens": round(relay.lead(attempt.started), 2),
             "prefix_ids": prefix.ids is not None and self._takes_ids(target),
+            "dialect": attempt.dialect,
         }
         job.migrations.append(record)
         self.events.publish("migration.started", request_id=job.id, **record)
@@ -619,6 +655,17 @@ class Orchestrator:
     def close(self) -> None:
         if self._trace_out is not None:
             self._trace_out.close()
+
+
+async def _through_seam(stream: AsyncIterator[TokenEvent], seam: Seam) -> AsyncIterator[TokenEvent]:
+    """A text continuation's events as the answer takes them (app/serving/seam.py); closing it closes `stream`."""
+    try:
+        async for event in stream:
+            kept = seam.feed(event)
+            if kept is not None:
+                yield kept
+    finally:
+        await stream.aclose()
 
 
 def _backend_error(name: str, exc: BaseException, ended: str = "produced nothing") -> BackendError:

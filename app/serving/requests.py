@@ -44,9 +44,9 @@ class ChatInput(RequestInput):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
-    # The last message is the assistant's answer begun (a prefill): the answer continues its text, and the
-    # deltas carry only what follows it (the Anthropic Messages API's trailing assistant message).
-    continue_final_message: bool = False
+    # The last message is the assistant's answer begun (a prefill: `prefix: true`, `continue_final_message`, the
+    # Messages API's trailing assistant message): the answer continues its text, the deltas carry only what follows.
+    continue_final: bool = False
     id_prefix: str = "chatcmpl-"  # names the request's kind in its id (`resp_` for the Responses API)
 
 

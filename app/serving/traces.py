@@ -71,6 +71,8 @@ def trace_of(job: Job) -> dict:
                 "decode_tokens": a.decode_tokens,
                 # What it is booked for (its provider's own counts where it reported them): the ledger's view.
                 "billed": dict(zip(_BILLED, a.billed(), strict=True)),
+                **({"dialect": a.dialect} if a.dialect else {}),
+                **({"seam": a.seam.describe()} if a.seam is not None else {}),
                 **({"error": a.error} if a.error else {}),
             }
             for a in job.attempts

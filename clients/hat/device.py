@@ -140,6 +140,11 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     locality = "split"
     structured_output = "grammar"  # clients/grammar.py: the head's logits masked before every pick, drafts included
     accepts_token_ids = False  # True when the worker's model shares the device's vocabulary (set by the gateway)
+    dialect = "tokens"
+
+    @property
+    def device_vocabulary(self) -> bool:
+        return self.accepts_token_ids
 
     def __init__(
         self,

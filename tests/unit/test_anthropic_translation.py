@@ -57,7 +57,7 @@ def test_system_blocks_tool_use_and_tool_result_become_chat_turns() -> None:
     assert chat.tools[0]["function"]["parameters"] == TOOL["input_schema"]
     assert chat.tool_choice == "auto" and chat.parallel_tool_calls is False
     assert chat.stop == ("a", "b", "c", "d", "e") and chat.top_k == 5 and chat.temperature == 0.3
-    assert chat.max_tokens == 8 and chat.key_privacy == "device" and not chat.continue_final_message
+    assert chat.max_tokens == 8 and chat.key_privacy == "device" and not chat.continue_final
 
 
 def test_tool_choice_any_and_tool_are_forced_calls_and_a_trailing_assistant_is_a_prefill() -> None:
@@ -66,7 +66,7 @@ def test_tool_choice_any_and_tool_are_forced_calls_and_a_trailing_assistant_is_a
     named = messages_input(body(messages=ask, tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather"}), None)
     assert named.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
     prefill = messages_input(body(messages=[*ask, {"role": "assistant", "content": "Hello"}]), None)
-    assert prefill.continue_final_message and prefill.messages[-1] == {"role": "assistant", "content": "Hello"}
+    assert prefill.continue_final and prefill.messages[-1] == {"role": "assistant", "content": "Hello"}
     counted = messages_input(CountTokensRequest(model="tandem", messages=ask), None)
     assert counted.max_tokens is None and counted.stop == ()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pydantic
 import pytest
 
 from app.config import ConfigError, embedded_default, load_settings
@@ -334,3 +335,41 @@ def test_each_engine_knob_has_one_default():
     assert EngineLimits(**engine_knobs) == EngineLimits()
     planner = inspect.signature(subchunk_tokens).parameters
     assert all(planner[p].default is inspect.Parameter.empty for p in ("overhead", "min_tokens", "max_tokens"))
+
+
+def test_a_provider_preset_fills_what_the_entry_leaves_out():
+    from app.config import Settings
+
+    s = Settings(clouds={"m": {"provider": "mistral", "model": "mistral-small-latest"}}, gateway={"cloud": "m"})
+    m = s.clouds["m"]
+    assert (m.base_url, m.continuation, m.stream_usage) == ("https://api.mistral.ai/v1", "prefix-flag", False)
+    own = Settings(
+        clouds={
+            "v": {
+                "provider": "vllm",
+                "model": "x",
+                "base_url": "http://gpu:9000/v1",
+                "continuation": "completions",
+                "tokenizer": "device",
+            }
+        },
+        gateway={"cloud": "v"},
+    ).clouds["v"]
+    assert (own.base_url, own.continuation) == ("http://gpu:9000/v1", "completions")  # the entry's own fields win
+
+
+@pytest.mark.parametrize(
+    ("table", "named"),
+    [
+        ({"continuation": "completions"}, "template"),  # another tokenizer: its template is needed
+        ({"continuation": "prefill", "template": "x.gguf"}, "template is read only"),
+        ({"token_id_prompts": True}, "token_id_prompts"),
+        ({"provider": "nobody"}, "provider"),
+    ],
+)
+def test_dialect_settings_that_contradict_each_other_fail_naming_the_field(table, named):
+    from app.config import Settings
+
+    with pytest.raises(pydantic.ValidationError) as err:
+        Settings(clouds={"c": {"model": "m", **table}}, gateway={"cloud": "c"})
+    assert named in str(err.value)

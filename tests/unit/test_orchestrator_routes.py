@@ -16,7 +16,12 @@ from clients.base import GenerationRequest
 
 def endpoint(locality: str, structured: str, continues: bool = True, ids: bool = True):
     return SimpleNamespace(
-        locality=locality, structured_output=structured, can_continue=continues, accepts_token_ids=ids
+        locality=locality,
+        structured_output=structured,
+        can_continue=continues,
+        accepts_token_ids=ids,
+        dialect="completions" if continues else "chat",
+        device_vocabulary=ids,
     )
 
 

@@ -1,5 +1,10 @@
 """`tandem bench disco-live`: DiSCo against Stoch on the real backends, behind an injected-latency link.
 
+`--dialects` runs the other comparison: migration onto a cloud that is not the device's vocabulary (the tokenizer
+a real provider has) in a continuation dialect (`completions` with the cloud's own chat template, text continuation
+across tokenizers) against today's only choice for such a cloud (`continuation = "chat"`, never a migration
+target), each request answered through both, side by side: cost, TTFT, migrations.
+
 The simulator (`tandem bench disco`) shows the ordering on 10,000 synthetic
 requests; this confirms it live. A real gateway serves the bundled pair —
 Qwen2.5-Coder-0.5B on llama.cpp as the device, the 1.5B behind a real
@@ -121,7 +126,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-median", type=int, default=48, help="prompt length median (words)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="var/bench/disco-live.md")
+    parser.add_argument(
+        "--dialects",
+        action="store_true",
+        help="migration onto a chat cloud in a continuation dialect against continuation = 'chat' (cost, TTFT)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=32, help="answer length with --dialects")
+    parser.add_argument(
+        "--consumption-rate", type=float, default=None, help="r_c (tokens/s) with --dialects (default: the config's)"
+    )
+    parser.add_argument(
+        "--llama-server",
+        action="store_true",
+        help="with --dialects: the cloud is llama.cpp's llama-server serving SmolLM2-135M (another tokenizer), "
+        "continued in the prefill dialect",
+    )
     args = parser.parse_args(argv)
+    if args.dialects:
+        return _dialects(args)
 
     from app.config import EmbeddedServerSettings
     from app.embedded import EmbeddedServer
@@ -193,6 +215,133 @@ continuation = "completions"
         f"DiSCo-S vs Stoch-S at b = {args.budget}: mean {statistics.mean(d) / statistics.mean(s):.2f}×, "
         f"P99 {p99(d) / p99(s):.2f}×",
     ]
+    publish("\n".join(lines), args.out)
+    return 0
+
+
+def _answer(url: str, messages, cloud: str, max_tokens: int) -> tuple[float, dict]:
+    """(client TTFT, the request's trace) of one streamed answer DiSCo plays against `cloud`."""
+    body = {
+        "model": "tandem",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "tandem": {"cloud": cloud},
+    }
+    t0 = time.perf_counter()
+    ttft = None
+    with httpx.stream("POST", url + "/chat/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        request_id = r.headers["x-request-id"]
+        for line in r.iter_lines():
+            if ttft is None and '"content":"' in line and '"content":""' not in line:
+                ttft = time.perf_counter() - t0
+    if ttft is None:
+        raise RuntimeError("no content in the answer")
+    return ttft, httpx.get(f"{url}/requests/{request_id}", timeout=10).json()
+
+
+def _dialects(args) -> int:
+    """DiSCo (auto side) with the device's decoding dear (λ = 50) and a cheap cloud: the constrained side is the
+    device, so DiSCo-D races, and an answer the device starts pays to move to the cloud. The one cloud server behind
+    the delay link is configured twice, as a provider would be (tokenizer unknown): `chat`, today's only choice, and
+    `text`, in a continuation dialect: the embedded Qwen2.5-Coder-1.5B with `continuation = "completions"` and its
+    own template, or (`--llama-server`) llama.cpp's llama-server serving SmolLM2-135M with `continuation =
+    "prefill"`."""
+    from app.config import EmbeddedServerSettings
+    from app.embedded import EmbeddedServer
+    from app.launcher import start_gateway, stop_gateway
+    from deploy.models import fetch
+
+    model = "smollm2-135m-instruct" if args.llama_server else "qwen2.5-coder-1.5b-instruct"
+    if args.llama_server:
+        from app.launcher import start_llama_server, stop_server
+
+        server = start_llama_server(fetch(model), alias=model, ctx_size=2048, threads=1, cpus=[1])
+        port, stop = int(server.url.rsplit(":", 1)[1]), lambda: stop_server(server)
+        moving = 'continuation = "prefill"'
+    else:
+        cloud = EmbeddedServer(EmbeddedServerSettings(port=0, n_threads=1, cpus=[1]), fetch(model), model)
+        cloud.start()
+        asyncio.run(cloud.wait_ready())
+        port, stop = cloud.port, cloud.stop
+        moving = f'continuation = "completions"\ntemplate = "{model}"'
+    gw = None
+    price = "{ prefill_per_million = 0.05, decode_per_million = 0.10 }"
+    entries = {"chat": 'continuation = "chat"', "text": moving}
+    try:
+        link = DelayLink(port, args.ttft_median, args.ttft_sigma, args.seed)
+        clouds = "".join(
+            f"""
+[clouds.{name}]
+base_url = "http://127.0.0.1:{link.port}/v1"
+model = "{model}"
+price = {price}
+{entry}
+"""
+            for name, entry in entries.items()
+        )
+        gw = start_gateway(
+            f"""
+[gateway]
+policy = "disco"
+cloud = "chat"
+stall_timeout = 60
+[device]
+model = "qwen2.5-coder-0.5b-instruct"
+n_threads = 1
+[disco]
+exchange_rate = 50
+migration = true
+{f"consumption_rate = {args.consumption_rate}" if args.consumption_rate else ""}
+{clouds}""",
+            cpus=[0],
+        )
+        rng = random.Random(args.seed)
+        prompts = [_prompt(rng, args.prompt_median, 0.6) for _ in range(args.requests)]
+        for i, words in enumerate(prompts[: max(3, args.requests // 5)]):  # the estimators see both endpoints
+            for name in entries:
+                _answer(gw.v1, _messages(words, f"warm-up {i} {name}"), name, 4)
+        rows: dict[str, list[tuple[float, dict]]] = {name: [] for name in entries}
+        for i, words in enumerate(prompts):  # interleaved: load drifts hit both alike
+            for name in entries:
+                rows[name].append(_answer(gw.v1, _messages(words, f"{i} {name}"), name, args.max_tokens))
+    finally:
+        if gw is not None:
+            stop_gateway(gw)
+        stop()
+
+    lines = [
+        f"tandem bench disco-live --dialects -n {args.requests} --max-tokens {args.max_tokens}"
+        + (f" --consumption-rate {args.consumption_rate}" if args.consumption_rate else "")
+        + (" --llama-server" if args.llama_server else "")
+        + "  "
+        f"({time.strftime('%Y-%m-%d')}; injected cloud delay log-normal(median {args.ttft_median} s, "
+        f"σ {args.ttft_sigma}); DiSCo auto side, λ = 50, cloud 0.05 / 0.10 USD per million)",
+        "",
+        "| cloud continuation | mean cost (µUSD) | median TTFT (s) | P90 TTFT (s) | device-started | moved to cloud |",
+        "|---|---|---|---|---|---|",
+    ]
+    costs = {}
+    for name, results in rows.items():
+        ttfts = sorted(t for t, _ in results)
+        costs[name] = statistics.mean(tr["cost_usd"] for _, tr in results) * 1e6
+        started = sum(
+            any(
+                e["endpoint"] == "device" and e["outcome"] in ("migrated-from", "finished") and e["from_token"] == 0
+                for e in tr["endpoints"]
+            )
+            for _, tr in results
+        )
+        moved = sum(any(m["to"] == name for m in tr["migrations"]) for _, tr in results)
+        label = "chat (today: never a target)" if name == "chat" else entries[name].replace("\n", ", ")
+        lines.append(
+            f"| {label} | {costs[name]:.3f} | {statistics.median(ttfts):.3f} | "
+            f"{ttfts[min(len(ttfts) - 1, round(0.9 * (len(ttfts) - 1)))]:.3f} | {started}/{len(results)} | "
+            f"{moved}/{len(results)} |"
+        )
+    lines += ["", f"cost with migration onto the chat cloud / without: {costs['text'] / costs['chat']:.2f}×"]
     publish("\n".join(lines), args.out)
     return 0
 
