@@ -20,8 +20,8 @@ from app.serving.job import Job
 from app.serving.relay import Delta
 from app.serving.tool_calls import ToolCall
 from clients.base import BackendError, TokenLogprob
+from endpoints.api_options import ApiOptions
 from endpoints.errors import ApiError, refusal
-from endpoints.options import ApiOptions
 from endpoints.serving import Serving
 from endpoints.sse import SSEResponse
 

@@ -39,9 +39,9 @@ from endpoints.anthropic_schemas import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from endpoints.api_options import ApiOptionsDep
 from endpoints.auth import require_messages_key
 from endpoints.errors import anthropic_error, refusal
-from endpoints.options import ApiOptionsDep
 from endpoints.schemas import (
     ChatCompletionRequest,
     ChatMessage,

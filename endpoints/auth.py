@@ -13,8 +13,8 @@ from collections.abc import Iterable
 
 from fastapi import Request
 
+from endpoints.api_options import ApiOptions, ApiOptionsDep
 from endpoints.errors import ApiError
-from endpoints.options import ApiOptions, ApiOptionsDep
 from endpoints.serving import KeyAccess
 
 

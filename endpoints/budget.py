@@ -29,9 +29,9 @@ from fastapi import APIRouter, Depends, Request
 from app.serving.budget import BudgetValidationError
 from app.serving.errors import Refused
 from app.serving.ledger import LedgerStateError
+from endpoints.api_options import ApiOptionsDep
 from endpoints.auth import bearer, matches_any, secret
 from endpoints.errors import ApiError
-from endpoints.options import ApiOptionsDep
 from endpoints.serving import ServingDep
 
 

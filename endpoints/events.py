@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 
 from app.serving.events import Event, EventBus
+from endpoints.api_options import ApiOptionsDep
 from endpoints.auth import require_api_key
 from endpoints.errors import ApiError
-from endpoints.options import ApiOptionsDep
 from endpoints.serving import ServingDep
 from endpoints.sse import SSEResponse
 

@@ -27,10 +27,10 @@ from endpoints.answer import (
     streamed,
     while_connected,
 )
+from endpoints.api_options import ApiOptions, ApiOptionsDep
 from endpoints.auth import require_api_key
 from endpoints.errors import ApiError
 from endpoints.logprobs import LogprobsRenderer
-from endpoints.options import ApiOptions, ApiOptionsDep
 from endpoints.schemas import ChatCompletionRequest, CompletionRequest
 from endpoints.serving import Serving, ServingDep, chat_input, completion_input
 from endpoints.sse import ChatChunks, stream_answer, stream_choices, usage_object

@@ -21,9 +21,9 @@ from app.serving.errors import Refused
 from app.serving.job import Job
 from clients.base import Usage
 from endpoints.answer import answer_headers, begin, collect, streamed, while_connected
+from endpoints.api_options import ApiOptionsDep
 from endpoints.auth import require_api_key
 from endpoints.errors import refusal
-from endpoints.options import ApiOptionsDep
 from endpoints.schemas import (
     ChatCompletionRequest,
     ChatMessage,

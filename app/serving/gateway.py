@@ -33,9 +33,9 @@ from clients.openai_compat import OpenAICompatBackend, UpstreamOptions
 from deploy import models as bundled
 from deploy.models import model_path, resolve_model
 from endpoints import anthropic, budget, dashboard, embeddings, events, openai, ops, responses
+from endpoints.api_options import ApiOptions
 from endpoints.errors import install_error_handlers
 from endpoints.guard import RequestGuard
-from endpoints.options import ApiOptions
 
 log = logging.getLogger(__name__)
 

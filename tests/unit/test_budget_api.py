@@ -1,7 +1,7 @@
 """GET/PUT /v1/budget on a minimal app: round trip, the error envelope, admin auth, persistence.
 
 Why a serving core without backends: the router only needs the core's ledger and budget snapshot (the ledger and
-DiSCo's runtime: pure logic) and the keys of endpoints/options.py's ApiOptions, so the tests pin that contract
+DiSCo's runtime: pure logic) and the keys of endpoints/api_options.py's ApiOptions, so the tests pin that contract
 without loading models.
 """
 
@@ -19,8 +19,8 @@ from app.serving.core import CoreOptions, ServingCore
 from app.serving.disco import DiscoRuntime
 from app.serving.ledger import Ledger
 from app.serving.state import MemoryStore
+from endpoints.api_options import ApiOptions
 from endpoints.errors import install_error_handlers
-from endpoints.options import ApiOptions
 from policies.cost import QWEN2_5_0_5B
 
 ADMIN = "adm-secret-1"
