@@ -100,7 +100,8 @@ def settled(gws: list[GatewayProcess], timeout: float = 5.0) -> list[dict]:
     while True:
         views = [budget(gw) for gw in gws]
         if all(v["store"]["connected"] and v["store"]["pending"] == 0 for v in views):
-            return views
+            # Read again: a view taken before another replica's replay finished would miss what it replayed.
+            return [budget(gw) for gw in gws]
         assert time.monotonic() < deadline, [v["store"] for v in views]
         time.sleep(0.05)
 
