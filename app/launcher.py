@@ -12,8 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -53,6 +55,9 @@ class GatewayProcess(ServerProcess):
         return 0.0
 
 
+S = TypeVar("S", bound=ServerProcess)
+
+
 def start_gateway(
     config: str,
     wait_for: tuple[str, ...] | None = None,
@@ -81,20 +86,29 @@ def start_gateway(
         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )
     gw = GatewayProcess(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + ready_timeout
+
+    def ready() -> bool:
+        r = httpx.get(gw.url + "/health/ready", timeout=2)
+        return r.status_code == 200 or bool(wait_for and all(r.json()["backends"].get(n) for n in wait_for))
+
+    return _when_ready(gw, "gateway", ready, ready_timeout, poll=0.25)
+
+
+def _when_ready(server: S, what: str, ready: Callable[[], bool], timeout: float, poll: float) -> S:
+    """`server` once `ready()` says so; stopped, with the end of its log in the error, if it exits or times out."""
+    deadline = time.monotonic() + timeout
     while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"gateway exited during start-up:\n{gw.log()[-3000:]}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"{what} exited during start-up:\n{server.log()[-3000:]}")
         try:
-            r = httpx.get(gw.url + "/health/ready", timeout=2)
-            if r.status_code == 200 or (wait_for and all(r.json()["backends"].get(n) for n in wait_for)):
-                return gw
+            if ready():
+                return server
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            stop_gateway(gw)
-            raise RuntimeError(f"gateway not ready after {ready_timeout} s:\n{gw.log()[-3000:]}")
-        time.sleep(0.25)
+            stop_server(server)
+            raise RuntimeError(f"{what} not ready after {timeout} s:\n{server.log()[-3000:]}")
+        time.sleep(poll)
 
 
 def stop_server(server: ServerProcess) -> None:
@@ -147,16 +161,8 @@ def start_llama_server(
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + ready_timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited during start-up:\n{server.log()[-3000:]}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:  # 503 while the model loads
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop_server(server)
-            raise RuntimeError(f"llama-server not ready after {ready_timeout} s:\n{server.log()[-3000:]}")
-        time.sleep(0.1)
+    # 503 while the model loads
+    return _when_ready(
+        server, "llama-server", lambda: httpx.get(server.url + "/health", timeout=2).status_code == 200,
+        ready_timeout, poll=0.1,
+    )  # fmt: skip

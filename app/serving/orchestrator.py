@@ -19,6 +19,11 @@
 Each step is published on the event bus (app/serving/events.py) as it happens: the plan, every endpoint's start,
 win, loss, failure and finish, every migration's start and end, and the request's end with its trace. The live
 feed, the dashboard and the OpenTelemetry spans read it there.
+
+Why one module past ~600 lines: every step above reads and writes the same request's attempts (which endpoint
+holds the stream, which may continue it, what was delivered), so plan, race, relay and migration stay together;
+the parts with no such state already live beside it (relay.py, seam.py, job.py, traces.py, policies/). The
+accounting (`_account`, `remember`) is the next piece to move out when it grows again.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from app.serving.events import EventBus
 from app.serving.job import Attempt, Job
 from app.serving.metrics import Metrics
 from app.serving.relay import Delta, Prefix, Relay
-from app.serving.seam import Seam, split_trailing_whitespace
+from app.serving.seam import Seam, split_trailing_whitespace, through_seam
 from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from clients.deadline import Deadline
@@ -186,7 +191,7 @@ class Orchestrator:
                 echo = head if backend.dialect == "prefill" else ""  # a server that sends the prefill back first
                 attempt.seam = Seam(held, len(head), attempt.dialect, echo)
                 if attempt.seam.active:
-                    stream = _through_seam(stream, attempt.seam)
+                    stream = through_seam(stream, attempt.seam)
         attempt.stream = stream
         job.attempts.append(attempt)
         self._publish_attempt("endpoint.started", job, attempt, context_tokens=context, from_token=attempt.from_token)
@@ -655,17 +660,6 @@ class Orchestrator:
     def close(self) -> None:
         if self._trace_out is not None:
             self._trace_out.close()
-
-
-async def _through_seam(stream: AsyncIterator[TokenEvent], seam: Seam) -> AsyncIterator[TokenEvent]:
-    """A text continuation's events as the answer takes them (app/serving/seam.py); closing it closes `stream`."""
-    try:
-        async for event in stream:
-            kept = seam.feed(event)
-            if kept is not None:
-                yield kept
-    finally:
-        await stream.aclose()
 
 
 def _backend_error(name: str, exc: BaseException, ended: str = "produced nothing") -> BackendError:

@@ -21,6 +21,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from clients.base import TokenEvent
@@ -109,3 +110,14 @@ def _trim(logprobs, n: int):
         n -= cut
         out.append(replace(entry, token=entry.token[cut:], bytes=entry.token[cut:].encode("utf-8")))
     return tuple(out)
+
+
+async def through_seam(stream: AsyncIterator[TokenEvent], seam: Seam) -> AsyncIterator[TokenEvent]:
+    """A text continuation's events as the answer takes them (the Seam above); closing it closes `stream`."""
+    try:
+        async for event in stream:
+            kept = seam.feed(event)
+            if kept is not None:
+                yield kept
+    finally:
+        await stream.aclose()
