@@ -1,11 +1,11 @@
 """Layer placement for the P-stage worker: which contiguous slice of the middle layers each stage runs.
 
-Every stage times each middle layer on its own hardware and threads (`time_layers`; stage 0 collects the times
-with a PROBE down the chain, app/worker/pipeline.py); `policies.jupiter.partition_layers` splits the layers min-max
-over each stage's own per-layer times (a stage with twice the threads gets more layers) within each stage's memory
-cap (`stage_memory_caps`: `stage_memory_gib`, and on CUDA the stage's share of its GPU's free memory; a layer weighs
-its parameters plus its KV reserve, `layer_memory`; no split that fits fails the start-up). A stage then keeps only
-its slice (`StageSlice`).
+Every stage times each middle layer on its own hardware and threads (`time_layers`; stage 0 collects the times with a
+PROBE down the chain, app/worker/pipeline.py); `policies.layer_partition.partition_layers` splits the layers min-max
+over each stage's own per-layer times (a stage with twice the threads gets more layers) within each stage's memory cap
+(`stage_memory_caps`: `stage_memory_gib`, and on CUDA the stage's share of its GPU's free memory; a layer weighs its
+parameters plus its KV reserve, `layer_memory`; no split that fits fails the start-up). A stage then keeps only its
+slice (`StageSlice`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 from app.worker.compute import synchronize
 from clients.hat.ragged import RaggedMiddle
 from clients.hat.split import LayerStack, SplitKVCache
-from policies.jupiter import InfeasiblePlan, LayerPartition, partition_layers
+from policies.layer_partition import InfeasiblePlan, LayerPartition, partition_layers
 
 # The share of a GPU's free memory (at start-up, before any stage loads its slice there) the layer partition may
 # fill: the rest is for a pass's activations and workspace and the allocator's fragmentation.
@@ -75,7 +75,7 @@ def plan_layers(
     layer_memory: Sequence[float] | None = None,
     memory_caps: Sequence[float] | None = None,
 ) -> LayerPartition:
-    """Jupiter's layer partition from each stage's own timing of every middle layer (policies.jupiter.
+    """Jupiter's layer partition from each stage's own timing of every middle layer (policies.layer_partition.
     partition_layers with one row per stage: a range costs stage s the sum of its own times for those layers, not
     one speed factor times a reference), each stage's layers within its memory cap (bytes; `layer_memory`: bytes per
     layer). InfeasiblePlan when no split fits: the message names every stage's cap and the layers' bytes."""

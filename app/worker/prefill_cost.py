@@ -7,15 +7,14 @@ prefill chunks with it (`chunking = "dp"`, clients/hat/prefill_plan.py). g, the 
 sends, is fitted on whatever passes ran (mostly a few positions) and has no context term, so it misprices prefill
 chunks; τ is fitted only on lone prefill pieces, with the context and in-piece attention terms.
 
-Where the points come from: a start-up profile (`[worker] prefill_profile`: a few passes on a small grid; on by
-default for a staged worker, whose sequence partition needs τ from the first prompt, off for a single-process one,
-where it would cost every start several seconds on the default model), and every lone prefill piece the worker runs
-afterwards. Least squares with the x² term (`policies.jupiter.fit_chunk_cost`), refitted every `refit_every` new
-points; with neither a profile nor given costs, at every new point until `refit_every` points have been seen (the
-first fit rests on a handful of pieces and should not stand for 32 more), and with d tied to c/2: the devices'
-pieces come in a few lengths only, which leave a, c and d apart undetermined (measured: a 2k-token DP plan of
-32-token chunks from such a fit). The profile's points are always kept, so
-the fit stays determined.
+Where the points come from: a start-up profile (`[worker] prefill_profile`: a few passes on a small grid; on by default
+for a staged worker, whose sequence partition needs τ from the first prompt, off for a single-process one, where it
+would cost every start several seconds on the default model), and every lone prefill piece the worker runs afterwards.
+Least squares with the x² term (`policies.sequence_partition.fit_chunk_cost`), refitted every `refit_every` new points;
+with neither a profile nor given costs, at every new point until `refit_every` points have been seen (the first fit
+rests on a handful of pieces and should not stand for 32 more), and with d tied to c/2: the devices' pieces come in a
+few lengths only, which leave a, c and d apart undetermined (measured: a 2k-token DP plan of 32-token chunks from such a
+fit). The profile's points are always kept, so the fit stays determined.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from policies.jupiter import (
+from policies.sequence_partition import (
     ChunkCost,
     PlanCache,
     SequenceProfile,
@@ -132,13 +131,13 @@ def profile_points(
 class SubsequencePlanner:
     """Splits a prefill piece of n tokens after `context` cached ones into sub-sequences for the pipeline.
 
-    mode "dp": Jupiter's sequence partition (policies.jupiter.plan_sequence, exact flow-shop makespan) on the per-
-    stage costs τ_s (`fit`: the start-up profile refitted from the lone prefill pieces the worker runs; one piece
-    while τ is undetermined); "equal": equal lengths, the count with the least modelled makespan; "paper": Jupiter's
-    own rule (policies.jupiter.paper_partition: min-max sub-sequences per count, the count by Eq. 4), the baseline;
-    "off": one piece. τ_s(x | context + y) = a + (b + c·context)·x + c·x·y + d·x², so a piece after `context` tokens
-    is planned as a prompt from 0 with b shifted; the context is rounded to `context_step` so plans are reused (an
-    LRU per profile, dropped when τ is refitted).
+    mode "dp": Jupiter's sequence partition (policies.sequence_partition.plan_sequence, exact flow-shop makespan) on the
+    per-stage costs τ_s (`fit`: the start-up profile refitted from the lone prefill pieces the worker runs; one piece
+    while τ is undetermined); "equal": equal lengths, the count with the least modelled makespan; "paper": Jupiter's own
+    rule (policies.sequence_partition.paper_partition: min-max sub-sequences per count, the count by Eq. 4), the
+    baseline; "off": one piece. τ_s(x | context + y) = a + (b + c·context)·x + c·x·y + d·x², so a piece after `context`
+    tokens is planned as a prompt from 0 with b shifted; the context is rounded to `context_step` so plans are reused
+    (an LRU per profile, dropped when τ is refitted).
     """
 
     fit: PrefillCostFit

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from clients.hat.link import LinkProfile
 from policies.drafting import DEFAULT_ETA
-from policies.jupiter import ChunkCost
+from policies.sequence_partition import ChunkCost
 
 
 class HATOptions(BaseModel):
@@ -56,9 +56,9 @@ class HATOptions(BaseModel):
         pipelined against the worker; each stream's output is what it would be alone. "solo": each stream's own
         model calls, one at a time.
     chunking: "eq3" = equal chunks of Eq. 3's size; "dp" = Jupiter's sequence partition over the device → link →
-        worker pipeline (policies/jupiter.py plan_device_prefill), with the device's own prefill step time fitted
-        at load, the measured upload bandwidth and the worker's prefill τ(x | y) from its OPEN reply (its g when
-        it sends none): unequal chunks (the three stages are very unequal, where one chunk size is not optimal).
+        worker pipeline (policies/sequence_partition.py plan_device_prefill), with the device's own prefill step
+        time fitted at load, the measured upload bandwidth and the worker's prefill τ(x | y) from its OPEN reply (its
+        g when it sends none): unequal chunks (the three stages are very unequal, where one chunk size is not optimal).
         A fixed chunk_size overrides both.
     chunk_size: fixed prefill chunk; None = Eq. 3 with min_chunk..max_chunk.
     beta_up / beta_down: initial link bandwidth estimates in bytes/s (HAT's devices measure them, e.g. with

@@ -4,7 +4,7 @@
   bandwidth and the worker's g(.) and mu from its OPEN reply, so the upload of chunk k+1 overlaps the worker's
   compute of chunk k; a fixed `chunk_size` overrides it.
 - Unequal chunks (`chunking = "dp"`): Jupiter's partition over the device -> link -> worker pipeline
-  (policies/jupiter.py plan_device_prefill, an LRU of plans): the device's own τ(x | y), fitted at load by
+  (policies/sequence_partition.py plan_device_prefill, an LRU of plans): the device's own τ(x | y), fitted at load by
   `fit_device_tau`, the upload at the measured bandwidth, and the worker's prefill τ(x | y) from its OPEN reply
   (`prefill_tau`, read by `worker_prefill_cost`); a worker that sends none (an older one, or one that has not fitted
   it yet) is modelled by its g as a context-free τ.
@@ -26,7 +26,7 @@ from clients.hat import wire
 from clients.hat.drafting import Drafter
 from clients.hat.options import HATOptions
 from policies.chunking import chunk_bounds, chunk_size, split_prompt
-from policies.jupiter import ChunkCost, PlanCache, fit_chunk_cost, plan_device_prefill
+from policies.sequence_partition import ChunkCost, PlanCache, fit_chunk_cost, plan_device_prefill
 
 log = logging.getLogger(__name__)
 

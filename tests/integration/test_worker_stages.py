@@ -30,7 +30,7 @@ from app.worker.settings import EngineLimits, WorkerSettings
 from clients.hat import wire
 from clients.hat.adapter import draft_files
 from clients.hat.split import SplitModel, split_model
-from policies.jupiter import ChunkCost
+from policies.sequence_partition import ChunkCost
 from tests.conftest import start_gateway, stop_gateway
 from tests.integration.disco_helpers import stream_chunks, trace
 from tests.integration.hf_fixtures import QWEN05, SMOL, chat_prompt, load

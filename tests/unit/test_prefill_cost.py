@@ -18,7 +18,7 @@ from clients.hat import wire
 from clients.hat.options import HATOptions
 from clients.hat.prefill_plan import PrefillPlanner, worker_prefill_cost
 from clients.hat.split import split_model
-from policies.jupiter import ChunkCost, plan_device_prefill
+from policies.sequence_partition import ChunkCost, plan_device_prefill
 
 Kind = wire.Kind
 H = 32  # the tiny model's hidden size

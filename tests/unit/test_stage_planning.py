@@ -12,13 +12,12 @@ import torch
 from app.worker.layer_placement import CUDA_MEMORY_SHARE, GIB, layer_memory, plan_layers, stage_memory_caps
 from app.worker.prefill_cost import PrefillCostFit, SubsequencePlanner, fit_stage_costs, profile_points
 from app.worker.stage_link import HEADER, Cmd, header, sid_ints
-from policies.jupiter import (
+from policies.layer_partition import InfeasiblePlan, partition_layers
+from policies.sequence_partition import (
     ChunkCost,
-    InfeasiblePlan,
     SequenceProfile,
     equal_lengths,
     paper_partition,
-    partition_layers,
     plan_makespan,
     plan_sequence,
 )
