@@ -14,7 +14,8 @@
   text, in the target's continuation dialect, joined at a seam: app/serving/seam.py).
   A source that errors or stalls mid-stream is migrated the same way, so a fault
   becomes a migration, not a broken answer.
-- Account: usage, the cost of every attempt into the ledger, metrics, a trace.
+- Account: when the answer ends, its usage and every attempt's cost go into the ledger and the metrics
+  (app/serving/accounting.py), and its trace is kept (`remember`).
 
 Each step is published on the event bus (app/serving/events.py) as it happens: the plan, every endpoint's start,
 win, loss, failure and finish, every migration's start and end, and the request's end with its trace. The live
@@ -22,8 +23,7 @@ feed, the dashboard and the OpenTelemetry spans read it there.
 
 Why one module past ~600 lines: every step above reads and writes the same request's attempts (which endpoint
 holds the stream, which may continue it, what was delivered), so plan, race, relay and migration stay together;
-the parts with no such state already live beside it (relay.py, seam.py, job.py, traces.py, policies/). The
-accounting (`_account`, `remember`) is the next piece to move out when it grows again.
+the parts with no such state live beside it (relay.py, seam.py, job.py, traces.py, accounting.py, policies/).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from dataclasses import replace
 
 import anyio
 
+from app.serving.accounting import Accounting
 from app.serving.events import EventBus
 from app.serving.job import Attempt, Job
 from app.serving.metrics import Metrics
@@ -48,7 +49,6 @@ from app.serving.seam import Seam, split_trailing_whitespace, through_seam
 from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from clients.deadline import Deadline
-from policies.cost import role_of
 from policies.dispatch import DispatchPlan, canonical_name
 from policies.estimate import MovingAverage
 from policies.privacy import allows
@@ -83,6 +83,7 @@ class Orchestrator:
         self.metrics = metrics
         self.disco = disco
         self.ledger = ledger
+        self.accounting = Accounting(disco, ledger, metrics)
         self.stall_timeout = stall_timeout
         self.traces: OrderedDict[str, dict] = OrderedDict()
         # A shared store's copy of each trace (app/serving/state.py's keep_trace), so any replica can answer for it.
@@ -432,7 +433,7 @@ class Orchestrator:
             if job.finish_reason is None:  # failed or abandoned: book what was spent
                 if relay is not None:
                     job.delayed_tokens = relay.delayed
-                self._account(job, sum(a.decode_tokens for a in job.attempts), None, finished=False)
+                self.accounting.book(job, sum(a.decode_tokens for a in job.attempts), None, finished=False)
             self.remember(job)
 
     async def _first_token(self, job: Job) -> tuple[Attempt, TokenEvent]:
@@ -456,7 +457,7 @@ class Orchestrator:
         attempt.ended = not relay.stopped
         self._publish_attempt("endpoint.finished", job, attempt, decode_tokens=attempt.decode_tokens)
         job.delayed_tokens = relay.delayed
-        self._account(job, relay.produced, upstream)
+        self.accounting.book(job, relay.produced, upstream)
         # The trace exists before the client sees the end of the answer (it may ask for it at once).
         self.remember(job, final=False)
 
@@ -597,53 +598,7 @@ class Orchestrator:
         self.events.publish("migration.completed", request_id=job.id, **record)
         return attempt, event
 
-    # -- accounting and traces ----------------------------------------------------------------------
-    def _account(self, job: Job, produced: int, upstream: Usage | None, finished: bool = True) -> None:
-        reasoning = sum(a.reasoning_tokens for a in job.attempts)
-        single_upstream = len(job.attempts) == 1 and upstream is not None and upstream.completion_tokens
-        if single_upstream:
-            job.usage = Usage(
-                job.prompt_tokens,
-                upstream.completion_tokens,
-                True,
-                cached_tokens=min(upstream.cached_tokens, job.prompt_tokens),
-                reasoning_tokens=upstream.reasoning_tokens or min(reasoning, upstream.completion_tokens),
-            )
-        else:
-            job.usage = Usage(job.prompt_tokens, produced + reasoning, True, reasoning_tokens=reasoning)
-        if finished:
-            self.disco.observe_output(job.usage.completion_tokens)
-        total = 0.0
-        # The side this request was dispatched under: its own policy's, which may differ from the configured one.
-        constrained_role = role_of(self.disco.side(job.cloud, job.policy))
-        for a in job.attempts:
-            prefilled, cached, decoded, reasoned = a.billed()
-            if a.usage is not None and a.role == "cloud":
-                self.disco.observe_usage(a.name, a.usage)
-            # A cloud attempt pays its own cloud's prices (a fault or migration may have moved the answer to a
-            # cloud other than the request's); the device's energy term is the same under every cloud's λ.
-            priced = a.name if a.role == "cloud" else (job.cloud or a.name)
-            cost = self.disco.cost_of(
-                a.role, priced, prefilled, decoded, cached_tokens=cached, reasoning_tokens=reasoned
-            )
-            total += cost
-            self.ledger.record(
-                job.id,
-                a.role,
-                prefilled,
-                decoded,
-                cost,
-                constrained=a.role == constrained_role,
-                prompt_tokens=job.prompt_tokens,
-                cached_tokens=cached,
-                reasoning_tokens=reasoned,
-            )
-            self.metrics.tokens.labels(backend=a.name, phase="prompt").inc(prefilled)
-            self.metrics.tokens.labels(backend=a.name, phase="completion").inc(decoded)
-            self.metrics.spend.labels(endpoint=a.role).inc(cost)
-        job.cost = total
-        self.metrics.delayed_tokens.inc(job.delayed_tokens)
-
+    # -- traces ------------------------------------------------------------------------------------
     def remember(self, job: Job, final: bool = True) -> None:
         """Keep the job's trace (and write its line to the trace file when it finished)."""
         trace = self.traces[job.id] = trace_of(job)

@@ -479,20 +479,18 @@ def test_failing_listener_is_reported_after_commit_and_others_still_run(tmp_path
 def test_an_answer_moved_to_another_cloud_is_booked_at_that_clouds_prices() -> None:
     """A request dispatched against "cloud" whose answer migrated to "big" (a fault's third endpoint): the device
     part at the device's energy price, the big cloud's part at the big cloud's prices, not the request cloud's."""
+    from app.serving.accounting import Accounting
     from app.serving.job import Attempt, Job
     from app.serving.metrics import Metrics
-    from app.serving.orchestrator import Orchestrator
     from clients.base import GenerationRequest
 
     ledger = Ledger(None, defaults())
     disco = DiscoRuntime(ledger, "cloud", QWEN2_5_0_5B)
-    orchestrator = Orchestrator({"device": None, "cloud": None, "big": None}, "device", "cloud", True, Metrics(),
-                                disco, ledger)  # fmt: skip
     job = Job(id="moved", gen=GenerationRequest(prompt_text="hi"), prompt_tokens=100, policy="disco", cloud="cloud")
     device = Attempt("device", "device", 0.0, 100, decode_tokens=10)
     big = Attempt("cloud", "big", 0.0, 110, migration=True, decode_tokens=20)
     job.attempts += [device, big]
-    orchestrator._account(job, 30, None)
+    Accounting(disco, ledger, Metrics()).book(job, 30, None)
     expected = disco.cost("big").server_cost(110, 20) + disco.cost("cloud").device_cost(100, 10)
     assert job.cost == pytest.approx(expected)
     assert disco.cost("big").server_cost(110, 20) > 4 * disco.cost("cloud").server_cost(110, 20)  # it matters

@@ -13,12 +13,12 @@ import json
 
 import pytest
 
+from app.serving.accounting import Accounting
 from app.serving.budget import BudgetSettings, BudgetValidationError, Price, apply_patch
 from app.serving.disco import DiscoRuntime
 from app.serving.job import Attempt, Job
 from app.serving.ledger import Ledger
 from app.serving.metrics import Metrics
-from app.serving.orchestrator import Orchestrator
 from app.serving.relay import Relay
 from clients.base import BackendError, GenerationRequest, TokenEvent, Usage
 from clients.openai_compat import OpenAICompatBackend, UpstreamOptions
@@ -158,11 +158,10 @@ def test_reasoning_passes_through_the_relay_and_is_counted_but_is_not_the_answer
 # ------------------------------------------------------------------ booking
 
 
-def runtime(price: Price) -> tuple[Orchestrator, Ledger, DiscoRuntime]:
+def runtime(price: Price) -> tuple[Accounting, Ledger, DiscoRuntime]:
     ledger = Ledger(None, BudgetSettings(prices={"cloud": price}))
     disco = DiscoRuntime(ledger, "cloud", QWEN2_5_0_5B)
-    orchestrator = Orchestrator({"device": None, "cloud": None}, "device", "cloud", True, Metrics(), disco, ledger)
-    return orchestrator, ledger, disco
+    return Accounting(disco, ledger, Metrics()), ledger, disco
 
 
 def job_with(*attempts: Attempt, prompt_tokens: int = 1000) -> Job:
@@ -174,13 +173,13 @@ def job_with(*attempts: Attempt, prompt_tokens: int = 1000) -> Job:
 
 
 def test_a_cloud_that_reports_its_usage_is_booked_at_its_own_counts_and_prices():
-    orchestrator, ledger, _ = runtime(Price(2.0, 8.0, cached=0.5, reasoning=10.0))
+    accounting, ledger, _ = runtime(Price(2.0, 8.0, cached=0.5, reasoning=10.0))
     cloud = Attempt("cloud", "cloud", 0.0, 1000, decode_tokens=60, reasoning_tokens=45, outcome="finished")
     # The provider counted the prompt with its own tokenizer (1010), read 768 of it from its cache, and 40 of its
     # 100 completion tokens were reasoning.
     cloud.usage = Usage(1010, 100, cached_tokens=768, reasoning_tokens=40)
     job = job_with(cloud)
-    orchestrator._account(job, 60, cloud.usage)
+    accounting.book(job, 60, cloud.usage)
     expected = (1010 - 768) * 2.0 * M + 768 * 0.5 * M + 60 * 8.0 * M + 40 * 10.0 * M
     assert job.cost == pytest.approx(expected)
     spend = ledger.snapshot()["spend"]["endpoints"]["cloud"]
@@ -192,10 +191,10 @@ def test_a_cloud_that_reports_its_usage_is_booked_at_its_own_counts_and_prices()
 
 
 def test_without_a_usage_report_reasoning_pieces_are_counted_and_booked_at_the_reasoning_price():
-    orchestrator, ledger, _ = runtime(Price(2.0, 8.0, reasoning=20.0))
+    accounting, ledger, _ = runtime(Price(2.0, 8.0, reasoning=20.0))
     cloud = Attempt("cloud", "cloud", 0.0, 1000, decode_tokens=10, reasoning_tokens=5, outcome="finished")
     job = job_with(cloud)
-    orchestrator._account(job, 10, None)
+    accounting.book(job, 10, None)
     assert job.cost == pytest.approx(1000 * 2.0 * M + 10 * 8.0 * M + 5 * 20.0 * M)
     assert job.usage == Usage(1000, 15, reasoning_tokens=5)
     assert ledger.snapshot()["spend"]["endpoints"]["cloud"]["reasoning_tokens"] == 5
@@ -204,20 +203,20 @@ def test_without_a_usage_report_reasoning_pieces_are_counted_and_booked_at_the_r
 def test_the_prefix_a_continuation_resends_is_booked_as_that_clouds_input_and_cached_where_reported():
     """Device started, the answer moved to the cloud at token 50: the cloud is sent prompt + prefix again and bills
     it as input; what its provider read from its cache is booked at the cached price."""
-    orchestrator, ledger, disco = runtime(Price(2.0, 8.0, cached=0.2))
+    accounting, ledger, disco = runtime(Price(2.0, 8.0, cached=0.2))
     device = Attempt("device", "device", 0.0, 1000, decode_tokens=50, outcome="migrated-from")
     cloud = Attempt("cloud", "cloud", 0.0, 1050, migration=True, from_token=50, decode_tokens=30, outcome="finished")
     cloud.usage = Usage(1052, 30, cached_tokens=1024)
     job = job_with(device, cloud)
-    orchestrator._account(job, 80, cloud.usage)
+    accounting.book(job, 80, cloud.usage)
     cloud_part = (1052 - 1024) * 2.0 * M + 1024 * 0.2 * M + 30 * 8.0 * M
     assert job.cost == pytest.approx(cloud_part + disco.cost("cloud").device_cost(1000, 50))
     assert ledger.snapshot()["spend"]["endpoints"]["cloud"]["prefill_tokens"] == 1052
     # Not reported: the whole re-sent context at the input price.
-    orchestrator, _, disco = runtime(Price(2.0, 8.0, cached=0.2))
+    accounting, _, disco = runtime(Price(2.0, 8.0, cached=0.2))
     unreported = Attempt("cloud", "cloud", 0.0, 1050, migration=True, from_token=50, decode_tokens=30)
     job = job_with(Attempt("device", "device", 0.0, 1000, decode_tokens=50), unreported)
-    orchestrator._account(job, 80, None)
+    accounting.book(job, 80, None)
     assert job.cost == pytest.approx(1050 * 2.0 * M + 30 * 8.0 * M + disco.cost("cloud").device_cost(1000, 50))
 
 
