@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,14 +20,14 @@ from pathlib import Path
 import httpx
 
 from app.config import WORKER_TOKEN_VARIABLES, EmbeddedServerSettings, EmbeddedWorkerSettings
-from app.launcher import free_port
+from app.launcher import child_setup, free_port, stop_group
 
 log = logging.getLogger(__name__)
 
 
 class _ManagedProcess:
-    """A child process in its own process group (stopping it stops whatever it spawned), its
-    output in a file (an unread pipe would fill up and block it), optionally pinned to CPUs."""
+    """A child process in its own process group (stopping it stops whatever it spawned) that dies with the
+    gateway, its output in a file (an unread pipe would fill up and block it), optionally pinned to CPUs."""
 
     what = "process"
 
@@ -47,7 +46,6 @@ class _ManagedProcess:
 
     def start(self) -> None:
         self.log_file = tempfile.NamedTemporaryFile(prefix="tandem-embedded-", suffix=".log", delete=False)
-        cpus = self.cpus
         self.process = subprocess.Popen(
             self.command(),
             stdin=subprocess.DEVNULL,
@@ -55,8 +53,7 @@ class _ManagedProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=self.environment(),
-            # Set before exec, so every thread the process creates inherits it.
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            preexec_fn=child_setup(self.cpus),  # it dies with the gateway, even a killed one
         )
 
     async def wait_ready(self) -> None:
@@ -80,14 +77,7 @@ class _ManagedProcess:
         if self.process is None or self.process.poll() is not None:
             return
         try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait()
+            stop_group(self.process, grace=10.0)
         finally:
             self.log_file.close()
             os.unlink(self.log_file.name)

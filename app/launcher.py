@@ -1,16 +1,28 @@
 """Start a real `tandem serve` in a subprocess on a free loopback port and wait until it
 is ready. Used by the integration tests and the benchmarks, so both exercise exactly
 what a user runs. The same for llama.cpp's own `llama-server` (built by the set-up:
-deploy/llama_server.py), the real peer they run beside it."""
+deploy/llama_server.py), the real peer they run beside it.
+
+A server started here dies with the process that started it, however that ends, so a
+test run killed from outside (a `timeout` around pytest, SIGTERM, SIGKILL) leaves no
+server behind: each runs in its own process group (stopping it stops what it spawned),
+on Linux with PR_SET_PDEATHSIG (the kernel sends it SIGTERM when its parent dies, even
+by SIGKILL), and this process stops the groups it still has at exit and on SIGTERM.
+`child_setup` is the same start for the gateway's own embedded servers (app/embedded.py).
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +32,10 @@ from typing import TypeVar
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent  # the repo: `python -m app.cli` runs from here
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Looked up here, not in the forked child: between fork and exec only the call itself runs.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
 def free_port() -> int:
@@ -57,6 +73,75 @@ class GatewayProcess(ServerProcess):
 
 S = TypeVar("S", bound=ServerProcess)
 
+# The servers this process started and has not stopped, by pid: stopped at exit and on SIGTERM.
+_running: dict[int, subprocess.Popen] = {}
+_exit_hooked = False
+_previous_sigterm: Callable | int | None = None  # the SIGTERM handler `track` found, called after its own
+
+
+def child_setup(cpus: list[int] | None = None) -> Callable[[], None]:
+    """A Popen preexec_fn: the child gets SIGTERM when this process dies (Linux) and runs on `cpus` (all if None).
+
+    The kernel ties PR_SET_PDEATHSIG to the thread that forks, not the process: set only when starting from the main
+    thread, whose end is the process's; a child started from another thread relies on `track`'s hooks."""
+    parent = os.getpid()
+    die_with_parent = _prctl is not None and threading.current_thread() is threading.main_thread()
+
+    def setup() -> None:
+        if die_with_parent:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before the line above: no signal will come
+                os._exit(1)
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # before exec, so every thread the process creates inherits it
+
+    return setup
+
+
+def track(process: subprocess.Popen) -> None:
+    """Stop `process`'s group when this process exits or is sent SIGTERM, unless it was stopped before (stop_group)."""
+    global _exit_hooked, _previous_sigterm
+    if not _exit_hooked:
+        atexit.register(_stop_running)
+        _exit_hooked = True
+    if _previous_sigterm is None and threading.current_thread() is threading.main_thread():
+        _previous_sigterm = signal.getsignal(signal.SIGTERM)
+        if _previous_sigterm is not signal.SIG_IGN:  # a process that ignores SIGTERM is not ended by it
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    _running[process.pid] = process
+
+
+def stop_group(process: subprocess.Popen, grace: float = 20.0) -> None:
+    """Stop a process started in its own group (and whatever it spawned there): SIGTERM, SIGKILL after `grace` s."""
+    _running.pop(process.pid, None)
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _stop_running() -> None:
+    for process in list(_running.values()):
+        stop_group(process, grace=5.0)
+
+
+def _on_sigterm(signum: int, frame) -> None:
+    """Pass SIGTERM on to the servers still running, then do what this process did on SIGTERM before."""
+    for pid in list(_running):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+    if callable(_previous_sigterm):
+        _previous_sigterm(signum, frame)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # end as SIGTERM ends it, exit status included
+    os.kill(os.getpid(), signal.SIGTERM)
+
 
 def start_gateway(
     config: str,
@@ -83,8 +168,9 @@ def start_gateway(
         stderr=subprocess.STDOUT,
         start_new_session=True,
         env=env,
-        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        preexec_fn=child_setup(cpus),
     )
+    track(process)
     gw = GatewayProcess(f"http://127.0.0.1:{port}", process, log_path)
 
     def ready() -> bool:
@@ -113,13 +199,7 @@ def _when_ready(server: S, what: str, ready: Callable[[], bool], timeout: float,
 
 def stop_server(server: ServerProcess) -> None:
     """Stop a server started here (its whole process group): SIGTERM, then SIGKILL after 20 s."""
-    if server.process.poll() is None:
-        os.killpg(server.process.pid, signal.SIGTERM)
-        try:
-            server.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.process.pid, signal.SIGKILL)
-            server.process.wait()
+    stop_group(server.process)
 
 
 stop_gateway = stop_server
@@ -158,8 +238,9 @@ def start_llama_server(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            preexec_fn=child_setup(cpus),
         )
+    track(process)
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
     # 503 while the model loads
     return _when_ready(
