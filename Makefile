@@ -65,11 +65,13 @@ serve: $(SERVE_STAMP) models
 
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: setup
 	$(BIN)/tandem bench gateway

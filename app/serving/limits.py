@@ -189,9 +189,7 @@ class LocalCounters:
         state.tokens[minute] = state.tokens.get(minute, 0) + tokens
 
 
-def decide(
-    key: KeyLimits, spent: int, reserved: int, reserve: int, requests: int, tokens: int, streams: int
-) -> str:
+def decide(key: KeyLimits, spent: int, reserved: int, reserve: int, requests: int, tokens: int, streams: int) -> str:
     """The admission rule: the first limit that refuses, else admitted (or device-only at the cap)."""
     if key.rpm is not None and requests >= key.rpm:
         return "rpm"

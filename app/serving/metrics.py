@@ -66,7 +66,6 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-
     def inter_token_of(self, backend: str) -> Histogram:
         """One backend's inter-token histogram, looked up once: `labels()` takes a lock and checks its labels, a
         cost paid for every relayed token otherwise."""
@@ -74,6 +73,7 @@ class Metrics:
         if child is None:
             child = self._inter_token_of[backend] = self.inter_token.labels(backend=backend)
         return child
+
 
 class RequestMetricsMiddleware:
     """Counts answered requests by route and status (pure ASGI: no per-chunk overhead on streams)."""

@@ -224,6 +224,8 @@ def prompt_tool(tool: dict) -> dict:
         shown["description"] = function["description"]
     shown["parameters"] = _untitled(function.get("parameters") or {"type": "object", "properties": {}})
     return {"type": "function", "function": shown}
+
+
 def _gbnf(build: Callable[[], str]) -> str | None:
     try:
         return build()

@@ -141,8 +141,10 @@ def row_of(driver, request_id: str):
     """The request's row once it shows its outcome."""
     selector = f'#request-rows tr[data-id="{request_id}"]'
     wait(driver).until(
-        lambda d: (d.find_elements(By.CSS_SELECTOR, selector) or [None])[0] is not None
-        and d.find_element(By.CSS_SELECTOR, selector).get_attribute("data-outcome") != "running"
+        lambda d: (
+            (d.find_elements(By.CSS_SELECTOR, selector) or [None])[0] is not None
+            and d.find_element(By.CSS_SELECTOR, selector).get_attribute("data-outcome") != "running"
+        )
     )
     return driver.find_element(By.CSS_SELECTOR, selector)
 

@@ -177,9 +177,7 @@ def test_spend_split_over_both_replicas_adds_up_exactly_on_the_store(replicas):
         assert shared["window"][field] == here[0]["window"][field] + here[1]["window"][field], field
 
 
-def test_a_new_replica_starts_with_the_cloud_ttft_samples_the_others_measured(
-    replicas, upstream, store_server, prefix
-):
+def test_a_new_replica_starts_with_the_cloud_ttft_samples_the_others_measured(replicas, upstream, store_server, prefix):
     a, b = settled(replicas)
     measured = sum(v["spend_here"]["endpoints"]["cloud"]["requests"] for v in (a, b))  # one first token each
     assert measured >= 40

@@ -103,6 +103,8 @@ def test_a_started_call_comes_out_whole_only_where_the_tool_grammar_applies_or_t
     finally:
         BACKENDS["hat"].accepts_token_ids = True
     assert all(orchestrator._keeps_calls_whole(job(tools=weather), n) for n in BACKENDS)  # no tool grammar: anywhere
+
+
 def test_an_upstream_that_takes_gbnf_serves_a_grammar_that_has_a_gbnf_form(orchestrator):
     BACKENDS["gbnf"] = endpoint("cloud", "gbnf", ids=False)
     try:

@@ -173,5 +173,3 @@ def train_inverter(
         loss_v = float(loss.detach())
     model.eval()
     return model, {"steps": steps, "seconds": round(time.perf_counter() - t0, 1), "final_loss": round(loss_v, 3)}
-
-

@@ -58,6 +58,7 @@ def load_features(
     """Features of `examples`, read from `cache_dir` (one safetensors file per sequence) or computed and cached."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
+
     tqdm = import_extra("tqdm").tqdm
     cache_dir.mkdir(parents=True, exist_ok=True)
     out = []
