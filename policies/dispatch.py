@@ -185,32 +185,34 @@ class DispatchPolicy:
             raise RuntimeError(f"{self.name}: call recompute() before decide()")
 
 
-class ServerOnly(DispatchPolicy):
+class _Fixed(DispatchPolicy):
+    """Every request to the same place, whatever the budget; ready without a recompute."""
+
+    _PLAN: ClassVar[DispatchPlan]
+    _SERVER_SHARE: ClassVar[float]  # the budget it starts with: the share of the requests' tokens it sends the server
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        super().__init__(rng)
+        self.budget = self._SERVER_SHARE
+
+    def decide(self, length: int, u: float | None = None) -> DispatchPlan:
+        return self._PLAN
+
+
+class ServerOnly(_Fixed):
     """Every request on the cloud (the paper's vLLM baseline)."""
 
     name = "server-only"
     _PLAN = _cloud("server-only", "server-only policy")
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        super().__init__(rng)
-        self.budget = 1.0
-
-    def decide(self, length: int, u: float | None = None) -> DispatchPlan:
-        return self._PLAN
+    _SERVER_SHARE = 1.0
 
 
-class DeviceOnly(DispatchPolicy):
+class DeviceOnly(_Fixed):
     """Every request on the device (the paper's llama.cpp baseline)."""
 
     name = "device-only"
     _PLAN = _device("device-only", "device-only policy")
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        super().__init__(rng)
-        self.budget = 0.0
-
-    def decide(self, length: int, u: float | None = None) -> DispatchPlan:
-        return self._PLAN
+    _SERVER_SHARE = 0.0
 
 
 class _Stoch(DispatchPolicy):

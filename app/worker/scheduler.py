@@ -23,7 +23,7 @@ coefficients and the number of open sessions are arguments of each pass.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from app.worker.sessions import EngineError, Item, Session, check_positions
@@ -108,11 +108,7 @@ class Scheduler:
         )
         self.stats.subchunk_budget = budget
         pieces: list[Piece] = []
-        for sid in list(self._ready):
-            session = self._ready.get(sid)
-            if session is None:
-                continue
-            item = self._next_tensor_frame(session)
+        for _, item in self._heads():
             if item is not None:
                 rows = item.rows - item.done
                 prefill = item.frame.kind == wire.Kind.PREFILL_CHUNK  # type: ignore[union-attr]
@@ -123,8 +119,6 @@ class Scheduler:
                 if prefill and rows > budget and sessions > 1:
                     rows = split_sizes(rows, budget)[0]
                 pieces.append((item, rows))
-            if not session.queue:
-                self._ready.pop(sid, None)
         if not pieces:
             return []
         forced = [i for i, (item, _) in enumerate(pieces) if item.deferred >= limits.max_defer]
@@ -192,23 +186,28 @@ class Scheduler:
         """At most one whole tensor frame per session, up to max_batch_tokens (a larger frame alone still runs)."""
         batch: list[Item] = []
         tokens = 0
-        for sid in list(self._ready):
-            session = self._ready.get(sid)
-            if session is None:
-                continue
-            item = self._next_tensor_frame(session)
+        for session, item in self._heads():
             if item is not None:
                 n = item.rows
                 if not (batch and tokens + n > self.limits.max_batch_tokens):
                     session.queue.popleft()
                     batch.append(item)
                     tokens += n
-            if not session.queue:
-                self._ready.pop(sid, None)
-            elif batch and tokens >= self.limits.max_batch_tokens:
+            if session.queue and batch and tokens >= self.limits.max_batch_tokens:
                 break
         self._to_back(batch)
         return batch
+
+    def _heads(self) -> Iterator[tuple[Session, Item | None]]:
+        """Each ready session in turn with its next tensor frame that may run (None: none); a session whose queue
+        the caller left empty then leaves the ready list."""
+        for sid in list(self._ready):
+            session = self._ready.get(sid)
+            if session is None:
+                continue
+            yield session, self._next_tensor_frame(session)
+            if not session.queue:
+                self._ready.pop(sid, None)
 
     def _to_back(self, items: Iterable[Item]) -> None:
         """Round-robin: sessions served this pass go to the back of the line."""

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -66,6 +65,7 @@ from app.tools.bench.hat_sections import (
 )
 from app.tools.bench.hat_setup import TABLE5, U_SHAPE, Bench, RawDevice, add_bench_options
 from app.tools.bench.hat_spec import defaults, eq7, report_defaults, report_eq7, report_widths, widths
+from app.tools.bench.output import cpu_name
 
 
 def report(results: dict[str, Any]) -> str:
@@ -225,7 +225,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             "worker_compute_device": info.get("compute_device"), "worker_core": args.worker_core,
             "device_core": args.device_core, "device_threads": torch.get_num_threads(),
             "adapter": str(bench.adapter), "draft_vocab": str(bench.draft_vocab),
-            "cpu": _cpu_name(),
+            "cpu": cpu_name(),
         }  # fmt: skip
         for section in SECTIONS:
             if section in args.sections:
@@ -236,14 +236,6 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         bench.stop_worker()
     return bench.results
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

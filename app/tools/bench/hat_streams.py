@@ -189,8 +189,8 @@ def report(rows: list[dict[str, Any]], setup: dict[str, Any], cmd: str) -> str:
 
 
 async def amain(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from app.tools.bench.hat import _cpu_name
     from app.tools.bench.hat_setup import Bench
+    from app.tools.bench.output import cpu_name
 
     bench = Bench(args)
     await bench.start_worker()  # before pinning ourselves: the worker is pinned on its own
@@ -201,7 +201,7 @@ async def amain(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
         setup = {
             "model": args.model, "link": args.link, "tokens_per_stream": args.tokens, "reps": args.reps,
             "device_core": args.device_core, "worker_core": args.worker_core, "device_threads": torch.get_num_threads(),
-            "worker_device": args.worker_device, "adapter": bench.adapter is not None, "cpu": _cpu_name(),
+            "worker_device": args.worker_device, "adapter": bench.adapter is not None, "cpu": cpu_name(),
         }  # fmt: skip
         rows = await measure(bench, args)
     finally:

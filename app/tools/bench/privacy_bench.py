@@ -57,7 +57,7 @@ from app.tools.bench.inversion import (
     recovery_rate,
     train_inverter,
 )
-from app.tools.bench.output import publish
+from app.tools.bench.output import cpu_name, publish
 
 # --- text -------------------------------------------------------------------------------------------
 
@@ -507,14 +507,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     from clients.hat import wire
     from clients.hf_model import load_hf_model
@@ -571,7 +563,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     if args.live and args.noise:
         results["live"] = asyncio.run(live_noise(args, model, tok, sorted(set(args.noise) | {0.0})))
     results["setup"] = {
-        "argv": " ".join(argv), "date": time.strftime("%Y-%m-%d"), "cpu": f"{_cpu_name()} ({os.cpu_count()} cores)",
+        "argv": " ".join(argv), "date": time.strftime("%Y-%m-%d"), "cpu": f"{cpu_name()} ({os.cpu_count()} cores)",
         "torch": torch.__version__, "model": args.model, "hidden_size": model.config.hidden_size,
         "vocab_size": embeddings.shape[0], "wire_dtype": args.wire_dtype, "fit_tokens": fit_ids.numel(),
         "eval_tokens": eval_ids.numel(), "seq_len": args.seq_len, "default_m": args.default_m, "link": args.link,
