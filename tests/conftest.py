@@ -15,6 +15,7 @@ import pytest
 
 from app.launcher import GatewayProcess, ServerProcess, start_gateway, start_llama_server, stop_gateway, stop_server
 from deploy.models import model_path
+from tests.integration.otlp_receiver import OTLPReceiver
 from tests.integration.scripted_upstream import ScriptedUpstream
 from tests.integration.store_helpers import StoreServer
 
@@ -169,6 +170,14 @@ def upstream() -> Iterator[ScriptedUpstream]:
     server = ScriptedUpstream()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OTLPReceiver]:
+    """An OTLP/HTTP trace receiver on loopback (tests/integration/otlp_receiver.py), one per module."""
+    r = OTLPReceiver()
+    yield r
+    r.close()
 
 
 @pytest.fixture(scope="session")

@@ -47,20 +47,6 @@ MESSAGES = [{"role": "user", "content": "Summarise this list: " + ", ".join(f"it
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[OTLPReceiver]:
-    r = OTLPReceiver()
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[ScriptedUpstream]:
-    u = ScriptedUpstream()
-    yield u
-    u.close()
-
-
-@pytest.fixture(scope="module")
 def gw(upstream: ScriptedUpstream, receiver: OTLPReceiver) -> Iterator[GatewayProcess]:
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_TRACES_EXPORTER": "otlp"}
     with mock.patch.dict(os.environ, otel):

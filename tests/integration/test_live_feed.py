@@ -30,20 +30,6 @@ MESSAGES = [{"role": "user", "content": "Summarise this list: " + ", ".join(f"it
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[OTLPReceiver]:
-    r = OTLPReceiver()
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[ScriptedUpstream]:
-    u = ScriptedUpstream()
-    yield u
-    u.close()
-
-
-@pytest.fixture(scope="module")
 def gw(upstream: ScriptedUpstream, receiver: OTLPReceiver) -> Iterator[GatewayProcess]:
     with mock.patch.dict(os.environ, {"OTEL_BSP_SCHEDULE_DELAY": "100"}):  # the SDK's batch: every 0.1 s, not 5 s
         process = start_gateway(f"""
