@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from app.launcher import free_port
+from app.launcher import child_setup, free_port
 
 SERVERS = ("valkey-server", "redis-server")
 
@@ -41,7 +41,9 @@ class StoreServer:
     def start(self) -> None:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.dir), "--protected-mode", "yes", "--loglevel", "warning"]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=child_setup()
+        )  # child_setup: it dies with the test run, even one killed from outside
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
