@@ -3,8 +3,7 @@
 A pipeline of P stages on an ordered list of devices runs contiguous layer ranges, one per stage; its steady-state
 period is the slowest stage's time. `partition_layers` chooses the ranges minimising that time Σ t_l / speed_s (or
 each stage's own per-layer times), each stage's memory Σ m_l within its cap (∞ otherwise): an exact DP, O(P·L²)
-time, O(P·L) memory. Our copy of the paper lost Eqs. 1-4 (see /work/shared/notes/formulas.md): the objective is
-rebuilt from §IV-B1's text.
+time, O(P·L) memory (our copy of the paper lost Eq. 1: this objective is reconstructed from §IV-B1).
 
 The sequence partition that flows prompts through those stages is policies/sequence_partition.py. Pure: numbers in,
 plain values out; the staged worker (app/worker/layer_placement.py) profiles the layers and calls it.
