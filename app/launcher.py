@@ -73,6 +73,11 @@ class GatewayProcess(ServerProcess):
 
 S = TypeVar("S", bound=ServerProcess)
 
+
+class StartupFailed(Exception):
+    """The server says its start-up failed (it keeps running to report it): stop waiting for it."""
+
+
 # The servers this process started and has not stopped, by pid: stopped at exit and on SIGTERM.
 _running: dict[int, subprocess.Popen] = {}
 _exit_hooked = False
@@ -175,7 +180,14 @@ def start_gateway(
 
     def ready() -> bool:
         r = httpx.get(gw.url + "/health/ready", timeout=2)
-        return r.status_code == 200 or bool(wait_for and all(r.json()["backends"].get(n) for n in wait_for))
+        if r.status_code == 200:
+            return True
+        body = r.json()
+        if wait_for and all(body["backends"].get(n) for n in wait_for):
+            return True
+        if body.get("status") == "failed":  # its start-up raised: nothing will become ready, waiting is futile
+            raise StartupFailed(body.get("error", ""))
+        return False
 
     return _when_ready(gw, "gateway", ready, ready_timeout, poll=0.25)
 
@@ -191,6 +203,9 @@ def _when_ready(server: S, what: str, ready: Callable[[], bool], timeout: float,
                 return server
         except httpx.HTTPError:
             pass
+        except StartupFailed as failure:
+            stop_server(server)
+            raise RuntimeError(f"{what} start-up failed ({failure}):\n{server.log()[-3000:]}") from None
         if time.monotonic() > deadline:
             stop_server(server)
             raise RuntimeError(f"{what} not ready after {timeout} s:\n{server.log()[-3000:]}")

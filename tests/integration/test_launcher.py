@@ -1,4 +1,5 @@
-"""A process that started servers through app/launcher.py and is killed from outside leaves none behind.
+"""app/launcher.py for real: a process that started servers through it and is killed from outside leaves none
+behind, and a server whose start-up fails is reported at once.
 
 Real parts: a parent Python process (standing in for pytest under a `timeout`) starts llama.cpp's llama-server, or a
 real `tandem serve` whose embedded cloud server it starts in turn, through the launcher, prints their pids and sleeps;
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from app.launcher import ROOT
+from app.launcher import ROOT, start_gateway
+from deploy.models import model_path
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG and /proc are Linux's")
 
@@ -105,3 +107,16 @@ def test_a_killed_parent_takes_the_gateway_and_the_gateways_own_server_with_it()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_gateway_whose_start_up_fails_is_reported_at_once(tmp_path: Path) -> None:
+    """A device model cut short (its metadata whole, its tensors missing): the gateway keeps running to report the
+    failure on /health/ready, and the launcher stops it and says why instead of waiting out its ready timeout."""
+    garbage = tmp_path / "cut-short.gguf"
+    with open(model_path("smollm2-135m-instruct"), "rb") as whole:
+        garbage.write_bytes(whole.read(8 << 20))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="start-up failed") as failure:
+        start_gateway(f'[device]\nmodel = "{garbage}"\n[clouds.cloud]\nbase_url = "http://127.0.0.1:9/v1"\n')
+    assert time.monotonic() - started < 60
+    assert "cut-short.gguf" in str(failure.value)
