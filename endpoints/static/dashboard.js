@@ -398,8 +398,8 @@ function logEvent(ev) {
 
 function onEvent(ev) {
   logEvent(ev);
-  if (ev.request_id) onRequestEvent(ev);
-  else if (ev.type.startsWith("hat.session.")) onHatEvent(ev);
+  if (ev.type.startsWith("hat.session.")) onHatEvent(ev);
+  else if (ev.request_id) onRequestEvent(ev);
   else if (ev.type === "budget.changed") loadBudget();
   else if (ev.type === "dropped") { loadBudget(); loadHealth(); }
 }
