@@ -50,6 +50,12 @@ SEEN: dict[str, str] = {}  # request ids of earlier tests, for the last screensh
 MESSAGES = [{"role": "user", "content": "Summarise this list: " + ", ".join(f"item {i}" for i in range(40))}]
 
 
+def fresh(topic: str) -> list[dict]:
+    """A prompt the device has not cached: its prefill takes long enough again for the cloud to answer (or fail)
+    first (a cached prompt's first device token comes in milliseconds and wins the race)."""
+    return [{"role": "user", "content": f"Summarise this {topic} list: " + ", ".join(f"{topic} {i}" for i in range(4))}]
+
+
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[OTLPReceiver]:
     r = OTLPReceiver()
@@ -132,11 +138,13 @@ def wait(driver, seconds: float = 60) -> WebDriverWait:
     return WebDriverWait(driver, seconds, poll_frequency=0.1)
 
 
-def chat(gw: GatewayProcess, max_tokens: int = 8, key: str = API_KEY, **tandem) -> tuple[str, str]:
+def chat(
+    gw: GatewayProcess, max_tokens: int = 8, key: str = API_KEY, messages: list[dict] = MESSAGES, **tandem
+) -> tuple[str, str]:
     client = openai.OpenAI(base_url=gw.v1, api_key=key, max_retries=0, timeout=120)
     raw = client.chat.completions.with_raw_response.create(
         model="tandem",
-        messages=MESSAGES,
+        messages=messages,
         max_tokens=max_tokens,
         temperature=0,
         stream=True,
@@ -230,7 +238,7 @@ def test_a_cost_migration_to_a_cheaper_cloud_appears_with_its_reason_and_timelin
 
 def test_a_cloud_that_refuses_fails_over_to_the_device(gw, upstream, browser, shots):
     upstream.push(Answer(status=500))
-    request_id, text = chat(gw)
+    request_id, text = chat(gw, messages=fresh("failing"))
     assert text
     shown = cells(row_of(browser, request_id))
     assert shown["winner"] == "device" and shown["migrations"] == "–"
