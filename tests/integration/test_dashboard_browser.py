@@ -238,7 +238,7 @@ def test_a_cost_migration_to_a_cheaper_cloud_appears_with_its_reason_and_timelin
 
 def test_a_cloud_that_refuses_fails_over_to_the_device(gw, upstream, browser, shots):
     upstream.push(Answer(status=500))
-    request_id, text = chat(gw, messages=fresh("failing"))
+    request_id, text = chat(gw, max_tokens=4, messages=fresh("failing"))
     assert text
     shown = cells(row_of(browser, request_id))
     assert shown["winner"] == "device" and shown["migrations"] == "–"
