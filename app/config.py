@@ -72,13 +72,10 @@ class ApiKeySettings(_Strict):
     # The most generated tokens a request's reservation covers (a request asking for more books all it gets).
     reserve_tokens: Annotated[int, Field(gt=0)] = 512
 
-    def limits(self) -> KeyLimits | None:
-        """Its caps and limits as the core takes them; None when it has none."""
-        if all(v is None for v in (self.cap_usd, self.rpm, self.tpm, self.max_streams)):
-            return None
-        digest = hashlib.sha256(self.key.get_secret_value().encode()).hexdigest()[:16]
+    def limits(self) -> KeyLimits:
+        """Its name, caps and limits as the core takes them (a key without limits still has its spend booked)."""
         return KeyLimits(
-            name=self.name or f"sha256-{digest}",
+            name=self.name or key_label(self.key),
             cap_usd=self.cap_usd,
             period=self.period,
             at_cap=self.at_cap,
@@ -87,6 +84,16 @@ class ApiKeySettings(_Strict):
             max_streams=self.max_streams,
             reserve_tokens=self.reserve_tokens,
         )
+
+
+def key_label(key: SecretStr) -> str:
+    """A key's name where it has none of its own: a short hash, never the secret nor a piece of it."""
+    return "sha256-" + hashlib.sha256(key.get_secret_value().encode()).hexdigest()[:16]
+
+
+def key_limits(entry: SecretStr | ApiKeySettings) -> KeyLimits:
+    """Any `api_keys` entry's KeyLimits: a plain key is a key with no limits, named by its hash."""
+    return entry.limits() if isinstance(entry, ApiKeySettings) else KeyLimits(name=key_label(entry))
 
 
 class StateSettings(_Strict):

@@ -59,6 +59,9 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # The request this generation serves (its id, the client's x-request-id): a backend's own events name it (a HAT
+    # session's, so its span events land on the request's trace). Never sent upstream.
+    request_id: str = ""
 
     @property
     def adjusts_logits(self) -> bool:

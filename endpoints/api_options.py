@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 @dataclass(frozen=True)
 class ApiOptions:
     api_keys: tuple = ()  # SecretStr, or key entries with a privacy level of their own (`.key`, `.privacy`)
-    key_limits: tuple = ()  # app/serving/limits.py's KeyLimits (or None) of each of `api_keys`, in their order
+    key_limits: tuple = ()  # app/serving/limits.py's KeyLimits (its name, any limits) of each of `api_keys`, in order
     admin_keys: tuple = ()  # SecretStr: the keys that may change the budget
     ping_seconds: float = 15.0  # the keep-alive comment's interval on a streamed answer
 

@@ -13,6 +13,10 @@ API key gets a 403 saying so, a missing or wrong key a 401. Only a keyless gatew
 keys are configured, else a gateway API key if any are configured, else nothing.
 Keys are compared in constant time against every key.
 
+Spend per API key (`keys`: each key's name, limits, this period's spend, what it has in flight): every key's to an
+admin key (and in PUT's and DELETE's answers), only its own to an API key reading GET on a gateway without admin
+keys. A key shows by its name, or a short hash of it (app/config.py's `key_label`), never the key itself.
+
 PUT is a partial update (only the fields sent change; prices merge per backend),
 answered with the new snapshot, or 400 in the OpenAI error envelope whose
 `param` names the offending field. DELETE goes back to the config's settings
@@ -22,28 +26,35 @@ answered with the new snapshot, or 400 in the OpenAI error envelope whose
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
 from app.serving.budget import BudgetValidationError
 from app.serving.errors import Refused
 from app.serving.ledger import LedgerStateError
+from app.serving.limits import KeyLimits
 from endpoints.api_options import ApiOptionsDep
-from endpoints.auth import bearer, matches_any, secret
+from endpoints.auth import bearer, matches_any, matching, secret
 from endpoints.errors import ApiError
 from endpoints.serving import ServingDep
 
 
-async def require_reader_key(request: Request, options: ApiOptionsDep) -> None:
-    """GET: admin keys if configured, else the gateway's API keys if configured, else open."""
+async def require_reader_key(request: Request, options: ApiOptionsDep) -> tuple[KeyLimits, ...]:
+    """GET: admin keys if configured, else the gateway's API keys if configured, else open. Answers the API keys
+    whose spend the caller may see: every key to an admin key, its own to an API key (as only an admin key may
+    change the budget, only an admin key sees what the other keys spend)."""
     admin = list(options.admin_keys)
     keys = admin or list(options.api_keys)
     if not keys:
-        return
+        return tuple(options.key_limits)
     given = bearer(request.headers.get("authorization"))
-    if matches_any(given, (secret(key) for key in keys)):
-        return
+    if admin and matches_any(given, (secret(key) for key in admin)):
+        return tuple(options.key_limits)
+    found = matching(given, (secret(key) for key in options.api_keys))
+    if not admin and found is not None:
+        return (options.key_limits[found],)
     what = "admin key" if admin else "API key"
     raise _unauthorized(what, given)
 
@@ -77,9 +88,14 @@ def _unauthorized(what: str, given: bytes) -> ApiError:
 router = APIRouter(prefix="/v1", tags=["budget"])
 
 
-@router.get("/budget", dependencies=[Depends(require_reader_key)])
-async def get_budget(serving: ServingDep) -> dict[str, Any]:
-    return await serving.budget_snapshot()
+@router.get("/budget")
+async def get_budget(serving: ServingDep, visible: Annotated[tuple, Depends(require_reader_key)]) -> dict[str, Any]:
+    return await _snapshot(serving, visible)
+
+
+async def _snapshot(serving: ServingDep, keys: Sequence[KeyLimits]) -> dict[str, Any]:
+    """The ledger's snapshot and the spend of the API keys the caller may see (`keys`: by name, never the key)."""
+    return {**await serving.budget_snapshot(), "keys": await serving.key_spend(keys)}
 
 
 _JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
@@ -90,7 +106,7 @@ def _reject_constant(name: str) -> Any:
 
 
 @router.delete("/budget", dependencies=[Depends(require_admin_key)])
-async def reset_budget(serving: ServingDep) -> dict[str, Any]:
+async def reset_budget(serving: ServingDep, options: ApiOptionsDep) -> dict[str, Any]:
     try:
         await serving.reset_budget()
     except Refused:
@@ -99,11 +115,11 @@ async def reset_budget(serving: ServingDep) -> dict[str, Any]:
         raise ApiError(500, f"The budget was not reset: {exc}", code="state_write_failed", retry=True) from None
     except Exception as exc:
         raise ApiError(500, f"The budget was reset but applying it failed: {exc}", code="apply_failed") from exc
-    return await serving.budget_snapshot()
+    return await _snapshot(serving, options.key_limits)
 
 
 @router.put("/budget", dependencies=[Depends(require_admin_key)])
-async def put_budget(request: Request, serving: ServingDep) -> dict[str, Any]:
+async def put_budget(request: Request, serving: ServingDep, options: ApiOptionsDep) -> dict[str, Any]:
     raw = await request.body()
     if not raw.strip():
         raise ApiError(400, "The request body is missing; send a JSON object of budget fields.", code="invalid_request")
@@ -135,4 +151,4 @@ async def put_budget(request: Request, serving: ServingDep) -> dict[str, Any]:
         raise ApiError(
             500, f"The budget was saved but applying it failed: {exc}", code="apply_failed", retry=False
         ) from exc
-    return await serving.budget_snapshot()
+    return await _snapshot(serving, options.key_limits)

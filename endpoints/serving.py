@@ -9,7 +9,7 @@ types, which endpoints/errors.py maps to the envelope of the API asked (OpenAI's
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, NamedTuple, Protocol
 
 import numpy as np
@@ -47,6 +47,9 @@ class Serving(Protocol):
         """Unit-length vectors and the tokens embedded; NotFound when embeddings are off or `model` is not theirs."""
 
     async def budget_snapshot(self) -> dict: ...
+
+    async def key_spend(self, keys: Sequence[KeyLimits]) -> list[dict]:
+        """Each of `keys`' spend this period, in flight and this minute, by its name (app/serving/limits.py)."""
 
     async def update_budget(self, patch: dict) -> None:
         """Raises BudgetValidationError naming the field, LedgerStateError, or Unavailable (the shared store)."""

@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -25,7 +25,7 @@ from app.serving.errors import InvalidRequest, NotFound, NotReady, RateLimited, 
 from app.serving.events import EventBus
 from app.serving.job import Job
 from app.serving.ledger import Ledger
-from app.serving.limits import DEVICE_ONLY, Admission, rate_headers, retry_after, to_micro
+from app.serving.limits import DEVICE_ONLY, UNLIMITED, Admission, KeyLimits, rate_headers, retry_after, to_micro
 from app.serving.metrics import Metrics
 from app.serving.orchestrator import Orchestrator
 from app.serving.outline import OutlineDecoding, OutlineRequest
@@ -163,6 +163,11 @@ class ServingCore:
             "dispatch": self.disco.describe(),
         }
 
+    async def key_spend(self, keys: Sequence[KeyLimits]) -> list[dict]:
+        """Each key's spend this period, what it has in flight and this minute's counts, by its name (never the
+        key): every replica's with a shared store (this one's own while the store is away)."""
+        return await self.state.key_usage(keys, time.time())
+
     async def update_budget(self, patch: dict) -> None:
         """PUT /v1/budget's partial update, made current on every replica sharing the store."""
         try:
@@ -187,6 +192,9 @@ class ServingCore:
         if key is None:
             return
         now = time.time()
+        if not key.limited:  # nothing to admit against: only its spend is booked, when it is settled
+            job.admission = Admission(job.id, key, 0, UNLIMITED, now, shared=False, choices=request.choices)
+            return
         reserve = 0 if job.privacy == "device" else self._worst_case(job, key.reserve_tokens) * request.choices
         verdict, shared = await self.state.admit(key, job.id, now, to_micro(reserve))
         headers = rate_headers(key, verdict, now)

@@ -14,7 +14,7 @@ import time
 
 from fastapi import FastAPI
 
-from app.config import CloudSettings, Settings
+from app.config import CloudSettings, Settings, key_limits
 from app.embedded import EmbeddedServer, EmbeddedWorker
 from app.lifespan import starting_in_background
 from app.serving.core import CoreOptions, ServingCore
@@ -260,7 +260,7 @@ def create_gateway(settings: Settings) -> FastAPI:
     app = FastAPI(title="Tandem gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     gw = settings.gateway
     app.state.serving = gateway.core
-    limits = tuple(getattr(key, "limits", lambda: None)() for key in gw.api_keys)
+    limits = tuple(key_limits(key) for key in gw.api_keys)
     app.state.api_options = ApiOptions(tuple(gw.api_keys), limits, tuple(gw.admin_keys), gw.ping_seconds)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.gateway.max_body_bytes)

@@ -14,6 +14,10 @@ A request is admitted before any endpoint runs and settled after its last token 
 - **Settle** with what the ledger booked for it (every attempt, race loser, migration and failed attempt), in
   integer micro-dollars, and free its reservation.
 
+A key without limits is not admitted (nothing to check: no round trip to a shared store before its first token), but
+its requests are settled all the same, so every key's spend is booked: `usage` is what the dashboard's budget panel
+shows per key (GET /v1/budget, to an admin key), by the key's name, never the key.
+
 `LocalCounters` is that arithmetic in this process: the single-machine store's, and a shared store's fallback
 while the store is away. The shared store runs the same arithmetic as one server-side function per request
 (app/serving/valkey_state.py), so a replica never admits on its own count.
@@ -47,6 +51,11 @@ class KeyLimits:
     tpm: int | None = None  # tokens (prompt + completion) per minute
     max_streams: int | None = None  # requests in flight at once
     reserve_tokens: int = 512  # the per-request ceiling on generated tokens a reservation covers
+
+    @property
+    def limited(self) -> bool:
+        """Whether any limit applies (else its requests are only settled, never admitted)."""
+        return any(v is not None for v in (self.cap_usd, self.rpm, self.tpm, self.max_streams))
 
     @property
     def cap_micro(self) -> int | None:
@@ -88,6 +97,10 @@ class Verdict:
     @property
     def admitted(self) -> bool:
         return self.status in (ADMITTED, DEVICE_ONLY)
+
+
+# A key without limits: admitted by nobody, settled all the same.
+UNLIMITED = Verdict(ADMITTED, 0, 0, 0, 0, 0)
 
 
 @dataclass
@@ -148,6 +161,26 @@ class _KeyState:
     tokens: dict[int, int] = field(default_factory=dict)  # minute -> tokens
 
 
+def usage(key: KeyLimits, spent_micro: int, reserved_micro: int, streams: int, requests: int, tokens: int) -> dict:
+    """A key's line on the budget panel: its name and limits, this period's spend, what is in flight, this minute's
+    counts (requests and streams are counted at admission: only for a key with limits)."""
+    return {
+        "name": key.name,
+        "period": key.period,
+        "cap_usd": key.cap_usd,
+        "at_cap": key.at_cap,
+        "rpm": key.rpm,
+        "tpm": key.tpm,
+        "max_streams": key.max_streams,
+        "spent_usd": spent_micro / MICRO,
+        "spent_micro": spent_micro,
+        "reserved_usd": reserved_micro / MICRO,
+        "streams": streams if key.limited else None,
+        "requests_this_minute": requests if key.limited else None,
+        "tokens_this_minute": tokens,
+    }
+
+
 class LocalCounters:
     """The admission arithmetic on this process's own counts (the store's function does the same, atomically)."""
 
@@ -179,6 +212,14 @@ class LocalCounters:
             reserved += reserve
             streams += 1
         return Verdict(status, spent, reserved, requests, tokens, streams)
+
+    def usage(self, key: KeyLimits, now: float) -> dict:
+        """The key's line (`usage`) on this process's counts."""
+        state = self._keys.get(key.name, _KeyState())
+        minute = minute_of(now)
+        holds = [micro for micro, until in state.holds.values() if until >= now]
+        spent = state.spent.get(period_window(key.period, now)[0], 0)
+        return usage(key, spent, sum(holds), len(holds), state.requests.get(minute, 0), state.tokens.get(minute, 0))
 
     def settle(self, key: KeyLimits, admission_id: str, now: float, spent_micro: int, tokens: int) -> None:
         state = self._keys.setdefault(key.name, _KeyState())

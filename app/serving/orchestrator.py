@@ -178,6 +178,8 @@ class Orchestrator:
     ) -> Attempt:
         attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration, from_token)
         backend = self.backends[name]
+        if gen.request_id != job.id:  # what the backend's own events name (a choice of n, an outline's point: its own)
+            gen = replace(gen, request_id=job.id)
         if not self._takes_ids(name):  # device-vocabulary ids mean nothing there: it gets the text
             gen = replace(gen, prompt_ids=None, prefix_ids=None)
             if gen.tool_grammar is not None and "<[" in gen.tool_grammar:

@@ -17,6 +17,7 @@ alone, when the settings name it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from app.serving.ledger import Booking, Ledger
@@ -42,6 +43,9 @@ class StateStore(Protocol):
 
     async def settle(self, admission: Admission) -> None:
         """Book what an admitted request spent and free its reservation."""
+
+    async def key_usage(self, keys: Sequence[KeyLimits], now: float) -> list[dict]:
+        """Each key's line on the budget panel (app/serving/limits.py's `usage`), every replica's when shared."""
 
     def book(self, booking: Booking) -> None:
         """The ledger booked this (called on every booking; must not block)."""
@@ -93,6 +97,9 @@ class MemoryStore:
 
     async def settle(self, admission: Admission) -> None:
         self.counters.settle(admission.key, admission.id, admission.now, admission.spent_micro, admission.tokens)
+
+    async def key_usage(self, keys: Sequence[KeyLimits], now: float) -> list[dict]:
+        return [self.counters.usage(key, now) for key in keys]
 
     def book(self, booking: Booking) -> None:
         pass  # the ledger is the book

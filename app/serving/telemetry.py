@@ -15,6 +15,11 @@ The spans of one request:
   prefill as `gen_ai.usage.input_tokens` (of which `gen_ai.usage.cache_read.input_tokens` from its own KV cache), its
   decode as `output_tokens`, a `gen_ai.first_token` event, `tandem.outcome` (lost | failed | finished | cancelled |
   migrated-from), and for a migration leg a link to the leg it continues.
+- on a HAT leg, one child span per session with a worker (`tandem.hat.session`, CLIENT: a failover opens a second):
+  `server.address` / `server.port` of the worker used, its μ, the draft shape, the context it prefilled, and at close
+  the draft-verify rounds and the accept length (tokens per round); the leg gets a `tandem.hat.session.opened`
+  event naming the worker. A session closes when its stream is closed, just after the leg's last token: its span
+  may end a few milliseconds after its parent's, as OpenTelemetry allows.
 
 No span carries prompt or answer text: the events they are built from carry none.
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +53,7 @@ class _Request:
     operation: str
     legs: list[Any] = field(default_factory=list)  # (backend, span) of every attempt, in order
     serving: Any = None  # the leg whose tokens the client is reading
+    sessions: dict[str, Any] = field(default_factory=dict)  # HAT session id -> its span, while open
 
 
 def start_telemetry(options: TelemetryOptions, bus: EventBus, model_name: str) -> RequestSpans | None:
@@ -77,7 +84,7 @@ class RequestSpans:
     def __init__(self, provider, model_name: str):
         from opentelemetry import trace
         from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
-        from opentelemetry.semconv.attributes import error_attributes
+        from opentelemetry.semconv.attributes import error_attributes, server_attributes
 
         self.provider = provider
         self.tracer = provider.get_tracer("tandem.gateway")
@@ -85,6 +92,7 @@ class RequestSpans:
         self.trace = trace
         self.gen_ai = gen_ai
         self.error_type = error_attributes.ERROR_TYPE
+        self.server = server_attributes
         self.requests: dict[str, _Request] = {}
         self._handlers = {
             "request.planned": self._planned,
@@ -95,13 +103,15 @@ class RequestSpans:
             "migration.failed": self._migration,
             "request.finished": self._request_ended,
             "request.failed": self._request_ended,
+            "hat.session.opened": self._hat_opened,
+            "hat.session.closed": self._hat_closed,
         }
         for outcome in ("lost", "failed", "finished", "cancelled", "migrated-from"):
             self._handlers[f"endpoint.{outcome}"] = self._leg_ended
 
     def on_event(self, event: Event) -> None:
         handler = self._handlers.get(event["type"])
-        if handler is not None and (event["type"] == "request.planned" or event["request_id"] in self.requests):
+        if handler is not None and (event["type"] == "request.planned" or event.get("request_id") in self.requests):
             handler(event)
 
     def close(self) -> None:
@@ -219,6 +229,40 @@ class RequestSpans:
             attributes[self.error_type] = event["error"][:200]
         request.span.add_event(f"tandem.{event['type']}", attributes, timestamp=self._ns(event))
 
+    def _hat_opened(self, event: Event) -> None:
+        request = self.requests[event["request_id"]]
+        leg = self._leg(event)
+        parent = leg if leg is not None else request.span
+        worker = urllib.parse.urlsplit(event["worker"])
+        at = self._ns(event)
+        parent.add_event("tandem.hat.session.opened", {"tandem.hat.session": event["session"]}, timestamp=at)
+        request.sessions[event["session"]] = self.tracer.start_span(
+            "tandem.hat.session",
+            context=self.trace.set_span_in_context(parent),
+            kind=self.trace.SpanKind.CLIENT,
+            start_time=at,
+            attributes={
+                self.server.SERVER_ADDRESS: worker.hostname or event["worker"],
+                **({self.server.SERVER_PORT: worker.port} if worker.port else {}),
+                "tandem.backend": event["backend"],
+                "tandem.hat.session": event["session"],
+                "tandem.hat.worker": event["worker"],
+                "tandem.hat.mu": event["mu"],
+                "tandem.hat.m": event["m"],
+                "tandem.hat.draft_shape": event["draft_shape"],
+                "tandem.hat.context_tokens": event["context_tokens"],
+            },
+        )
+
+    def _hat_closed(self, event: Event) -> None:
+        span = self.requests[event["request_id"]].sessions.pop(event["session"], None)
+        if span is None:
+            return
+        span.set_attribute("tandem.hat.rounds", event["rounds"])
+        if event["accept_length"] is not None:
+            span.set_attribute("tandem.hat.accept_length", event["accept_length"])
+        span.end(end_time=self._ns(event))
+
     def _request_ended(self, event: Event) -> None:
         g = self.gen_ai
         request = self.requests.pop(event["request_id"])
@@ -236,7 +280,7 @@ class RequestSpans:
         winners = [e["backend"] for e in trace["endpoints"] if e["first_token_ms"] is not None]
         if winners:
             span.set_attribute("tandem.served_by", winners)
-        for _, leg in request.legs:
+        for leg in [*(leg for _, leg in request.legs), *request.sessions.values()]:
             if leg.is_recording():
                 leg.end(end_time=self._ns(event))
         if event["type"] == "request.failed":

@@ -32,7 +32,7 @@ import json
 import logging
 import urllib.parse
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -52,6 +52,7 @@ from app.serving.limits import (
     Verdict,
     minute_of,
     period_window,
+    usage,
 )
 from app.serving.state import StoreUnavailable
 
@@ -424,6 +425,33 @@ class ValkeyStore:
             except _DOWN as exc:
                 self._lost(exc)
         self._later(op)  # replayed, in order, when the store is back
+
+    async def key_usage(self, keys: Sequence[KeyLimits], now: float) -> list[dict]:
+        """Each key's counts as the store holds them (every replica's), in one round trip; this replica's own while
+        the store is away (marked `"source": "local"`)."""
+        if self._up:
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for key in keys:
+                        spend, holds, rpm, tpm, _ = self._key_names(key, now)
+                        pipe.get(spend)
+                        pipe.hgetall(holds)
+                        pipe.get(rpm)
+                        pipe.get(tpm)
+                    replies = await pipe.execute()
+            except _DOWN as exc:
+                self._lost(exc)
+                self._later()
+            else:
+                lines = []
+                for i, key in enumerate(keys):
+                    spent, holds, requests, tokens = replies[4 * i : 4 * i + 4]
+                    live = [hold.split(":") for hold in holds.values()]
+                    live = [int(micro) for micro, until in live if float(until) >= now]
+                    line = usage(key, int(spent or 0), sum(live), len(live), int(requests or 0), int(tokens or 0))
+                    lines.append({**line, "source": "shared"})
+                return lines
+        return [{**self.counters.usage(key, now), "source": "local"} for key in keys]
 
     # -- bookings and traces -----------------------------------------------------------------------------------------
     def book(self, booking: Booking) -> None:

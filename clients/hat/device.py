@@ -62,6 +62,7 @@ and https://, through the link emulator of clients/hat/link.py when a LinkProfil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -362,8 +363,11 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             while (worker := self.pool.place(tried)) is not None:
                 tried.add(worker.url)
                 try:
-                    async for event in self._on_worker(worker, answer):
-                        yield event
+                    # aclosing: a stream closed early (a lost race, a migration, the client gone) closes the worker
+                    # session at once, not whenever the garbage collector finalises it.
+                    async with contextlib.aclosing(self._on_worker(worker, answer)) as events:
+                        async for event in events:
+                            yield event
                     return
                 except BackendError as exc:
                     if exc.status not in _WORKER_FAULTS:
@@ -405,7 +409,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                     backend=self.name,
                 )
             self.stats.sessions += 1
-            session_line = self._tell_session("opened", worker, info, len(context))
+            session_line = self._tell_session("opened", worker, info, len(context), answer.request.request_id)
             async for event in self._generate(link, st, answer, limit, slot=slot):
                 yield event
         except TimeoutError:
@@ -421,7 +425,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
                 self.station.leave(slot)  # type: ignore[union-attr]
             await link.close()
             if session_line is not None:
-                self._tell_session("closed", worker, link.info, len(context), session_line)
+                self._tell_session("closed", worker, link.info, len(context), session_line["request_id"], session_line)
             self.stats.status_updates += link.status_updates
             self.stats.bytes_up += transport.bytes_up
             self.stats.bytes_down += transport.bytes_down
@@ -433,14 +437,15 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         return f"chain, {o.draft_length} rule, max {o.max_draft}"
 
     def _tell_session(
-        self, kind: str, worker: PoolWorker, info: dict, context: int, opened: dict | None = None
+        self, kind: str, worker: PoolWorker, info: dict, context: int, request_id: str, opened: dict | None = None
     ) -> dict | None:
-        """The session's line for `on_session`: a session id of this backend's own, the worker, the worker's μ,
-        the draft shape; at close also the rounds and tokens it ran (this backend's counters' difference: other
-        concurrent sessions' rounds count too when streams share the backend)."""
+        """The session's line for `on_session`: a session id of this backend's own, the request it serves, the
+        worker, the worker's μ, the draft shape; at close also the rounds and tokens it ran (this backend's counters'
+        difference: other concurrent sessions' rounds count too when streams share the backend)."""
         stats = self.stats
         line = {
             "session": opened["session"] if opened else f"{self.name}-{stats.sessions}",
+            "request_id": request_id,
             "worker": worker.address.http_base,
             "mu": float(info.get("mu") or 0.0),
             "draft_shape": self.draft_shape(),

@@ -252,6 +252,7 @@ async function loadBudget() {
     for (const v of [name, s.requests, s.prefill_tokens, s.decode_tokens, fmtUsd(s.cost_usd),
       price ? `$${(+price.prefill).toPrecision(3)} / $${(+price.decode).toPrecision(3)}` : "–"]) r.appendChild(el("td", v));
   }
+  renderKeys(b.keys || []);
   const form = $("budget-form");
   if (!form.contains(document.activeElement)) {
     $("budget-b").value = b.budget;
@@ -260,6 +261,28 @@ async function loadBudget() {
     const select = $("budget-policy");
     select.replaceChildren(...b.known_policies.map((p) => { const o = el("option", p); o.value = p; return o; }));
     select.value = b.policy;
+  }
+}
+
+// Spend per API key, by the key's name or a short hash of it (the gateway never sends a key): every key's with the
+// admin key, only its own with an API key.
+function renderKeys(lines) {
+  const table = $("budget-keys");
+  table.replaceChildren();
+  if (!lines.length) return;
+  table.createCaption().textContent = "Spend by API key";
+  const head = table.createTHead().insertRow();
+  for (const h of ["Key", "Period", "Spent", "Cap", "In flight", "Requests / min", "Tokens / min"]) head.appendChild(el("th", h));
+  const tb = table.createTBody();
+  const orDash = (v) => (v === null || v === undefined ? "–" : v);
+  for (const k of lines) {
+    const r = tb.insertRow();
+    r.dataset.key = k.name;
+    const cap = k.cap_usd === null ? "none" : `${fmtUsd(k.cap_usd)} (${fmtUsd(Math.max(0, k.cap_usd - k.spent_usd))} left; ` +
+      `at the cap: ${k.at_cap === "device" ? "device only" : "refused"})`;
+    for (const v of [k.name, k.period, fmtUsd(k.spent_usd), cap, orDash(k.streams),
+      k.rpm === null ? orDash(k.requests_this_minute) : `${k.requests_this_minute} of ${k.rpm}`,
+      k.tpm === null ? k.tokens_this_minute : `${k.tokens_this_minute} of ${k.tpm}`]) r.appendChild(el("td", v));
   }
 }
 
@@ -375,8 +398,8 @@ function logEvent(ev) {
 
 function onEvent(ev) {
   logEvent(ev);
-  if (ev.request_id) onRequestEvent(ev);
-  else if (ev.type.startsWith("hat.session.")) onHatEvent(ev);
+  if (ev.type.startsWith("hat.session.")) onHatEvent(ev);
+  else if (ev.request_id) onRequestEvent(ev);
   else if (ev.type === "budget.changed") loadBudget();
   else if (ev.type === "dropped") { loadBudget(); loadHealth(); }
 }

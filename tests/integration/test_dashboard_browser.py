@@ -3,8 +3,9 @@ installs when it runs as root) driven by Selenium, against a real gateway.
 
 Real parts: `tandem serve` with the real device model (Qwen2.5-Coder-0.5B), a scripted OpenAI-compatible cloud on
 loopback that answers first and then breaks or refuses as each test says, the openai SDK as the client whose
-requests the page must show, and Chromium itself. Every request races (disco-s at b = 1). Screenshots go to the
-test's output folder (printed at the end of the module).
+requests the page must show (under two API keys: a plain one and a named one with a cap), and Chromium itself.
+Every request races (disco-s at b = 1) but the one that starts on the device and moves to a free cloud for cost.
+Screenshots go to the test's output folder (printed at the end of the module).
 
 The gateway has OTEL_EXPORTER_OTLP_ENDPOINT pointed at a real OTLP receiver and telemetry off: nothing may arrive.
 """
@@ -21,8 +22,11 @@ from unittest import mock
 import httpx
 import openai
 import pytest
+from pydantic import SecretStr
 
+from app.config import key_label
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
+from app.serving.limits import to_micro
 from tests.integration.otlp_receiver import OTLPReceiver
 from tests.integration.scripted_upstream import PIECES, Answer, ScriptedUpstream
 
@@ -40,10 +44,16 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-API_KEY, ADMIN_KEY = "page-user-key", "page-admin-key"
+API_KEY, TEAM_KEY, ADMIN_KEY = "page-user-key", "page-team-key", "page-admin-key"
 # Long enough that the device's prefill takes longer than the scripted cloud's first piece: the cloud wins the race.
 SEEN: dict[str, str] = {}  # request ids of earlier tests, for the last screenshot
 MESSAGES = [{"role": "user", "content": "Summarise this list: " + ", ".join(f"item {i}" for i in range(40))}]
+
+
+def fresh(topic: str) -> list[dict]:
+    """A prompt the device has not cached: its prefill takes long enough again for the cloud to answer (or fail)
+    first (a cached prompt's first device token comes in milliseconds and wins the race)."""
+    return [{"role": "user", "content": f"Summarise this {topic} list: " + ", ".join(f"{topic} {i}" for i in range(4))}]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +63,7 @@ def gw(upstream: ScriptedUpstream, receiver: OTLPReceiver) -> Iterator[GatewayPr
         process = start_gateway(f"""
 [gateway]
 policy = "disco-s"
-api_keys = ["{API_KEY}"]
+api_keys = ["{API_KEY}", {{ key = "{TEAM_KEY}", name = "team-b", cap_usd = 5 }}]
 admin_keys = ["{ADMIN_KEY}"]
 stall_timeout = 30    # a loaded CI box must not turn a slow device into a fault
 [device]
@@ -114,10 +124,17 @@ def wait(driver, seconds: float = 60) -> WebDriverWait:
     return WebDriverWait(driver, seconds, poll_frequency=0.1)
 
 
-def chat(gw: GatewayProcess, max_tokens: int = 8) -> tuple[str, str]:
-    client = openai.OpenAI(base_url=gw.v1, api_key=API_KEY, max_retries=0, timeout=120)
+def chat(
+    gw: GatewayProcess, max_tokens: int = 8, key: str = API_KEY, messages: list[dict] = MESSAGES, **tandem
+) -> tuple[str, str]:
+    client = openai.OpenAI(base_url=gw.v1, api_key=key, max_retries=0, timeout=120)
     raw = client.chat.completions.with_raw_response.create(
-        model="tandem", messages=MESSAGES, max_tokens=max_tokens, temperature=0, stream=True
+        model="tandem",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"tandem": tandem} if tandem else None,
     )
     text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
     return raw.headers["x-request-id"], text
@@ -176,9 +193,38 @@ def test_a_race_with_a_fault_migration_appears_live_with_endpoints_tokens_and_ti
     assert browser.switch_to.active_element == row  # focus goes back where it came from
 
 
+def test_a_cost_migration_to_a_cheaper_cloud_appears_with_its_reason_and_timeline(gw, upstream, browser, shots):
+    """Under the named key: the answer starts on the device (policy device) and DiSCo moves it to a free cloud for
+    cost once the (slow) reader is far enough behind; the cloud continues from the delivered prefix."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    cheap = {"migration": True, "consumption_rate": 1.0, "prices": {"cloud": {"prefill": 0.0, "decode": 0.0}}}
+    assert httpx.put(gw.v1 + "/budget", json=cheap, headers=admin, timeout=10).status_code == 200
+    try:
+        upstream.push(Answer(pieces=PIECES[:6]))
+        request_id, text = chat(gw, max_tokens=16, key=TEAM_KEY, policy="device")
+    finally:
+        upstream.reset()  # an answer left unasked must not answer the next test's request
+        assert httpx.delete(gw.v1 + "/budget", headers=admin, timeout=10).status_code == 200
+    SEEN["cost"] = request_id
+    assert text.endswith("".join(PIECES[:6]))
+    shown = cells(row_of(browser, request_id))
+    assert shown["plan"] == "device · device"
+    assert shown["winner"] == "device → cloud" and shown["migrations"] == "device→cloud (cost)"
+    assert shown["tokens"].startswith("device: ") and shown["tokens"].endswith("cloud: 6")
+    assert shown["outcome"].startswith("finished: ")
+    lanes = open_timeline_by_keyboard(browser, browser.find_element(By.CSS_SELECTOR, f'tr[data-id="{request_id}"]'))
+    assert [lane.get_attribute("data-outcome") for lane in lanes] == ["migrated-from", "finished"]
+    assert "cloud from token " in lanes[1].text
+    migration = browser.find_element(By.CSS_SELECTOR, "#timeline .migrations li").text
+    assert "device → cloud, cost" in migration and "failed" not in migration
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#timeline .mark.migration")) == 2  # one per lane
+    browser.save_screenshot(str(shots / "cost-migration-timeline.png"))
+    browser.switch_to.active_element.send_keys(Keys.ESCAPE)
+
+
 def test_a_cloud_that_refuses_fails_over_to_the_device(gw, upstream, browser, shots):
     upstream.push(Answer(status=500))
-    request_id, text = chat(gw)
+    request_id, text = chat(gw, max_tokens=4, messages=fresh("failing"))
     assert text
     shown = cells(row_of(browser, request_id))
     assert shown["winner"] == "device" and shown["migrations"] == "–"
@@ -192,10 +238,43 @@ def test_a_cloud_that_refuses_fails_over_to_the_device(gw, upstream, browser, sh
     device = browser.find_element(By.CSS_SELECTOR, '[data-endpoint="device"]').text
     assert "device (device, device)" in device and "ready" in device and "TTFT:" in device
     assert "Inter-token:" in device
-    # The whole page with both requests booked and the migrated one's timeline open (README's screenshot).
-    wait(browser).until(lambda d: "over 2 requests" in d.find_element(By.ID, "budget-facts").text)
+
+
+def test_spend_per_api_key_is_shown_by_name_never_the_key(gw, browser, shots):
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    wait(browser).until(lambda d: "over 3 requests" in d.find_element(By.ID, "budget-facts").text)
+    budget = httpx.get(gw.v1 + "/budget", headers=admin, timeout=10).json()
+    lines = {k["name"]: k for k in budget["keys"]}
+    plain = key_label(SecretStr(API_KEY))  # a key without a name of its own: a short hash of it
+    assert set(lines) == {plain, "team-b"}
+    # The named key sent one request (the cost migration): its spend is that request's cost; the plain key's is
+    # the rest of what the gateway booked (each request's cost rounded to a micro-dollar).
+    user = {"Authorization": f"Bearer {TEAM_KEY}"}
+    cost = httpx.get(f"{gw.v1}/requests/{SEEN['cost']}", headers=user, timeout=10).json()["cost_usd"]
+    assert lines["team-b"]["spent_micro"] == to_micro(cost) > 0 and lines["team-b"]["cap_usd"] == 5
+    assert abs(lines[plain]["spent_micro"] - (budget["spend"]["cost_micro"] - to_micro(cost))) <= 3
+    assert lines[plain]["spent_micro"] > 0 and lines[plain]["cap_usd"] is None
+
+    def row(name: str) -> dict[str, str]:
+        found = browser.find_element(By.CSS_SELECTOR, f'#budget-keys tr[data-key="{name}"]')
+        heads = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#budget-keys thead th")]
+        return dict(zip(heads, (td.text for td in found.find_elements(By.TAG_NAME, "td")), strict=True))
+
+    wait(browser).until(lambda d: d.find_elements(By.CSS_SELECTOR, '#budget-keys tr[data-key="team-b"]'))
+    team, mine = row("team-b"), row(plain)
+    assert team["Period"] == "day" and team["Cap"].startswith("$5.0000 (") and "device only" in team["Cap"]
+    assert team["Spent"] != "$0" and mine["Spent"] != "$0" and mine["Cap"] == "none"
+    assert team["Requests / min"] != "–" and mine["Requests / min"] == "–"  # counted where a limit needs them
+    text = browser.find_element(By.ID, "budget").text
+    assert API_KEY not in text and TEAM_KEY not in text and API_KEY not in str(budget)
+    # The whole page: the three requests, the fault migration's timeline open, the keys' spend (README's screenshot).
     open_timeline_by_keyboard(browser, browser.find_element(By.CSS_SELECTOR, f'tr[data-id="{SEEN["migrated"]}"]'))
-    browser.save_screenshot(str(shots / "dashboard.png"))
+    size = browser.get_window_size()
+    browser.set_window_size(size["width"], browser.execute_script("return document.documentElement.scrollHeight"))
+    try:
+        browser.save_screenshot(str(shots / "dashboard.png"))
+    finally:
+        browser.set_window_size(size["width"], size["height"])
     browser.switch_to.active_element.send_keys(Keys.ESCAPE)
 
 

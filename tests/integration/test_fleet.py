@@ -21,7 +21,9 @@ import httpx
 import openai
 import pytest
 import redis
+from pydantic import SecretStr
 
+from app.config import key_label
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
 from tests.integration.scripted_upstream import ScriptedUpstream
 from tests.integration.store_helpers import StoreServer
@@ -175,6 +177,14 @@ def test_spend_split_over_both_replicas_adds_up_exactly_on_the_store(replicas):
             assert totals[field] == mine, (endpoint, field)
     for field in ("requests", "input_tokens", "constrained_input_tokens"):
         assert shared["window"][field] == here[0]["window"][field] + here[1]["window"][field], field
+    # Spend per key (the dashboard's budget panel): the same on both replicas, read from the store. Every request so
+    # far was PLAIN's (a key without limits: settled, never admitted), each answer one cloud booking.
+    lines = [{k["name"]: k for k in view["keys"]} for view in (a, b)]
+    plain = lines[0][key_label(SecretStr(PLAIN))]
+    assert lines[0] == lines[1] and plain["source"] == "shared"
+    assert plain["spent_micro"] == shared["cost_micro"] and plain["requests_this_minute"] is None
+    assert lines[0]["capped"]["cap_usd"] == CAP_USD and lines[0]["capped"]["spent_micro"] == 0
+    assert PLAIN not in str(a["keys"]) and CAPPED not in str(a["keys"])
 
 
 def test_a_new_replica_starts_with_the_cloud_ttft_samples_the_others_measured(replicas, upstream, store_server, prefix):

@@ -1,10 +1,15 @@
 """HAT as a cloud endpoint of the gateway: the OpenAI SDK streams through the split model
 (device half in the gateway, middle layers in a real `tandem worker` process on loopback),
-and DiSCo migrates answers device -> HAT and HAT -> device from the delivered prefix."""
+and DiSCo migrates answers device -> HAT and HAT -> device from the delivered prefix. The gateway exports its
+OpenTelemetry spans to a real OTLP/HTTP receiver on loopback: a HAT session is a span under its leg."""
 
 from __future__ import annotations
 
 import json
+import os
+import urllib.parse
+from collections.abc import Iterator
+from unittest import mock
 
 import httpx
 import openai
@@ -13,15 +18,24 @@ import pytest
 from app.launcher import GatewayProcess, free_port
 from tests.conftest import start_gateway, stop_gateway
 from tests.integration.disco_helpers import independent_continuation, stream_chunks, trace
+from tests.integration.otlp_receiver import OTLPReceiver
 
 ADMIN = {"authorization": "Bearer admin"}
 MESSAGES = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
 
 
 @pytest.fixture(scope="module")
-def hat_gateway(upstream):
+def receiver() -> Iterator[OTLPReceiver]:
+    r = OTLPReceiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def hat_gateway(upstream, receiver):
     worker_port = free_port()
-    gw = start_gateway(f"""
+    with mock.patch.dict(os.environ, {"OTEL_BSP_SCHEDULE_DELAY": "100"}):  # the SDK's batch: every 0.1 s, not 5 s
+        gw = start_gateway(f"""
 [gateway]
 policy = "device"
 cloud = "hat"
@@ -42,13 +56,16 @@ port = {worker_port}
 base_url = "{upstream.base_url}"
 model = "scripted"
 continuation = "chat"
+[telemetry]
+enabled = true
+endpoint = "{receiver.url}/v1/traces"
 """)
     gw.worker_url = f"http://127.0.0.1:{worker_port}"
     yield gw
     stop_gateway(gw)
 
 
-def test_sdk_streams_through_hat(hat_gateway):
+def test_sdk_streams_through_hat(hat_gateway, receiver):
     c = openai.OpenAI(base_url=hat_gateway.v1, api_key="x", max_retries=0, timeout=180)
     raw = c.chat.completions.with_raw_response.create(
         model="hat",
@@ -83,6 +100,27 @@ def test_sdk_streams_through_hat(hat_gateway):
     (hat,) = [e for e in httpx.get(hat_gateway.v1 + "/endpoints", timeout=10).json()["data"] if e["name"] == "hat"]
     assert hat["locality"] == "split" and hat["hat"]["sessions"] >= 1
     assert [w["url"].partition("://")[2] for w in hat["hat"]["workers"]] == [hat_gateway.worker_url.partition("://")[2]]
+
+    # The OpenTelemetry trace at a real OTLP/HTTP receiver: the HAT leg, and under it the session with the worker
+    # used, its rounds and accept length (the same as the feed's).
+    request_id = raw.headers["x-request-id"]
+    assert opened["request_id"] == closed["request_id"] == request_id
+    spans = receiver.wait_for(lambda spans: any(s["name"] == "tandem.hat.session" for s in spans))
+    (root,) = [s for s in spans if s["attributes"].get("tandem.request_id") == request_id]
+    (leg,) = [s for s in spans if s["parent"] == root["span_id"]]
+    assert leg["name"] == "chat hat:qwen2.5-coder-0.5b-instruct" and leg["kind"] == "CLIENT"
+    assert (
+        leg["attributes"]["gen_ai.provider.name"] == "tandem.hat" and leg["attributes"]["tandem.outcome"] == "finished"
+    )
+    assert [name for name, _ in leg["events"]] == ["tandem.hat.session.opened", "gen_ai.first_token"]
+    (session,) = [s for s in spans if s["parent"] == leg["span_id"]]
+    a, worker = session["attributes"], urllib.parse.urlsplit(hat_gateway.worker_url)
+    assert session["name"] == "tandem.hat.session" and session["kind"] == "CLIENT"
+    assert (a["server.address"], a["server.port"]) == (worker.hostname, worker.port)
+    assert a["tandem.hat.session"] == closed["session"] and a["tandem.hat.worker"] == closed["worker"]
+    assert a["tandem.hat.rounds"] == closed["rounds"] >= 1 and a["tandem.hat.accept_length"] == closed["accept_length"]
+    assert a["tandem.hat.m"] == 2 and a["tandem.hat.draft_shape"].startswith("chain") and a["tandem.hat.mu"] >= 0
+    assert leg["start"] <= session["start"] < session["end"] and session["trace_id"] == root["trace_id"]
 
 
 def _knobs(gw, **patch):

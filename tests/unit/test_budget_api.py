@@ -14,6 +14,7 @@ from pydantic import SecretStr
 
 import endpoints.auth as auth_mod
 import endpoints.budget as budget
+from app.config import ApiKeySettings, key_limits
 from app.serving.budget import BudgetSettings, Price
 from app.serving.core import CoreOptions, ServingCore
 from app.serving.disco import DiscoRuntime
@@ -26,17 +27,18 @@ from policies.cost import QWEN2_5_0_5B
 ADMIN = "adm-secret-1"
 
 
-def make_app(ledger: Ledger, *, admin_keys=(), api_keys=()) -> FastAPI:
+def make_app(ledger: Ledger, *, admin_keys=(), api_keys=(), state=None) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
     app.include_router(budget.router)
+    keys = tuple(k if isinstance(k, ApiKeySettings) else SecretStr(k) for k in api_keys)
     app.state.api_options = ApiOptions(
-        api_keys=tuple(SecretStr(k) for k in api_keys), admin_keys=tuple(SecretStr(k) for k in admin_keys)
+        api_keys=keys, key_limits=tuple(map(key_limits, keys)), admin_keys=tuple(SecretStr(k) for k in admin_keys)
     )
     disco = DiscoRuntime(ledger, "cloud", QWEN2_5_0_5B)
     options = CoreOptions("tandem", 256, 2048, "any", "sequential")
     app.state.serving = ServingCore(
-        options, None, {}, None, ledger, disco, None, None, created=0, state=MemoryStore(ledger)
+        options, None, {}, None, ledger, disco, None, None, created=0, state=state or MemoryStore(ledger)
     )
     return app
 
@@ -276,3 +278,47 @@ async def test_works_over_httpx_asgi_transport():
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as ac:
         assert (await ac.put("/v1/budget", json={"alpha": 0.1})).json()["alpha"] == 0.1
         assert (await ac.get("/v1/budget")).json()["alpha"] == 0.1
+
+
+def _spent(store: MemoryStore, key, request_id: str, usd: float, tokens: int) -> None:
+    """What the core does when a request under `key` ends: its admission settled with what it cost."""
+    import asyncio
+    import time
+
+    from app.serving.limits import UNLIMITED, Admission, to_micro
+
+    admission = Admission(request_id, key, 0, UNLIMITED, time.time(), shared=False)
+    admission.add(usd, tokens)
+    assert admission.spent_micro == to_micro(usd)
+    asyncio.run(store.settle(admission))
+
+
+def test_spend_per_key_by_name_to_an_admin_key_and_only_its_own_to_an_api_key():
+    plain, team = "plain-user-secret", ApiKeySettings(key=SecretStr("team-secret"), name="team-b", cap_usd=2.0)
+    for admin_keys in ((ADMIN,), ()):
+        ledger = new_ledger()
+        store = MemoryStore(ledger)
+        app = make_app(ledger, admin_keys=admin_keys, api_keys=(plain, team), state=store)
+        limits = app.state.api_options.key_limits
+        _spent(store, limits[0], "r1", 0.25, 10)
+        _spent(store, limits[0], "r2", 0.5, 5)
+        _spent(store, limits[1], "r3", 0.125, 7)
+        client = TestClient(app)
+        if admin_keys:
+            resp = client.get("/v1/budget", headers=auth(ADMIN))
+            shown = {k["name"]: k for k in resp.json()["keys"]}
+            assert set(shown) == {limits[0].name, "team-b"} and limits[0].name.startswith("sha256-")
+            assert shown[limits[0].name]["spent_usd"] == 0.75 and shown[limits[0].name]["cap_usd"] is None
+            assert shown[limits[0].name]["tokens_this_minute"] == 15
+            assert shown[limits[0].name]["requests_this_minute"] is None  # counted at admission: keys with limits
+            assert shown["team-b"]["spent_usd"] == 0.125 and shown["team-b"]["cap_usd"] == 2.0
+            assert shown["team-b"]["period"] == "day" and shown["team-b"]["streams"] == 0
+            assert "secret" not in resp.text  # the keys themselves never, nor a piece of them
+            put = client.put("/v1/budget", json={"budget": 0.4}, headers=auth(ADMIN)).json()
+            assert {k["name"] for k in put["keys"]} == set(shown)
+            assert client.get("/v1/budget", headers=auth(plain)).status_code == 401  # admin keys read it
+        else:  # no admin keys: an API key reads the budget, and its own spend only
+            (own,) = client.get("/v1/budget", headers=auth("team-secret")).json()["keys"]
+            assert own["name"] == "team-b" and own["spent_usd"] == 0.125
+            (own,) = client.get("/v1/budget", headers=auth(plain)).json()["keys"]
+            assert own["name"] == limits[0].name and own["spent_usd"] == 0.75

@@ -90,3 +90,25 @@ def test_the_headers_name_only_the_limits_a_key_has():
         "x-tandem-budget-remaining-usd": "0.750000",
     }
     assert retry_after(key, "rpm", NOW) == 30 and retry_after(KeyLimits("m", period="month"), "cap", NOW) == 30
+
+
+def test_a_keys_line_shows_its_period_spend_and_what_it_holds_in_flight():
+    capped, plain = KeyLimits("team", cap_usd=1.0, rpm=10), KeyLimits("sha256-0123456789abcdef")
+    assert capped.limited and not plain.limited
+    counters = LocalCounters()
+    counters.admit(capped, "a", NOW, 300)
+    counters.admit(capped, "b", NOW, 200)
+    line = counters.usage(capped, NOW)
+    assert (line["reserved_usd"], line["streams"], line["requests_this_minute"]) == (0.0005, 2, 2)
+    counters.settle(capped, "a", NOW, 120, 9)
+    counters.settle(plain, "p", NOW, 7, 3)  # a key without limits: never admitted, settled all the same
+    line = counters.usage(capped, NOW)
+    assert (line["spent_micro"], line["reserved_usd"], line["streams"]) == (120, 0.0002, 1)
+    assert line["tokens_this_minute"] == 9
+    assert line["cap_usd"] == 1.0 and line["rpm"] == 10 and line["name"] == "team"
+    mine = counters.usage(plain, NOW)
+    assert (mine["spent_micro"], mine["tokens_this_minute"]) == (7, 3)
+    assert mine["streams"] is None and mine["requests_this_minute"] is None  # counted at admission only
+    # A new period starts from nothing; what a reservation held expires with it.
+    later = counters.usage(capped, NOW + 86400)
+    assert later["spent_micro"] == 0 and later["streams"] == 0
