@@ -50,6 +50,7 @@ class Reason(enum.StrEnum):
     BACKLOG = "backlog"
     IDLE = "idle"
     STAGE = "stage"
+    DRAINING = "draining"
     CLOSED = "closed"
     INTERNAL = "internal"
 

@@ -145,6 +145,84 @@ def test_a_budget_put_on_one_replica_is_seen_by_the_other_within_a_second(replic
     assert seen["version"] == r.json()["version"] and seen["settings_source"] == "the shared store"
 
 
+DISCO_S = {"policy": "disco-s"}
+SHORT = [{"role": "user", "content": "Hi"}]
+LONG = [{"role": "user", "content": "Summarise: " + "the replicas share one budget on one store; " * 12}]
+
+
+async def pair(gw: GatewayProcess) -> tuple[int, int]:
+    """One short and one long prompt at once under DiSCo-S, on one replica: their prompt lengths."""
+    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=PLAIN, max_retries=0)
+    try:
+        answers = await asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    model="tandem",
+                    messages=m,
+                    max_tokens=2,
+                    temperature=0,
+                    extra_body={"tandem": {"policy": "disco-s"}},
+                )
+                for m in (SHORT, LONG)
+            )
+        )
+        return answers[0].usage.prompt_tokens, answers[1].usage.prompt_tokens
+    finally:
+        await client.close()
+
+
+async def pairs_on_both(gws: list[GatewayProcess], count: int) -> tuple[int, int]:
+    """`count` pairs on each replica, the replicas at once, each replica's pairs one after the other: every replica
+    has seen as many short prompts as long ones whenever its policy recomputes (every 10 requests)."""
+
+    async def on(gw: GatewayProcess) -> tuple[int, int]:
+        for _ in range(count):
+            lengths = await pair(gw)
+        return lengths
+
+    lengths = await asyncio.gather(*(on(gw) for gw in gws))
+    assert lengths[0] == lengths[1]
+    return lengths[0]
+
+
+def window(view: dict) -> tuple[int, int]:
+    w = view["window"]
+    return w["input_tokens"], w["constrained_input_tokens"]
+
+
+def test_the_realised_budget_across_both_replicas_stays_within_3_percent_of_b(replicas):
+    """DiSCo-S (server-constrained) with b set on one replica: the prompts shorter than its threshold stay on the
+    device, the rest race, and the store's window (both replicas' bookings) shows the share b of input tokens on the
+    cloud. Two prompt lengths in equal numbers, and b = L_long / (L_short + L_long): Eq. 3's threshold then falls
+    between the two lengths, so each replica's choice is exact (no draw at a tie) once it has 20 length samples,
+    and the realised ratio is b only if both replicas play the same b and the store adds up both windows."""
+    a, b = replicas
+    short, long_ = asyncio.run(pairs_on_both(replicas, 10))  # 20 samples each: past the estimator's prior
+    target = long_ / (short + long_)
+    r = httpx.put(a.v1 + "/budget", json={"budget": target}, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 2
+    while budget(b)["budget"] != target:  # B recomputes its threshold when it hears of the change
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    before = settled(replicas)
+    try:
+        asyncio.run(pairs_on_both(replicas, 10))  # 40 requests, 20 on each replica
+        after = settled(replicas)
+    finally:
+        httpx.put(a.v1 + "/budget", json={"budget": 0.3}, headers={"Authorization": f"Bearer {ADMIN}"})
+    shared = [x - y for x, y in zip(window(after[0]["spend"]), window(before[0]["spend"]), strict=True)]
+    here = [
+        [x - y for x, y in zip(window(v["spend_here"]), window(w["spend_here"]), strict=True)]
+        for v, w in zip(after, before, strict=True)
+    ]
+    assert shared[0] == 20 * (short + long_) and shared == [here[0][i] + here[1][i] for i in range(2)]
+    realised = shared[1] / shared[0]
+    assert abs(realised - target) <= 0.03, (realised, target, here)
+    for mine in here:  # and each replica on its own: neither made up for the other
+        assert abs(mine[1] / mine[0] - target) <= 0.03, (mine, target)
+
+
 def test_a_trace_is_served_by_the_replica_that_did_not_serve_it(replicas):
     a, b = replicas
     status, headers = asyncio.run(ask(a, PLAIN))
@@ -177,9 +255,7 @@ def test_spend_split_over_both_replicas_adds_up_exactly_on_the_store(replicas):
         assert shared["window"][field] == here[0]["window"][field] + here[1]["window"][field], field
 
 
-def test_a_new_replica_starts_with_the_cloud_ttft_samples_the_others_measured(
-    replicas, upstream, store_server, prefix
-):
+def test_a_new_replica_starts_with_the_cloud_ttft_samples_the_others_measured(replicas, upstream, store_server, prefix):
     a, b = settled(replicas)
     measured = sum(v["spend_here"]["endpoints"]["cloud"]["requests"] for v in (a, b))  # one first token each
     assert measured >= 40

@@ -15,7 +15,7 @@ import base64
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -52,16 +52,20 @@ class WorkerServer:
     """A real worker app on a free loopback port, served by uvicorn in a thread, recording every frame it gets."""
 
     def __init__(self, model: Any, name: str, **overrides: Any) -> None:
-        self.settings = WorkerSettings(model=name, port=free_port(), auth_token=TOKEN, **overrides)
+        self.settings = WorkerSettings(model=name, auth_token=TOKEN, **{"port": free_port(), **overrides})
         self.frames: list[tuple[bytes | None, bytes]] = []
-        self.app = create_worker(
-            self.settings, model=model, frame_hook=lambda sid, data: self.frames.append((sid, data))
-        )
+        self.on_frame: Callable[[bytes | None, bytes], None] | None = None  # a test's hook, after recording
+        self.app = create_worker(self.settings, model=model, frame_hook=self._record)
         kwargs = {**uvicorn_config_kwargs(self.settings), "log_level": "warning"}
         self.server = uvicorn.Server(uvicorn.Config(self.app, **kwargs))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.http = f"http://127.0.0.1:{self.settings.port}"
         self.ws = f"ws://127.0.0.1:{self.settings.port}"
+
+    def _record(self, sid: bytes | None, data: bytes) -> None:
+        self.frames.append((sid, data))
+        if self.on_frame is not None:
+            self.on_frame(sid, data)
 
     def start(self) -> WorkerServer:
         self.thread.start()
