@@ -544,8 +544,11 @@ class Engine:
             assert frame is not None
             item.session.tokens += int(deep.shape[0])
             item.finished += n
+            if frame.kind == wire.Kind.DRAFT and (item.deep or item.finished < item.rows):
+                item.deep.append(deep)  # a chain of drafts run in pieces (fair share): the reply carries them all
+                deep = torch.cat(item.deep) if item.finished == item.rows else deep
             if item.finished < item.rows:
-                continue  # a sub-chunk: the frame's reply comes with its last piece
+                continue  # a piece: the frame's reply comes with its last one
             item.session.frames += 1
             if item.tree is not None:
                 item.session.open_tree = (frame.arg, item.tree)

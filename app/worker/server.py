@@ -76,19 +76,19 @@ class Worker:
         which their devices move them to another worker with the context they delivered). The task's result, also
         kept in `drained`: how many sessions finished here and how many were handed over."""
         if self.drain_task is None:
+            if self.engine is not None:
+                self.engine.draining = True
             self.drain_task = asyncio.create_task(self._drain(timeout))
         return self.drain_task
 
     async def _drain(self, seconds: float) -> dict[str, int]:
         engine = self.engine
-        if engine is not None:
-            engine.draining = True
+        at_start = engine.session_count if engine is not None else 0
         if self.heartbeat is not None:
             await self.heartbeat.stop()
         if engine is None:
             self.drained = {"finished": 0, "handed_over": 0}
             return self.drained
-        at_start = engine.session_count
         deadline = time.monotonic() + seconds
         # Sessions end on the engine thread and the loop alike: a count polled every 50 ms is the simplest watch.
         while engine.session_count and time.monotonic() < deadline:  # noqa: ASYNC110

@@ -150,39 +150,26 @@ SHORT = [{"role": "user", "content": "Hi"}]
 LONG = [{"role": "user", "content": "Summarise: " + "the replicas share one budget on one store; " * 12}]
 
 
-async def pair(gw: GatewayProcess) -> tuple[int, int]:
-    """One short and one long prompt at once under DiSCo-S, on one replica: their prompt lengths."""
-    client = openai.AsyncOpenAI(base_url=gw.v1, api_key=PLAIN, max_retries=0)
-    try:
-        answers = await asyncio.gather(
-            *(
-                client.chat.completions.create(
-                    model="tandem",
-                    messages=m,
-                    max_tokens=2,
-                    temperature=0,
-                    extra_body={"tandem": {"policy": "disco-s"}},
-                )
-                for m in (SHORT, LONG)
-            )
+async def batches_on_both(gws: list[GatewayProcess], batches: int) -> tuple[int, int]:
+    """`batches` rounds of five short and five long prompts under DiSCo-S on each replica at once, a round after the
+    previous one ended; returns the two prompt lengths. A replica's policy recomputes every 10 requests it sees
+    (counted as they start), so whenever it does it has seen as many short prompts as long ones."""
+    clients = [openai.AsyncOpenAI(base_url=gw.v1, api_key=PLAIN, max_retries=0) for gw in gws]
+
+    async def one(client: openai.AsyncOpenAI, messages: list) -> int:
+        answer = await client.chat.completions.create(
+            model="tandem", messages=messages, max_tokens=1, temperature=0, extra_body={"tandem": DISCO_S}
         )
-        return answers[0].usage.prompt_tokens, answers[1].usage.prompt_tokens
+        return answer.usage.prompt_tokens
+
+    try:
+        for _ in range(batches):
+            lengths = await asyncio.gather(*(one(c, m) for c in clients for m in [SHORT, LONG] * 5))
+        assert set(lengths[0::2]) == {lengths[0]} and set(lengths[1::2]) == {lengths[1]}
+        return lengths[0], lengths[1]
     finally:
-        await client.close()
-
-
-async def pairs_on_both(gws: list[GatewayProcess], count: int) -> tuple[int, int]:
-    """`count` pairs on each replica, the replicas at once, each replica's pairs one after the other: every replica
-    has seen as many short prompts as long ones whenever its policy recomputes (every 10 requests)."""
-
-    async def on(gw: GatewayProcess) -> tuple[int, int]:
-        for _ in range(count):
-            lengths = await pair(gw)
-        return lengths
-
-    lengths = await asyncio.gather(*(on(gw) for gw in gws))
-    assert lengths[0] == lengths[1]
-    return lengths[0]
+        for client in clients:
+            await client.close()
 
 
 def window(view: dict) -> tuple[int, int]:
@@ -197,7 +184,7 @@ def test_the_realised_budget_across_both_replicas_stays_within_3_percent_of_b(re
     between the two lengths, so each replica's choice is exact (no draw at a tie) once it has 20 length samples,
     and the realised ratio is b only if both replicas play the same b and the store adds up both windows."""
     a, b = replicas
-    short, long_ = asyncio.run(pairs_on_both(replicas, 10))  # 20 samples each: past the estimator's prior
+    short, long_ = asyncio.run(batches_on_both(replicas, 2))  # 20 samples each: past the estimator's prior
     target = long_ / (short + long_)
     r = httpx.put(a.v1 + "/budget", json={"budget": target}, headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 200, r.text
@@ -207,7 +194,7 @@ def test_the_realised_budget_across_both_replicas_stays_within_3_percent_of_b(re
         time.sleep(0.02)
     before = settled(replicas)
     try:
-        asyncio.run(pairs_on_both(replicas, 10))  # 40 requests, 20 on each replica
+        asyncio.run(batches_on_both(replicas, 2))  # 40 requests, 20 on each replica
         after = settled(replicas)
     finally:
         httpx.put(a.v1 + "/budget", json={"budget": 0.3}, headers={"Authorization": f"Bearer {ADMIN}"})

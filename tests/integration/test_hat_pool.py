@@ -243,8 +243,9 @@ async def test_workers_join_the_pool_from_the_registry_a_draining_one_finishes_i
         async for event in backend.stream(request(smol)):
             events.append(event)
             if len(events) == KILL_AFTER:
-                [index] = serving(backend)
-                draining, other = (announced[index], announced[1 - index])
+                [index] = serving(backend)  # the pool's order is the registry's, not `announced`'s
+                [draining] = [w for w in announced if w.ws == backend.pool.workers[index].url]
+                [other] = [w for w in announced if w is not draining]
                 async with httpx.AsyncClient(timeout=10) as http:
                     r = await http.post(draining.http + "/v1/drain", json={"timeout": 60}, headers=auth)
                     assert r.status_code == 202 and r.json()["draining"], r.text
