@@ -133,6 +133,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.tools.bench.hat import main
     elif args.what == "hat-streams":
         from app.tools.bench.hat_streams import main
+    elif args.what == "hat-resume":
+        from app.tools.bench.hat_resume import main
     elif args.what == "device":
         from app.tools.bench.device_bench import main
     elif args.what == "sd-edge":
@@ -252,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             "disco-live",
             "hat",
             "hat-streams",
+            "hat-resume",
             "sd-edge",
             "worker-batching",
             "privacy",

@@ -50,6 +50,7 @@ api_keys = [
 [device]
 model = "smollm2-135m-instruct"
 n_ctx = 2048
+n_threads = 1  # two replicas (and the suite) share the cores: llama.cpp's threads would wait on each other
 [disco]
 profile_device = false
 migration = false
@@ -145,20 +146,22 @@ def test_a_budget_put_on_one_replica_is_seen_by_the_other_within_a_second(replic
     assert seen["version"] == r.json()["version"] and seen["settings_source"] == "the shared store"
 
 
-DISCO_S = {"policy": "disco-s"}
 SHORT = [{"role": "user", "content": "Hi"}]
-LONG = [{"role": "user", "content": "Summarise: " + "the replicas share one budget on one store; " * 12}]
+# A dozen tokens more, after the same start: the device's prompt cache keeps their common prefix, so its prefill of
+# either (a race's loser too) is a few tokens on a busy machine.
+LONG = [{"role": "user", "content": "Hi! Do the replicas that answer me share one budget?"}]
 
 
-async def batches_on_both(gws: list[GatewayProcess], batches: int) -> tuple[int, int]:
-    """`batches` rounds of five short and five long prompts under DiSCo-S on each replica at once, a round after the
-    previous one ended; returns the two prompt lengths. A replica's policy recomputes every 10 requests it sees
-    (counted as they start), so whenever it does it has seen as many short prompts as long ones."""
+async def batches_on_both(gws: list[GatewayProcess], batches: int, policy: str = "disco-s") -> tuple[int, int]:
+    """`batches` rounds of five short and five long prompts under `policy` on each replica at once, a round after the
+    previous one ended; returns the two prompt lengths. A replica's policies recompute every 10 requests it sees
+    (counted as they start, whatever their policy), so whenever they do it has seen as many short prompts as long
+    ones."""
     clients = [openai.AsyncOpenAI(base_url=gw.v1, api_key=PLAIN, max_retries=0) for gw in gws]
 
     async def one(client: openai.AsyncOpenAI, messages: list) -> int:
         answer = await client.chat.completions.create(
-            model="tandem", messages=messages, max_tokens=1, temperature=0, extra_body={"tandem": DISCO_S}
+            model="tandem", messages=messages, max_tokens=1, temperature=0, extra_body={"tandem": {"policy": policy}}
         )
         return answer.usage.prompt_tokens
 
@@ -184,20 +187,27 @@ def test_the_realised_budget_across_both_replicas_stays_within_3_percent_of_b(re
     between the two lengths, so each replica's choice is exact (no draw at a tie) once it has 20 length samples,
     and the realised ratio is b only if both replicas play the same b and the store adds up both windows."""
     a, b = replicas
-    short, long_ = asyncio.run(batches_on_both(replicas, 2))  # 20 samples each: past the estimator's prior
+    # 20 length samples on each replica, past the estimator's prior (the cloud answers: no device time spent on them)
+    short, long_ = asyncio.run(batches_on_both(replicas, 2, policy="cloud"))
     target = long_ / (short + long_)
-    r = httpx.put(a.v1 + "/budget", json={"budget": target}, headers={"Authorization": f"Bearer {ADMIN}"})
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    # DiSCo-S as the replicas' policy: each makes its threshold from the 20 samples now (GET /v1/budget shows it), and
+    # not from the samples at its first DiSCo-S request, which has counted itself already.
+    r = httpx.put(a.v1 + "/budget", json={"budget": target, "policy": "disco-s"}, headers=admin)
     assert r.status_code == 200, r.text
     deadline = time.monotonic() + 2
     while budget(b)["budget"] != target:  # B recomputes its threshold when it hears of the change
         assert time.monotonic() < deadline
         time.sleep(0.02)
     before = settled(replicas)
+    for view in before:  # Eq. 3's threshold between the two lengths: every short prompt on the device, no draw
+        state = view["dispatch"]["policy_state"]
+        assert state["l_th"] == short and state["tie_fraction"] > 1 - 1e-9, state
     try:
         asyncio.run(batches_on_both(replicas, 2))  # 40 requests, 20 on each replica
         after = settled(replicas)
     finally:
-        httpx.put(a.v1 + "/budget", json={"budget": 0.3}, headers={"Authorization": f"Bearer {ADMIN}"})
+        httpx.put(a.v1 + "/budget", json={"budget": 0.3, "policy": "cloud"}, headers=admin)
     shared = [x - y for x, y in zip(window(after[0]["spend"]), window(before[0]["spend"]), strict=True)]
     here = [
         [x - y for x, y in zip(window(v["spend_here"]), window(w["spend_here"]), strict=True)]

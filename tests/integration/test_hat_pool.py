@@ -85,6 +85,7 @@ stall_timeout = 60
 model = "{SMOL}"
 reproducible = true   # the continuation is compared with the device's own greedy answer: one evaluation path
 n_ctx = 2048
+n_threads = 1  # the workers and this process share the cores: llama.cpp's threads would wait on each other
 [disco]
 profile_device = false
 migration = false
