@@ -131,7 +131,9 @@ class Worker:
             log.error("worker start-up failed: %s", exc)
             raise
         s = self.settings
-        if s.registry_url:
+        if self.draining:  # told to drain while it loaded: it never takes a session nor announces itself
+            self.engine.draining = True
+        elif s.registry_url:
             endpoint = s.advertise_url or f"ws://{s.host}:{s.port}"
             self.heartbeat = Heartbeat(s.registry_url, s.registry_prefix, endpoint, s.heartbeat_seconds)
             self.heartbeat.start(self.engine.info)

@@ -216,6 +216,36 @@ def test_with_the_whole_pool_killed_mid_answer_the_gateway_finishes_on_the_devic
     assert [w["failures"] for w in hat["hat"]["workers"]] == [1, 1], hat  # both sessions' workers were lost
 
 
+async def test_a_draining_worker_hands_over_what_it_has_not_finished_in_its_time(smol, workers, reference) -> None:
+    """Told to drain with no time to finish, the worker hands its session over (an ERROR 503): the device moves it to
+    the other worker with the context it delivered, and the greedy answer is the uninterrupted one."""
+    revived(smol, workers)
+    backend = await device_half(smol, workers)
+    try:
+        events: list[TokenEvent] = []
+        async for event in backend.stream(request(smol)):
+            events.append(event)
+            if len(events) == KILL_AFTER:
+                [index] = serving(backend)
+                async with httpx.AsyncClient(timeout=10) as http:
+                    r = await http.post(
+                        workers[index].http + "/v1/drain",
+                        json={"timeout": 0},
+                        headers={"Authorization": f"Bearer {TOKEN}"},
+                    )
+                assert r.status_code == 202, r.text
+        check_against_reference([e.token_id for e in events], *reference)
+        assert backend.stats.failovers == 1
+        worker_state = workers[index].app.state.worker
+        t0 = time.monotonic()
+        while worker_state.drained is None:  # set on the worker's loop once the hand-over is done
+            assert time.monotonic() - t0 < 2.0
+            await asyncio.sleep(0.01)
+        assert worker_state.drained == {"finished": 0, "handed_over": 1}, worker_state.drained
+    finally:
+        await backend.close()
+
+
 async def test_workers_join_the_pool_from_the_registry_a_draining_one_finishes_its_session_and_leaves(
     smol, store_server, reference
 ) -> None:
