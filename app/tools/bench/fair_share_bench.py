@@ -114,12 +114,12 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return results
 
 
-def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, load: tuple[float, ...]) -> str:
+def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, load: tuple[float, ...], started: str) -> str:
     any_ = next(iter(results.values()))
     lines = [
         f"    tandem bench fair-share --flood {args.flood} --rounds {args.rounds}",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load average {load[0]:.1f} / {load[1]:.1f} / "
+        f"{started}, {os.cpu_count()} cores, load average {load[0]:.1f} / {load[1]:.1f} / "
         f"{load[2]:.1f} at the start; {args.model}, m = {args.m}, one torch thread; the flood: {args.flood} drafts of "
         f"{any_['rows']} rows (1 MiB) at once; the measured session: rounds of {args.draft} rows.",
         "",
@@ -138,9 +138,9 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, load: t
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    load = os.getloadavg()
+    load, started = os.getloadavg(), time.strftime("%Y-%m-%d %H:%M")
     results = asyncio.run(measure(args))
-    publish(report(results, args, load), args.out)
+    publish(report(results, args, load, started), args.out)
     return 0
 
 

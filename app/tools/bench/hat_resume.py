@@ -107,12 +107,14 @@ async def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     return rows, f"{args.model}, m = {args.m}, one torch thread per worker"
 
 
-def report(rows: list[dict[str, Any]], setup: str, args: argparse.Namespace, load: tuple[float, ...]) -> str:
+def report(
+    rows: list[dict[str, Any]], setup: str, args: argparse.Namespace, load: tuple[float, ...], started: str
+) -> str:
     cmd = f"tandem bench hat-resume --contexts {' '.join(map(str, args.contexts))} --reps {args.reps}"
     lines = [
         f"    {cmd}",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load average {load[0]:.1f} / {load[1]:.1f} / "
+        f"{started}, {os.cpu_count()} cores, load average {load[0]:.1f} / {load[1]:.1f} / "
         f"{load[2]:.1f} at the start; {setup}; killed after {args.kill_after} delivered tokens.",
         "",
         "| context (tokens) | resume, median (ms) | runs (ms) | the answer's first token (ms) "
@@ -131,9 +133,9 @@ def report(rows: list[dict[str, Any]], setup: str, args: argparse.Namespace, loa
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    load = os.getloadavg()
+    load, started = os.getloadavg(), time.strftime("%Y-%m-%d %H:%M")
     rows, setup = asyncio.run(measure(args))
-    publish(report(rows, setup, args, load), args.out)
+    publish(report(rows, setup, args, load, started), args.out)
     return 0
 
 
