@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from math import ceil
+
+from policies.worker_batching import split_sizes
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,9 @@ def fair_shares(
             runs.append(frame.rows)
             kept.append(0.0)
         elif frame.splittable:
-            piece = min(frame.rows, max(min_piece, _equal_piece(frame.rows, int(credit))))
+            # the first of the fewest pieces within the credit, as equal as possible: no small remainder left for a
+            # pass of its own (200 rows at a credit of 96: 67, 67, 66 rather than 96, 96, 8)
+            piece = min(frame.rows, max(min_piece, split_sizes(frame.rows, max(1, int(credit)))[0]))
             runs.append(piece)
             kept.append(max(0.0, credit - piece))
         else:
@@ -64,8 +67,3 @@ def fair_shares(
         runs[first], kept[first] = pending[first].rows, 0.0
     return runs, kept
 
-
-def _equal_piece(rows: int, credit: int) -> int:
-    """The first of the fewest pieces of at most `credit` rows, sizes as equal as possible: no small remainder is
-    left for a pass of its own (200 rows at a credit of 96: 67, 67, 66 rather than 96, 96, 8)."""
-    return ceil(rows / ceil(rows / max(1, credit)))
