@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flood", type=int, default=40, help="1 MiB drafts the flooding session sends at once")
     p.add_argument("--draft", type=int, default=4, help="rows of the measured session's drafts")
     p.add_argument("--rounds", type=int, default=12, help="rounds measured alone")
+    p.add_argument("--modes", nargs="+", default=["greedy", "planned"], choices=["greedy", "planned"])
     p.add_argument("--out", default="var/bench/fair_share.md")
     return p
 
@@ -88,6 +89,9 @@ async def _one_mode(url: str, args: argparse.Namespace) -> dict[str, Any]:
         times, seq = await _rounds(victim, vsid, seq, hidden, args.draft, 1)
         flooded += times
     ran = sum(r.kind == wire.Kind.VERIFY_RESULT for r in await replies)
+    async with httpx.AsyncClient(timeout=10) as http:
+        metrics = (await http.get(url.replace("ws://", "http://") + "/metrics")).text
+    budget = next(line.split()[-1] for line in metrics.splitlines() if line.startswith("tandem_worker_subchunk_budget"))
     for ws in (victim, flooder):
         await ws.close()
     return {
@@ -98,6 +102,7 @@ async def _one_mode(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "flood_rounds": len(flooded),
         "ran": ran,
         "rows": rows,
+        "quantum": float(budget),
     }
 
 
@@ -112,7 +117,7 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     from app.embedded import EmbeddedWorker
 
     results = {}
-    for batching in ("greedy", "planned"):
+    for batching in args.modes:
         os.environ["TANDEM_WORKER__BATCHING"] = batching  # the worker's environment is this process's
         worker = EmbeddedWorker(EmbeddedWorkerSettings(num_threads=1), args.model, args.m, None)
         worker.start()
@@ -136,14 +141,14 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, load: t
         f"{any_['rows']} rows (1 MiB) at once; the measured session: rounds of {args.draft} rows.",
         "",
         "| worker batching | round alone, median (ms) | rounds during the flood | median (ms) | mean (ms) | max (ms) "
-        "| max / alone | flood frames run |",
-        "|---|---|---|---|---|---|---|---|",
+        "| max / alone | flood frames run | quantum (rows) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in results.items():
         ratio = r["flood_max_ms"] / r["alone_ms"]
         lines.append(
             f"| {mode} | {r['alone_ms']:.0f} | {r['flood_rounds']} | {r['flood_ms']:.0f} | {r['flood_mean_ms']:.0f} "
-            f"| {r['flood_max_ms']:.0f} | **{ratio:.1f}×** | {r['ran']} of {args.flood} |"
+            f"| {r['flood_max_ms']:.0f} | **{ratio:.1f}×** | {r['ran']} of {args.flood} | {r['quantum']:.0f} |"
         )
     return "\n".join(lines)
 
