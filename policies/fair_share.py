@@ -66,4 +66,3 @@ def fair_shares(
         first = max(range(len(pending)), key=lambda i: kept[i])
         runs[first], kept[first] = pending[first].rows, 0.0
     return runs, kept
-
