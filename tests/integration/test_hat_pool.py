@@ -278,6 +278,8 @@ async def test_workers_join_the_pool_from_the_registry_a_draining_one_finishes_i
                 [draining] = [w for w in announced if w.ws == backend.pool.workers[index].url]
                 [other] = [w for w in announced if w is not draining]
                 async with httpx.AsyncClient(timeout=10) as http:
+                    anonymous = await http.post(draining.http + "/v1/drain", json={"timeout": 60})  # no token
+                    assert anonymous.status_code == 401 and not draining.app.state.worker.draining
                     r = await http.post(draining.http + "/v1/drain", json={"timeout": 60}, headers=auth)
                     assert r.status_code == 202 and r.json()["draining"], r.text
                     assert (await http.get(draining.http + "/health/ready")).json()["status"] == "draining"
