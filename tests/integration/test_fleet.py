@@ -2,7 +2,8 @@
 
 Real parts: two `tandem serve` processes (the SmolLM2 device model each), a scripted OpenAI-compatible cloud on
 loopback, a real Valkey/Redis server started for the session (tests/integration/store_helpers.py), the `openai`
-SDK as client. What must hold across replicas: a budget PUT on one is seen by the other within a second; a trace
+SDK as client. What must hold across replicas: a budget PUT on one is seen by the other within a second; the
+realised budget of requests split over both stays within ±3 % of b; a trace
 is served by the replica that did not serve it; the spend each booked adds up on the store to exactly what both
 report; a replica started later begins with the cloud TTFT samples the others measured; a key's dollar cap and its
 requests-per-minute hold whichever replica serves; and when the store is

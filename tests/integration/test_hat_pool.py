@@ -6,9 +6,12 @@ device half in this process. Sessions spread by the placement rule; a worker
 killed mid-answer costs nothing: the session moves to the other worker, which prefills the delivered context
 again, and the greedy answer equals plain U-shape greedy decoding token for token (up to test_hat.py's
 documented near-tie rule); with both workers dead the stream fails after what it delivered, repeating nothing,
-for the gateway's fault migration to carry on; workers announced in a real store (app/worker/registry.py) join a
-pool that names the registry, and leave it within their TTL once they stop heartbeating. The tests run in order:
-each kills what the next finds dead.
+and through a real `tandem serve` (whose HAT endpoint has the two workers as its pool) the gateway's fault migration
+finishes the answer on the device from the delivered token ids; a draining worker hands over what it cannot finish
+in its time, or finishes its session while refusing new ones and leaving the registry; workers announced in a real
+store (app/worker/registry.py) join a pool that names the registry, and leave it within their TTL once they stop
+heartbeating. The tests run in order: each kills what the next finds dead, and one that needs both workers up
+starts the dead ones again on their ports (`revived`).
 """
 
 from __future__ import annotations
