@@ -60,8 +60,9 @@ llama-server: $(SERVE_STAMP)
 
 setup: $(DEV_STAMP) models llama-server store-server browser
 
+# CONFIG=deploy/fleet.toml (or any settings file) serves that instead of the embedded default.
 serve: $(SERVE_STAMP) models
-	$(BIN)/tandem serve
+	$(BIN)/tandem serve $(if $(CONFIG),--config $(CONFIG))
 
 test: setup
 	$(BIN)/ruff check .

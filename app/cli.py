@@ -133,6 +133,10 @@ def _bench(args: argparse.Namespace) -> int:
         from app.tools.bench.hat import main
     elif args.what == "hat-streams":
         from app.tools.bench.hat_streams import main
+    elif args.what == "hat-resume":
+        from app.tools.bench.hat_resume import main
+    elif args.what == "fair-share":
+        from app.tools.bench.fair_share_bench import main
     elif args.what == "device":
         from app.tools.bench.device_bench import main
     elif args.what == "sd-edge":
@@ -252,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             "disco-live",
             "hat",
             "hat-streams",
+            "hat-resume",
+            "fair-share",
             "sd-edge",
             "worker-batching",
             "privacy",

@@ -459,6 +459,7 @@ def embedded_default() -> Path:
 
 def load_settings(path: str | Path | None = None) -> Settings:
     data = _read_toml(path)
+    data.pop("worker", None)  # the worker's own table (WorkerConfig): one file may configure both processes
     try:
         return Settings(**data)
     except ValidationError as exc:

@@ -20,6 +20,12 @@ POST + SSE, for networks that block WebSockets:
     DELETE /v1/hidden/sessions/{id}       close the session (same as a CLOSE frame)
 
 Several frame POSTs of one session may be in flight at once; the engine applies them in seq order.
+
+    POST /v1/drain                        body (optional): {"timeout": seconds}; 202: the drain's state. No new
+                                          session from then on (OPEN: 503 "draining"; /health/ready: 503), out of
+                                          the registry; open sessions finish, or after `timeout` are handed over
+                                          (an ERROR 503 each: their devices move them). `tandem worker` drains the
+                                          same way on SIGTERM, then exits.
 HTTP-level failures use the OpenAI error envelope: 401 (token), 404 (unknown or expired session), 413 (body
 larger than twice the frame limit), 503 (not ready, worker full).
 
@@ -40,6 +46,7 @@ from typing import Any, Protocol
 from fastapi import APIRouter, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from app.worker.engine import Engine
@@ -55,9 +62,15 @@ class WorkerState(Protocol):
     settings: Any
     engine: Engine | None
     startup_error: str | None
+    drained: dict[str, int] | None
 
     @property
     def ready(self) -> bool: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    def drain(self, timeout: float) -> Any: ...
 
     @property
     def failure(self) -> str | None: ...
@@ -269,18 +282,57 @@ async def delete_session(sid: str, request: Request) -> Response:
 # --- health and metrics ----------------------------------------------------------------------------
 
 
+# --- draining ---------------------------------------------------------------------------------------
+
+
+class DrainBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    timeout: float | None = Field(default=None, ge=0, le=86400)  # seconds before hand-over (None: drain_timeout)
+
+
+@router.post("/v1/drain", status_code=202)
+async def drain(request: Request, body: DrainBody | None = None) -> dict:
+    """Stop taking sessions, leave the registry, let the open sessions finish for up to `timeout` seconds, then hand
+    the rest over (app/worker/server.py's Worker.drain). Idempotent: a second call changes nothing. The worker
+    token is required, as for frames. `GET /health` says when it is done."""
+    worker = _worker(request.app)
+    if not worker.authorized(request.headers.get("authorization")):
+        raise ApiError(
+            401,
+            "Missing or wrong worker token: send 'Authorization: Bearer <token>'.",
+            code="invalid_worker_token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    timeout = body.timeout if body is not None else None
+    worker.drain(worker.settings.drain_timeout if timeout is None else timeout)
+    return _drain_state(worker)
+
+
+def _drain_state(worker: WorkerState) -> dict:
+    sessions = worker.engine.session_count if worker.engine is not None else 0
+    return {"draining": worker.draining, "drained": worker.drained, "sessions": sessions}
+
+
+# --- health and metrics ----------------------------------------------------------------------------
+
+
 @router.get("/health")
 async def health(request: Request) -> dict:
     worker = _worker(request.app)
     body: dict = {"status": "ok", "ready": worker.ready, "model": worker.settings.model}
     if worker.engine is not None:
         body["sessions"] = worker.engine.session_count
+    if worker.draining:
+        body.update(_drain_state(worker))
     return body
 
 
 @router.get("/health/ready")
 async def ready(request: Request) -> JSONResponse:
     worker = _worker(request.app)
+    if worker.draining:  # up, but placing a new session here would be refused
+        return JSONResponse({"status": "draining", **_drain_state(worker)}, status_code=503)
     if worker.ready and worker.engine is not None:
         return JSONResponse({"status": "ready", **worker.engine.info()})
     failure = worker.failure

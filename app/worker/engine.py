@@ -135,6 +135,7 @@ class Engine:
         # A staged worker (app/worker/pipeline.py): `middle` is stage 0's slice and the pipeline runs the rest.
         self.pipeline = pipeline
         self.failed: str | None = None  # why the pipeline broke (the worker is then not ready)
+        self.draining = False  # told to drain (app/worker/server.py's Worker.drain): OPEN is refused
         if pipeline is not None:
             pipeline.on_failure = lambda reason: self._inbox.put(("failed", reason))
         self.scheduler = Scheduler(
@@ -241,6 +242,9 @@ class Engine:
             if self.failed is not None:
                 self.count_rejection(Reason.STAGE)
                 raise EngineError(503, Reason.STAGE, f"worker not ready: {self.failed}")
+            if self.draining:
+                self.count_rejection(Reason.DRAINING)
+                raise EngineError(503, Reason.DRAINING, "worker is draining: it takes no new sessions")
             if len(self._sessions) >= self.limits.max_sessions:
                 self.count_rejection(Reason.FULL)
                 raise EngineError(
@@ -540,8 +544,11 @@ class Engine:
             assert frame is not None
             item.session.tokens += int(deep.shape[0])
             item.finished += n
+            if frame.kind == wire.Kind.DRAFT and (item.deep or item.finished < item.rows):
+                item.deep.append(deep)  # a chain of drafts run in pieces (fair share): the reply carries them all
+                deep = torch.cat(item.deep) if item.finished == item.rows else deep
             if item.finished < item.rows:
-                continue  # a sub-chunk: the frame's reply comes with its last piece
+                continue  # a piece: the frame's reply comes with its last one
             item.session.frames += 1
             if item.tree is not None:
                 item.session.open_tree = (frame.arg, item.tree)
@@ -560,17 +567,30 @@ class Engine:
                     continue
             _resolve(item.future, [reply])
 
+    def hand_over(self) -> int:
+        """A draining worker's time is up: every session left gets an ERROR (503) and is closed, so its device moves
+        it to another worker with the context it delivered (engine thread: `call` it). Returns how many it handed
+        over."""
+        err = EngineError(503, Reason.DRAINING, "worker drained: session handed over; open it on another worker")
+        sessions = list(self._sessions.values())
+        self._end_sessions(sessions, err, "handed over: the worker drained")
+        return len(sessions)
+
     def _fail_stages(self, reason: str) -> None:
         """The pipeline broke: every session fails with an ERROR and is closed; new sessions are refused."""
         if self.failed is not None:
             return
         self.failed = reason
         err = EngineError(503, Reason.STAGE, f"a stage of this worker failed ({reason}); session closed")
-        for session in list(self._sessions.values()):
+        self._end_sessions(list(self._sessions.values()), err, f"a stage failed: {reason}")
+
+    def _end_sessions(self, sessions: list[Session], err: EngineError, why: str) -> None:
+        """Close `sessions` under their devices: their pending frames and the session itself answered with `err`."""
+        for session in sessions:
             for item in list(session.queue):
                 _resolve(item.future, [self._error(session.id, item.seq, err)])
-            self.close(session, f"a stage failed: {reason}")
-            self.count_rejection(Reason.STAGE)
+            self.close(session, why)
+            self.count_rejection(err.reason)
             if session.on_expire is not None:
                 with contextlib.suppress(Exception):
                     session.on_expire(f"{err.reason.value}: {err.message}", 503)

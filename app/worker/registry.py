@@ -40,6 +40,7 @@ class Heartbeat:
         )
         self._task: asyncio.Task | None = None
         self._failing = False
+        self._stopped = False
 
     def start(self, info: Callable[[], dict[str, Any]]) -> None:
         self._task = asyncio.create_task(self._beat(info))
@@ -81,7 +82,10 @@ class Heartbeat:
             self._task.cancel()
 
     async def stop(self) -> None:
-        """Stop beating and leave the registry at once."""
+        """Stop beating and leave the registry at once (idempotent: a drain stops it before the shutdown does)."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.halt()
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):

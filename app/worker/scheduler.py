@@ -3,8 +3,12 @@
 Batching (continuous, "ragged"): every tick the engine thread asks for the next pass, and the scheduler takes the
 next tensor frame of every session that has one pending and chooses which of them (and how many of their rows) run
 together in ONE forward pass. `batching = "greedy"`: all of them, up to max_batch_tokens, whole frames. `batching =
-"planned"` (default): prefill frames longer than a budget derived from the fitted delay predictor g are cut into
-consecutive sub-chunks (exact with the KV cache), the pending pieces are sorted shortest first and grouped by
+"planned"` (default): while more than one session is open, each session's share of a pass is bounded by deficit
+round robin (policies/fair_share.py, the quantum a budget derived from the fitted delay predictor g): a prefill
+frame or a chain of drafts longer than the session's credit is cut into consecutive pieces (exact with the KV
+cache), a token tree runs whole once the credit covers it, so one session flooding its backlog with large frames
+makes no other session's verification round wait behind more than a piece. The pending pieces are sorted shortest
+first and grouped by
 policies/worker_batching.plan_groups (least mean completion time under g), and only the first group runs; the rest
 are re-planned next tick with whatever arrived meanwhile. A frame left out `max_defer` passes in a row is forced into
 the next one — so at the default, max_defer = 0, every pending piece is forced into every pass and the DP has nothing
@@ -30,7 +34,8 @@ from app.worker.sessions import EngineError, Item, Session, check_positions
 from app.worker.settings import EngineLimits
 from app.worker.stats import EngineStats
 from clients.hat import wire
-from policies.worker_batching import plan_groups, split_sizes, subchunk_tokens
+from policies.fair_share import Pending, fair_shares
+from policies.worker_batching import plan_groups, subchunk_tokens
 
 CONTROL_KINDS = frozenset({wire.Kind.ROLLBACK, wire.Kind.TREE, wire.Kind.KEEP})
 MIN_SUBCHUNK = 16  # planned: a prefill frame is never split into pieces smaller than this
@@ -111,14 +116,14 @@ class Scheduler:
         for _, item in self._heads():
             if item is not None:
                 rows = item.rows - item.done
-                prefill = item.frame.kind == wire.Kind.PREFILL_CHUNK  # type: ignore[union-attr]
-                if prefill and self.planner is not None:
+                if item.frame.kind == wire.Kind.PREFILL_CHUNK and self.planner is not None:  # type: ignore[union-attr]
                     rows = self._next_subsequence(item)
-                # Split only when another session could be waiting behind it: alone, a device gains nothing from
-                # sub-chunks and would pay their passes' fixed cost (up to `subchunk_overhead` of its TTFT).
-                if prefill and rows > budget and sessions > 1:
-                    rows = split_sizes(rows, budget)[0]
                 pieces.append((item, rows))
+        # Share the pass only when another session could be waiting: alone, a device gains nothing from pieces and
+        # would pay their passes' fixed cost (up to `subchunk_overhead` of its TTFT).
+        credits: dict[bytes, float] = {}  # what each session keeps of its fair share if its piece runs now
+        if sessions > 1:
+            pieces = self._fair(pieces, budget, credits)
         if not pieces:
             return []
         forced = [i for i, (item, _) in enumerate(pieces) if item.deferred >= limits.max_defer]
@@ -137,6 +142,7 @@ class Scheduler:
                 st.deferred_frames += 1
                 continue
             item.deferred = 0
+            item.session.credit = credits.get(item.session.id, item.session.credit)
             remaining = item.rows - item.done
             if rows < remaining or item.done:
                 st.subchunk_passes += 1
@@ -144,6 +150,22 @@ class Scheduler:
             batch.append((item, rows))
         self._to_back(item for item, _ in batch)
         return batch
+
+    def _fair(self, pieces: list[Piece], quantum: int, credits: dict[bytes, float]) -> list[Piece]:
+        """Deficit round robin over the sessions (policies/fair_share.py), `quantum` rows of credit each per pass:
+        what each session's credit covers of its piece; a prefill chunk or a chain of drafts may run in pieces, a
+        token tree only whole. A session's credit changes only when its piece runs (the planner may defer it): the
+        credit it would keep goes into `credits`; one whose frame waits for more credit keeps what it earned."""
+        pending = [Pending(rows, _splittable(item)) for item, rows in pieces]
+        runs, kept = fair_shares(pending, [item.session.credit for item, _ in pieces], quantum, MIN_SUBCHUNK)
+        fair: list[Piece] = []
+        for (item, _), run, credit in zip(pieces, runs, kept, strict=True):
+            if run:
+                fair.append((item, run))
+                credits[item.session.id] = credit
+            else:
+                item.session.credit = credit
+        return fair
 
     def _next_subsequence(self, item: Item) -> int:
         """A staged worker's next piece of a prefill frame: up to the next end of the frame's Jupiter plan (made
@@ -214,3 +236,9 @@ class Scheduler:
         for item in items:
             if item.session.id in self._ready:
                 self._ready.move_to_end(item.session.id)
+
+
+def _splittable(item: Item) -> bool:
+    """Whether a frame's rows may run over several passes: consecutive positions (a prefill chunk, a chain of drafts)
+    are exact with the KV cache; a token tree's nodes see each other only within one pass."""
+    return item.frame.kind == wire.Kind.PREFILL_CHUNK or item.tree is None  # type: ignore[union-attr]

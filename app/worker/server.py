@@ -58,10 +58,45 @@ class Worker:
         token = settings.auth_token.get_secret_value() if settings.auth_token is not None else None
         self._token = token.encode() if token else None
         self.heartbeat: Heartbeat | None = None
+        self.drain_task: asyncio.Task | None = None
+        self.drained: dict[str, int] | None = None  # once drained: sessions finished here, sessions handed over
 
     @property
     def ready(self) -> bool:
         return self.engine is not None and self.engine.started and self.engine.failed is None
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_task is not None
+
+    def drain(self, timeout: float) -> asyncio.Task:
+        """Start draining (idempotent): no new session from now on (OPEN answers 503 and /health/ready says
+        "draining", so pools and load balancers place elsewhere), out of the registry at once; the sessions open
+        now run on for up to `timeout` seconds, and those still open then are handed over (an ERROR 503 each, on
+        which their devices move them to another worker with the context they delivered). The task's result, also
+        kept in `drained`: how many sessions finished here and how many were handed over."""
+        if self.drain_task is None:
+            if self.engine is not None:
+                self.engine.draining = True
+            self.drain_task = asyncio.create_task(self._drain(timeout))
+        return self.drain_task
+
+    async def _drain(self, seconds: float) -> dict[str, int]:
+        engine = self.engine
+        at_start = engine.session_count if engine is not None else 0
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+        if engine is None:
+            self.drained = {"finished": 0, "handed_over": 0}
+            return self.drained
+        deadline = time.monotonic() + seconds
+        # Sessions end on the engine thread and the loop alike: a count polled every 50 ms is the simplest watch.
+        while engine.session_count and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        handed_over = await asyncio.wrap_future(engine.call(engine.hand_over)) if engine.session_count else 0
+        self.drained = {"finished": max(0, at_start - handed_over), "handed_over": handed_over}
+        log.info("worker drained: %(finished)d sessions finished here, %(handed_over)d handed over", self.drained)
+        return self.drained
 
     @property
     def failure(self) -> str | None:
@@ -96,7 +131,9 @@ class Worker:
             log.error("worker start-up failed: %s", exc)
             raise
         s = self.settings
-        if s.registry_url:
+        if self.draining:  # told to drain while it loaded: it never takes a session nor announces itself
+            self.engine.draining = True
+        elif s.registry_url:
             endpoint = s.advertise_url or f"ws://{s.host}:{s.port}"
             self.heartbeat = Heartbeat(s.registry_url, s.registry_prefix, endpoint, s.heartbeat_seconds)
             self.heartbeat.start(self.engine.info)
@@ -270,8 +307,33 @@ def uvicorn_config_kwargs(settings: WorkerSettings) -> dict[str, Any]:
 
 
 def serve_worker(settings: WorkerSettings) -> None:
-    """Run the worker in the foreground (what `tandem worker` should call)."""
+    """Run the worker in the foreground (what `tandem worker` should call). SIGTERM or SIGINT drains it first
+    (Worker.drain with `drain_timeout`), then it exits; a second signal exits at once."""
     import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+
+        async def serve(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:  # a signal handler: only hand over to the loop
+            worker: Worker = app.state.worker
+            if self.loop is None or worker.draining or worker.engine is None:
+                super().handle_exit(sig, frame)
+            else:
+                self.loop.call_soon_threadsafe(self._drain_then_exit, sig, frame)
+
+        def _drain_then_exit(self, sig: int, frame: Any) -> None:
+            worker: Worker = app.state.worker
+            if worker.draining:  # a second signal
+                super().handle_exit(sig, frame)
+                return
+            log.info("signal %d: draining (up to %g s; signal again to stop at once)", sig, settings.drain_timeout)
+            worker.drain(settings.drain_timeout).add_done_callback(
+                lambda _: super(DrainingServer, self).handle_exit(sig, frame)
+            )
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.auth_token is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
@@ -280,4 +342,5 @@ def serve_worker(settings: WorkerSettings) -> None:
             "(set TANDEM_WORKER_AUTH_TOKEN, and the gateway's clouds.<name>.auth_token to match)",
             settings.host,
         )
-    uvicorn.run(create_worker(settings), **uvicorn_config_kwargs(settings))
+    app = create_worker(settings)
+    DrainingServer(uvicorn.Config(app, **uvicorn_config_kwargs(settings))).run()

@@ -50,6 +50,7 @@ class Reason(enum.StrEnum):
     BACKLOG = "backlog"
     IDLE = "idle"
     STAGE = "stage"
+    DRAINING = "draining"
     CLOSED = "closed"
     INTERNAL = "internal"
 
@@ -93,6 +94,7 @@ class Item:
     cuts: tuple[int, ...] | None = None  # a staged worker's planned sub-sequence ends within this frame (Jupiter)
     tree: tuple[int, ...] | None = None  # a DRAFT's token tree (parent indices), from the TREE frame before it
     deferred: int = 0  # consecutive passes this frame was pending but left out of (planned batching)
+    deep: list[torch.Tensor] = field(default_factory=list)  # a DRAFT run in pieces: the deep states of those run
 
     @property
     def rows(self) -> int:
@@ -126,6 +128,7 @@ class Session:
     # nodes are all in the cache until the device's KEEP says which path stays.
     pending_tree: tuple[int, tuple[int, ...]] | None = None
     open_tree: tuple[int, tuple[int, ...]] | None = None
+    credit: float = 0.0  # engine thread: rows of the scheduler's fair share it kept from earlier passes
 
     @property
     def hex(self) -> str:

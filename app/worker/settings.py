@@ -108,6 +108,10 @@ class WorkerSettings(EngineLimits):
     registry_prefix: str = "tandem:"
     advertise_url: str = ""
     heartbeat_seconds: Annotated[float, Field(gt=0)] = 1.0
+    # On SIGTERM (or POST /v1/drain without a timeout) the worker drains: no new sessions, out of the registry, the
+    # open sessions run on for up to this many seconds and are then handed over to other workers. A second signal
+    # stops at once.
+    drain_timeout: Annotated[float, Field(ge=0)] = 30.0
 
     @model_validator(mode="after")
     def _stages(self) -> WorkerSettings:

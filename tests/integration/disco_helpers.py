@@ -47,17 +47,20 @@ def trace(gw, request_id: str) -> dict:
     return r.json()
 
 
+QWEN = "qwen2.5-coder-0.5b-instruct"
+
+
 @cache
-def _template() -> str:
+def _template(model: str = QWEN) -> str:
     from llama_cpp import Llama
 
-    vocab = Llama(str(model_path("qwen2.5-coder-0.5b-instruct")), vocab_only=True, verbose=False)
+    vocab = Llama(str(model_path(model)), vocab_only=True, verbose=False)
     return vocab.metadata["tokenizer.chat_template"]
 
 
-def rendered(messages) -> str:
-    """The chat prompt exactly as the gateway renders it (the model's own template)."""
-    return render_chat(_template(), messages)
+def rendered(messages, model: str = QWEN) -> str:
+    """The chat prompt exactly as the gateway renders it (the device model's own template)."""
+    return render_chat(_template(model), messages)
 
 
 def evict_cache(gw, backend: str, headers: dict | None = None) -> None:
@@ -75,15 +78,16 @@ def evict_cache(gw, backend: str, headers: dict | None = None) -> None:
 
 
 def independent_continuation(
-    gw, backend: str, messages, prefix: str, max_tokens: int, headers: dict | None = None
+    gw, backend: str, messages, prefix: str, max_tokens: int, headers: dict | None = None, model: str = QWEN
 ) -> str:
     """What `backend` generates greedily after prompt + prefix, asked directly (no migration), from an evicted cache:
     the path a migration onto it took when the test evicted its cache before the migrating request. `headers`: the
-    gateway's API key, where it has keys."""
+    gateway's API key, where it has keys; `model`: the device model, whose template renders the prompt."""
     evict_cache(gw, backend, headers)
+    prompt = rendered(messages, model) + prefix
     r = httpx.post(
         gw.v1 + "/completions",
-        json={"model": backend, "prompt": rendered(messages) + prefix, "max_tokens": max_tokens, "temperature": 0},
+        json={"model": backend, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
         headers=headers,
         timeout=180,
     )

@@ -2,7 +2,8 @@
 
 Real parts: two `tandem serve` processes (the SmolLM2 device model each), a scripted OpenAI-compatible cloud on
 loopback, a real Valkey/Redis server started for the session (tests/integration/store_helpers.py), the `openai`
-SDK as client. What must hold across replicas: a budget PUT on one is seen by the other within a second; a trace
+SDK as client. What must hold across replicas: a budget PUT on one is seen by the other within a second; the
+realised budget of requests split over both stays within ±3 % of b; a trace
 is served by the replica that did not serve it; the spend each booked adds up on the store to exactly what both
 report; a replica started later begins with the cloud TTFT samples the others measured; a key's dollar cap and its
 requests-per-minute hold whichever replica serves; and when the store is
@@ -52,6 +53,7 @@ api_keys = [
 [device]
 model = "smollm2-135m-instruct"
 n_ctx = 2048
+n_threads = 1  # two replicas (and the suite) share the cores: llama.cpp's threads would wait on each other
 [disco]
 profile_device = false
 migration = false
@@ -145,6 +147,80 @@ def test_a_budget_put_on_one_replica_is_seen_by_the_other_within_a_second(replic
         assert time.monotonic() - t0 < 1.0, seen
         time.sleep(0.02)
     assert seen["version"] == r.json()["version"] and seen["settings_source"] == "the shared store"
+
+
+SHORT = [{"role": "user", "content": "Hi"}]
+# A dozen tokens more, after the same start: the device's prompt cache keeps their common prefix, so its prefill of
+# either (a race's loser too) is a few tokens on a busy machine.
+LONG = [{"role": "user", "content": "Hi! Do the replicas that answer me share one budget?"}]
+
+
+async def batches_on_both(gws: list[GatewayProcess], batches: int, policy: str = "disco-s") -> tuple[int, int]:
+    """`batches` rounds of five short and five long prompts under `policy` on each replica at once, a round after the
+    previous one ended; returns the two prompt lengths. A replica's policies recompute every 10 requests it sees
+    (counted as they start, whatever their policy), so whenever they do it has seen as many short prompts as long
+    ones."""
+    clients = [openai.AsyncOpenAI(base_url=gw.v1, api_key=PLAIN, max_retries=0) for gw in gws]
+
+    async def one(client: openai.AsyncOpenAI, messages: list) -> int:
+        answer = await client.chat.completions.create(
+            model="tandem", messages=messages, max_tokens=1, temperature=0, extra_body={"tandem": {"policy": policy}}
+        )
+        return answer.usage.prompt_tokens
+
+    try:
+        for _ in range(batches):
+            lengths = await asyncio.gather(*(one(c, m) for c in clients for m in [SHORT, LONG] * 5))
+        assert set(lengths[0::2]) == {lengths[0]} and set(lengths[1::2]) == {lengths[1]}
+        return lengths[0], lengths[1]
+    finally:
+        for client in clients:
+            await client.close()
+
+
+def window(view: dict) -> tuple[int, int]:
+    w = view["window"]
+    return w["input_tokens"], w["constrained_input_tokens"]
+
+
+def test_the_realised_budget_across_both_replicas_stays_within_3_percent_of_b(replicas):
+    """DiSCo-S (server-constrained) with b set on one replica: the prompts shorter than its threshold stay on the
+    device, the rest race, and the store's window (both replicas' bookings) shows the share b of input tokens on the
+    cloud. Two prompt lengths in equal numbers, and b = L_long / (L_short + L_long): Eq. 3's threshold then falls
+    between the two lengths, so each replica's choice is exact (no draw at a tie) once it has 20 length samples,
+    and the realised ratio is b only if both replicas play the same b and the store adds up both windows."""
+    a, b = replicas
+    # 20 length samples on each replica, past the estimator's prior (the cloud answers: no device time spent on them)
+    short, long_ = asyncio.run(batches_on_both(replicas, 2, policy="cloud"))
+    target = long_ / (short + long_)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    # DiSCo-S as the replicas' policy: each makes its threshold from the 20 samples now (GET /v1/budget shows it), and
+    # not from the samples at its first DiSCo-S request, which has counted itself already.
+    r = httpx.put(a.v1 + "/budget", json={"budget": target, "policy": "disco-s"}, headers=admin)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 2
+    while budget(b)["budget"] != target:  # B recomputes its threshold when it hears of the change
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    before = settled(replicas)
+    for view in before:  # Eq. 3's threshold between the two lengths: every short prompt on the device, no draw
+        state = view["dispatch"]["policy_state"]
+        assert state["l_th"] == short and state["tie_fraction"] > 1 - 1e-9, state
+    try:
+        asyncio.run(batches_on_both(replicas, 2))  # 40 requests, 20 on each replica
+        after = settled(replicas)
+    finally:
+        httpx.put(a.v1 + "/budget", json={"budget": 0.3, "policy": "cloud"}, headers=admin)
+    shared = [x - y for x, y in zip(window(after[0]["spend"]), window(before[0]["spend"]), strict=True)]
+    here = [
+        [x - y for x, y in zip(window(v["spend_here"]), window(w["spend_here"]), strict=True)]
+        for v, w in zip(after, before, strict=True)
+    ]
+    assert shared[0] == 20 * (short + long_) and shared == [here[0][i] + here[1][i] for i in range(2)]
+    realised = shared[1] / shared[0]
+    assert abs(realised - target) <= 0.03, (realised, target, here)
+    for mine in here:  # and each replica on its own: neither made up for the other
+        assert abs(mine[1] / mine[0] - target) <= 0.03, (mine, target)
 
 
 def test_a_trace_is_served_by_the_replica_that_did_not_serve_it(replicas):

@@ -15,7 +15,7 @@ import base64
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -52,16 +52,20 @@ class WorkerServer:
     """A real worker app on a free loopback port, served by uvicorn in a thread, recording every frame it gets."""
 
     def __init__(self, model: Any, name: str, **overrides: Any) -> None:
-        self.settings = WorkerSettings(model=name, port=free_port(), auth_token=TOKEN, **overrides)
+        self.settings = WorkerSettings(model=name, auth_token=TOKEN, **{"port": free_port(), **overrides})
         self.frames: list[tuple[bytes | None, bytes]] = []
-        self.app = create_worker(
-            self.settings, model=model, frame_hook=lambda sid, data: self.frames.append((sid, data))
-        )
+        self.on_frame: Callable[[bytes | None, bytes], None] | None = None  # a test's hook, after recording
+        self.app = create_worker(self.settings, model=model, frame_hook=self._record)
         kwargs = {**uvicorn_config_kwargs(self.settings), "log_level": "warning"}
         self.server = uvicorn.Server(uvicorn.Config(self.app, **kwargs))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.http = f"http://127.0.0.1:{self.settings.port}"
         self.ws = f"ws://127.0.0.1:{self.settings.port}"
+
+    def _record(self, sid: bytes | None, data: bytes) -> None:
+        self.frames.append((sid, data))
+        if self.on_frame is not None:
+            self.on_frame(sid, data)
 
     def start(self) -> WorkerServer:
         self.thread.start()
@@ -561,6 +565,48 @@ async def test_one_sessions_backlog_is_bounded_and_fails_alone(smol, reference) 
         await backend.close()
     finally:
         server.stop()
+
+
+async def test_a_flooding_session_runs_in_fair_pieces_and_its_drafts_come_back_whole(worker: WorkerServer, smol):
+    """One session sends two 48-row drafts at once beside another's 3-row rounds: the worker runs the flood in
+    pieces of its fair share (app/worker/scheduler.py, policies/fair_share.py), so the small rounds never wait behind
+    a whole flood frame, and each flood draft's VERIFY_RESULT carries all its rows, equal to the middle layers run
+    on them at once."""
+    model, tok = smol
+    engine = worker.engine
+    flood = shallow_of(model, (prompt_ids(tok) * 4)[:96])
+    small = shallow_of(model, prompt_ids(tok, OTHER)[:9])
+    (ws_flood, sid_flood, _), (ws_small, sid_small, _) = [await open_raw(worker) for _ in range(2)]
+    before = engine.stats.split_frames
+    limits = engine.scheduler.limits  # a quantum of 16 rows, whatever this CPU's fitted g says
+    engine.scheduler.limits = limits.model_copy(update={"max_batch_tokens": 16})
+    gate = threading.Event()
+    engine.call(gate.wait)  # hold the engine until the flood is queued
+    try:
+        for i in range(2):
+            await ws_flood.send(
+                wire.encode_tensor(Kind.DRAFT, sid_flood, 1 + i, flood[48 * i : 48 * i + 48], arg=48 * i)
+            )
+        await wait_for(lambda: sum(1 for sid, d in worker.frames if sid == sid_flood and d[5] == Kind.DRAFT) >= 2)
+        gate.set()
+        rounds = []
+        for i in range(3):
+            small_draft = wire.encode_tensor(Kind.DRAFT, sid_small, 1 + i, small[3 * i : 3 * i + 3], arg=3 * i)
+            await ws_small.send(small_draft)
+            rounds.append(await recv_reply(ws_small))
+        replies = [await recv_reply(ws_flood) for _ in range(2)]
+    finally:
+        gate.set()
+        engine.scheduler.limits = limits
+        await ws_flood.close()
+        await ws_small.close()
+    with torch.inference_mode():
+        want_flood = split_model(model, 2).middle(flood[None])[0]
+        want_small = split_model(model, 2).middle(small[None])[0]
+    assert [r.kind for r in replies] == [Kind.VERIFY_RESULT] * 2 and [r.shape[0] for r in replies] == [48, 48]
+    assert torch.allclose(torch.cat([r.tensor() for r in replies]), want_flood, rtol=1e-4, atol=1e-3)
+    assert torch.allclose(torch.cat([r.tensor() for r in rounds]), want_small, rtol=1e-4, atol=1e-3)
+    assert engine.stats.split_frames >= before + 2  # every flood draft ran in pieces
 
 
 # --- batching -----------------------------------------------------------------------------------------

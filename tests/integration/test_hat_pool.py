@@ -6,23 +6,32 @@ device half in this process. Sessions spread by the placement rule; a worker
 killed mid-answer costs nothing: the session moves to the other worker, which prefills the delivered context
 again, and the greedy answer equals plain U-shape greedy decoding token for token (up to test_hat.py's
 documented near-tie rule); with both workers dead the stream fails after what it delivered, repeating nothing,
-for the gateway's fault migration to carry on; workers announced in a real store (app/worker/registry.py) join a
-pool that names the registry, and leave it within their TTL once they stop heartbeating. The tests run in order:
-each kills what the next finds dead.
+and through a real `tandem serve` (whose HAT endpoint has the two workers as its pool) the gateway's fault migration
+finishes the answer on the device from the delivered token ids; a draining worker hands over what it cannot finish
+in its time, or finishes its session while refusing new ones and leaving the registry; workers announced in a real
+store (app/worker/registry.py) join a pool that names the registry, and leave it within their TTL once they stop
+heartbeating. The tests run in order: each kills what the next finds dead, and one that needs both workers up
+starts the dead ones again on their ports (`revived`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
+import redis
 
+from app.launcher import GatewayProcess, start_gateway, stop_gateway
 from clients.base import BackendError, GenerationRequest, TokenEvent
+from clients.hat import wire
 from clients.hat.device import HATBackend
 from clients.hat.options import HATOptions
+from tests.integration.disco_helpers import independent_continuation, stream_chunks, trace
 from tests.integration.hf_fixtures import SMOL, load
 from tests.integration.test_hat import TOKEN, WorkerServer, check_against_reference, prompt_ids, u_shape_greedy
 
@@ -51,6 +60,50 @@ def workers(smol) -> Iterator[list[WorkerServer]]:
         for worker in started:
             if worker.thread.is_alive():
                 worker.stop()
+
+
+def revived(smol, workers: list[WorkerServer]) -> list[WorkerServer]:
+    """Every worker of the pool up: one an earlier test killed starts again on its port, as a supervisor restarts it
+    (the loaded model is shared: a start is the split and the engine's self-check)."""
+    for i, worker in enumerate(workers):
+        if not worker.thread.is_alive():
+            port = worker.settings.port
+            workers[i] = WorkerServer(smol[0], SMOL, port=port, max_sessions=4, idle_timeout=60).start()
+    return workers
+
+
+@pytest.fixture(scope="module")
+def pool_gateway(smol, workers) -> Iterator[GatewayProcess]:
+    """A real `tandem serve` whose HAT endpoint (SmolLM2's device half) has the two workers as its pool, with the
+    device model (SmolLM2 on llama.cpp, the same vocabulary: migrations go by token ids) to fall back on."""
+    urls = ", ".join(f'"{w.ws}"' for w in revived(smol, workers))
+    gw = start_gateway(
+        f"""
+[gateway]
+policy = "cloud"
+cloud = "hat"
+state_file = ""
+stall_timeout = 60
+[device]
+model = "{SMOL}"
+reproducible = true   # the continuation is compared with the device's own greedy answer: one evaluation path
+n_ctx = 2048
+n_threads = 1  # the workers and this process share the cores: llama.cpp's threads would wait on each other
+[disco]
+profile_device = false
+migration = false
+[clouds.hat]
+kind = "hat"
+model = "{SMOL}"
+worker_urls = [{urls}]
+auth_token = "{TOKEN}"
+chunk_size = 16
+round_timeout = 10
+""",
+        wait_for=("device", "hat"),
+    )
+    yield gw
+    stop_gateway(gw)
 
 
 def kill(worker: WorkerServer) -> None:
@@ -127,10 +180,81 @@ async def test_with_every_worker_dead_the_stream_fails_after_what_it_delivered(s
         await backend.close()
 
 
-async def test_workers_join_the_pool_from_the_registry_and_leave_it_within_their_ttl(
+def dies_after_drafts(worker: WorkerServer, drafts: int) -> Callable[[bytes | None, bytes], None]:
+    """A frame hook: the worker goes away (its server stopped, every connection closed) once it has received
+    `drafts` DRAFT frames, i.e. mid-answer, wherever the pool placed the session."""
+    seen: list[bytes] = []
+
+    def hook(sid: bytes | None, data: bytes) -> None:
+        if sid is not None and wire.peek_kind(data) == wire.Kind.DRAFT:
+            seen.append(sid)
+            if len(seen) == drafts:
+                threading.Thread(target=worker.stop, daemon=True).start()
+
+    return hook
+
+
+def test_with_the_whole_pool_killed_mid_answer_the_gateway_finishes_on_the_device(smol, workers, pool_gateway):
+    """Through the real gateway: the session's worker dies mid-answer, the session moves to the other worker, which
+    dies too; the device half then fails after what it delivered and the gateway's fault migration carries the answer
+    on on the device from the delivered token ids. The client sees one answer: nothing lost, nothing repeated."""
+    revived(smol, workers)
+    for worker in workers:
+        worker.on_frame = dies_after_drafts(worker, 2)
+    messages = [{"role": "user", "content": "Count from one to twenty in words."}]
+    rid, pieces, finish = stream_chunks(pool_gateway, messages, max_tokens=24)
+    for worker in workers:
+        worker.thread.join(15)
+        assert not worker.thread.is_alive()
+    t = trace(pool_gateway, rid)
+    assert [(m["from"], m["to"], m["reason"]) for m in t["migrations"]] == [("hat", "device", "error")], t
+    assert [e["backend"] for e in t["endpoints"]] == ["hat", "device"] and t["endpoints"][-1]["outcome"] == "finished"
+    assert finish in ("stop", "length")
+    k = t["migrations"][0]["at_token"]
+    assert 0 < k < len(pieces)  # the answer moved mid-way, with what HAT had delivered
+    prefix, rest = "".join(pieces[:k]), "".join(pieces[k:])
+    # The device continued exactly from the delivered prefix: its own greedy continuation of prompt + prefix.
+    assert independent_continuation(pool_gateway, "device", messages, prefix, len(pieces) - k, model=SMOL) == rest
+    (hat,) = [e for e in httpx.get(pool_gateway.v1 + "/endpoints", timeout=10).json()["data"] if e["name"] == "hat"]
+    assert [w["failures"] for w in hat["hat"]["workers"]] == [1, 1], hat  # both sessions' workers were lost
+
+
+async def test_a_draining_worker_hands_over_what_it_has_not_finished_in_its_time(smol, workers, reference) -> None:
+    """Told to drain with no time to finish, the worker hands its session over (an ERROR 503): the device moves it to
+    the other worker with the context it delivered, and the greedy answer is the uninterrupted one."""
+    revived(smol, workers)
+    backend = await device_half(smol, workers)
+    try:
+        events: list[TokenEvent] = []
+        async for event in backend.stream(request(smol)):
+            events.append(event)
+            if len(events) == KILL_AFTER:
+                [index] = serving(backend)
+                async with httpx.AsyncClient(timeout=10) as http:
+                    r = await http.post(
+                        workers[index].http + "/v1/drain",
+                        json={"timeout": 0},
+                        headers={"Authorization": f"Bearer {TOKEN}"},
+                    )
+                assert r.status_code == 202, r.text
+        check_against_reference([e.token_id for e in events], *reference)
+        assert backend.stats.failovers == 1
+        worker_state = workers[index].app.state.worker
+        t0 = time.monotonic()
+        while worker_state.drained is None:  # set on the worker's loop once the hand-over is done
+            assert time.monotonic() - t0 < 2.0
+            await asyncio.sleep(0.01)
+        assert worker_state.drained == {"finished": 0, "handed_over": 1}, worker_state.drained
+    finally:
+        await backend.close()
+
+
+async def test_workers_join_the_pool_from_the_registry_a_draining_one_finishes_its_session_and_leaves(
     smol, store_server, reference
 ) -> None:
-    """A worker announced in a real store is placed on; one that stops heartbeating is gone within its TTL."""
+    """Workers announced in a real store are placed on. One told to drain mid-answer leaves the registry at once,
+    refuses new sessions (a second session goes to the other worker, and an OPEN sent to it straight is refused),
+    finishes the session it has, and says it is drained; one that stops heartbeating is gone within its TTL."""
     beat = 0.2
     registry = {"registry_url": store_server.url, "registry_prefix": "hatpool:", "heartbeat_seconds": beat}
     announced = [WorkerServer(smol[0], SMOL, max_sessions=4, **registry).start() for _ in range(2)]
@@ -140,25 +264,67 @@ async def test_workers_join_the_pool_from_the_registry_and_leave_it_within_their
     backend = HATBackend(options, model_id=SMOL, model=smol[0], tokenizer=smol[1])
     backend.pool.refresh_seconds = 0.0
     await backend.start()
+    store = redis.Redis.from_url(store_server.url, decode_responses=True)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
     try:
         assert backend.pool.workers == []  # nothing until the registry is read
         tokens = [e.token_id async for e in backend.stream(request(smol))]
         check_against_reference(tokens, *reference)
         assert sorted(w.url for w in backend.pool.workers) == sorted(w.ws for w in announced)
         assert all(w.info["max_sessions"] == 4 and len(w.info["g"]) == 2 for w in backend.pool.workers)
-        announced[0].app.state.worker.heartbeat.halt()  # hung: no goodbye
+
+        events: list[TokenEvent] = []
+        async for event in backend.stream(request(smol)):
+            events.append(event)
+            if len(events) == KILL_AFTER:
+                [index] = serving(backend)  # the pool's order is the registry's, not `announced`'s
+                [draining] = [w for w in announced if w.ws == backend.pool.workers[index].url]
+                [other] = [w for w in announced if w is not draining]
+                async with httpx.AsyncClient(timeout=10) as http:
+                    anonymous = await http.post(draining.http + "/v1/drain", json={"timeout": 60})  # no token
+                    assert anonymous.status_code == 401 and not draining.app.state.worker.draining
+                    r = await http.post(draining.http + "/v1/drain", json={"timeout": 60}, headers=auth)
+                    assert r.status_code == 202 and r.json()["draining"], r.text
+                    assert (await http.get(draining.http + "/health/ready")).json()["status"] == "draining"
+                    t0 = time.monotonic()
+                    while store.exists(draining.app.state.worker.heartbeat.key):  # out of the registry at once
+                        assert time.monotonic() - t0 < 1.0
+                        await asyncio.sleep(0.01)
+                second = [e.token_id async for e in backend.stream(request(smol))]  # placed on the other worker
+                check_against_reference(second, *reference)
+                assert [w.url for w in backend.pool.workers] == [other.ws]
+                alone = HATBackend(
+                    HATOptions(worker_urls=(draining.ws,), auth_token=TOKEN, chunk_size=16),
+                    model_id=SMOL,
+                    model=smol[0],
+                    tokenizer=smol[1],
+                )
+                await alone.start()
+                try:
+                    with pytest.raises(BackendError, match="draining") as refused:
+                        [e async for e in alone.stream(request(smol))]
+                    assert refused.value.status == 503
+                finally:
+                    await alone.close()
+        check_against_reference([e.token_id for e in events], *reference)  # finished where it was
+        assert backend.stats.failovers == 0
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(timeout=5) as http:
+            while (health := (await http.get(draining.http + "/health")).json()).get("drained") is None:
+                assert time.monotonic() - t0 < 5.0, health
+                await asyncio.sleep(0.05)
+        assert health["drained"] == {"finished": 1, "handed_over": 0} and health["sessions"] == 0
+
+        other.app.state.worker.heartbeat.halt()  # hung: no goodbye
         halted = time.monotonic()
-        while len(backend.pool.workers) == 2:
+        while backend.pool.workers:
             assert time.monotonic() - halted < 3 * beat + 1.0, "still listed after its TTL"
             await backend.pool.refresh()
             await asyncio.sleep(0.05)
-        assert [w.url for w in backend.pool.workers] == [announced[1].ws]
-        announced[1].stop()  # a clean stop leaves at once
-        await backend.pool.refresh()
-        assert backend.pool.workers == []
         with pytest.raises(BackendError, match="no HAT worker"):
             [e async for e in backend.stream(request(smol))]
     finally:
+        store.close()
         await backend.close()
         for worker in announced:
             if worker.thread.is_alive():

@@ -169,6 +169,21 @@ def test_the_remote_cloud_example_loads_with_the_users_url_key_and_model(monkeyp
     assert (cloud.tokenizer, cloud.continuation) == ("tiktoken", "chat")
 
 
+def test_the_fleet_profile_configures_a_replica_and_its_workers_in_one_file(worker_env):
+    """deploy/fleet.toml (README, 'Several gateways, one store'): the gateway reads its tables and leaves [worker]
+    to `tandem worker`, which reads only that one."""
+    from pathlib import Path
+
+    from app.config import load_worker_settings
+
+    profile = Path(embedded_default()).with_name("fleet.toml")
+    s = load_settings(profile)
+    assert (s.state.backend, s.clouds["hat"].worker_registry) == ("valkey", s.state.url)
+    worker = load_worker_settings(profile, {})
+    assert (worker.registry_url, worker.registry_prefix) == (s.state.url, s.clouds["hat"].worker_registry_prefix)
+    assert worker.model == s.clouds["hat"].model and worker.drain_timeout == 30
+
+
 def test_an_embedded_worker_and_a_worker_url_are_refused_together(tmp_path):
     hat = "[gateway]\ncloud = 'h'\n[clouds.h]\nkind = 'hat'\n"
     with pytest.raises(ConfigError) as info:

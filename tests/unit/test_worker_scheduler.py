@@ -255,3 +255,34 @@ def _error(fn) -> EngineError:
     except EngineError as e:
         return e
     raise AssertionError("no EngineError")
+
+
+def test_a_session_flooding_its_backlog_gets_its_fair_share_of_each_pass_and_no_more() -> None:
+    """Forty 455-row drafts (1 MiB each at SmolLM2's width) sent at once by one session, beside another's 3-row
+    rounds: every pass carries at most the quantum (96 rows) of the flood, so the other's round never waits behind
+    more than a piece of it (the engine replies to a draft run in pieces once, with all its rows: test_hat.py)."""
+    s = Script(batching="planned")
+    s.session("victim", cached=20)
+    s.session("flood")
+    for _ in range(40):
+        s.send("flood", Kind.DRAFT, 455)
+    flooded = 0
+    for _ in range(12):
+        s.send("victim", Kind.DRAFT, 3)
+        pass_ = dict(s.next_pass())
+        assert pass_["victim"] == 3 and pass_["flood"] <= 96, pass_
+        flooded += pass_["flood"]
+    assert flooded >= 12 * 91  # and the flood is not starved: it gets its share of every pass
+
+
+def test_a_token_tree_larger_than_the_quantum_waits_for_its_credit_then_runs_whole() -> None:
+    s = Script(batching="planned")
+    s.session("small", cached=20)
+    tree = s.session("tree")
+    tree.expect_tree(0, (-1, *range(149)))  # a 150-node chain shape, sent as a tree: never cut
+    s.send("tree", Kind.DRAFT, 150, arg=0)
+    s.send("small", Kind.DRAFT, 3)
+    assert s.next_pass() == [("small", 3)]  # the tree's credit (96) does not cover it yet
+    s.send("small", Kind.DRAFT, 3)
+    assert s.next_pass() == [("tree", 150), ("small", 3)]  # 192 does
+    assert tree.credit == 0.0

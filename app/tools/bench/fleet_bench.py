@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.launcher import start_gateway, stop_gateway  # the same launcher as the tests
 
+    load = os.getloadavg()
+
     children, upstreams = start_upstreams()
     store_process, url, tmp = (None, args.store, None) if args.store else _start_store()
     started = []
@@ -140,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     header = (
-        f"tandem bench fleet --rounds {args.rounds}  ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores; upstream,"
-        " store, gateways and load generator on one machine)\n\n"
+        f"tandem bench fleet --rounds {args.rounds}  ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load "
+        f"average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the start; upstream, store, gateways and load "
+        "generator on one machine)\n\n"
     )
     publish(header + _report(results, args.rounds), args.out)
     return 0
