@@ -125,7 +125,7 @@ class GatewaySettings(_Strict):
     default_max_tokens: Annotated[int, Field(gt=0)] = 512
     ping_seconds: Annotated[float, Field(gt=0)] = 15.0
     # Mid-answer silence after which the serving endpoint counts as stalled and the
-    # answer migrates to the other endpoint.
+    # answer migrates to the other endpoint (the device's and each cloud's own `stall_timeout` override it).
     stall_timeout: Annotated[float, Field(gt=0)] = 10.0
     trace_history: Annotated[int, Field(gt=0)] = 1000
     # Request bodies larger than this are refused with 413 before they are read whole.
@@ -185,6 +185,10 @@ class DeviceSettings(_Strict):
     # chunk of re-evaluation on a repeated prompt; off, the longest cached prefix is reused. The torch backend keeps
     # no cache and always evaluates this way.
     reproducible: bool = False
+    # This endpoint's own mid-answer silence that counts as a stall (unset: [gateway] stall_timeout). A device
+    # writes at a pace known in advance, while a cloud may pause for long (a provider's queue, a reasoning model's
+    # silent thinking): each can be given the patience it deserves.
+    stall_timeout: Annotated[float, Field(gt=0)] | None = None
 
 
 class EmbeddedServerSettings(_Strict):
@@ -237,6 +241,7 @@ class CloudSettings(_Strict):
     write_timeout: Annotated[float, Field(gt=0)] = 10.0
     pool_timeout: Annotated[float, Field(gt=0)] = 5.0
     max_connections: Annotated[int, Field(gt=0)] = 64
+    stall_timeout: Annotated[float, Field(gt=0)] | None = None  # as [device]'s: unset, [gateway] stall_timeout
     price: PriceSettings = PriceSettings()
     embedded: EmbeddedServerSettings | None = None
 
@@ -330,6 +335,7 @@ class HATCloudSettings(HATOptions):
     # "device": the split model shares the device model's vocabulary (the bundled Qwen pair does),
     # so prompts and migrations go by token ids.
     tokenizer: Literal["device", "own"] = "device"
+    stall_timeout: Annotated[float, Field(gt=0)] | None = None  # as [device]'s: unset, [gateway] stall_timeout
     price: PriceSettings = PriceSettings()
     # A profile (HATOptions.profile) also reaches an embedded worker, which starts from its measured times.
     embedded: EmbeddedWorkerSettings | None = None

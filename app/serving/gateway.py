@@ -86,6 +86,14 @@ def upstream_options(cloud: CloudSettings) -> UpstreamOptions:
     )
 
 
+def _own_stall_timeouts(settings: Settings, device: str) -> dict[str, float]:
+    """The endpoints that have a stall timeout of their own, and theirs."""
+    own = {name: cloud.stall_timeout for name, cloud in settings.clouds.items() if cloud.stall_timeout is not None}
+    if settings.device.stall_timeout is not None:
+        own[device] = settings.device.stall_timeout
+    return own
+
+
 def _state_store(settings: Settings, ledger: Ledger) -> StateStore:
     state = settings.state
     if state.backend == "memory":
@@ -151,6 +159,7 @@ class Gateway:
             self.disco,
             self.ledger,
             stall_timeout=settings.gateway.stall_timeout,
+            stall_timeouts=_own_stall_timeouts(settings, self.device.name),
             history=settings.gateway.trace_history,
             trace_file=settings.gateway.trace_file,
             events=self.events,
