@@ -233,7 +233,9 @@ class CloudSettings(_Strict):
     # the device's template gets tools in the prompt the gateway renders; "gbnf" (llama.cpp's llama-server,
     # llama-cpp-python's server: an embedded cloud's default) sends a forced tool call or a JSON format as a GBNF
     # `grammar` it enforces, also when it continues an answer; otherwise such an upstream cannot enforce one ("none").
-    structured_output: Literal["native", "none", "gbnf"] = "native"
+    # "json_object": response_format takes {"type": "json_object"} only (DeepSeek); a json_schema request goes as
+    # json_object with the schema in a system message, and the answer is checked against the schema.
+    structured_output: Literal["native", "json_object", "none", "gbnf"] = "native"
     # Ask for usage in the stream (`stream_options`); off for a server that refuses the field (it sends usage anyway).
     stream_usage: bool = True
     connect_timeout: Annotated[float, Field(gt=0)] = 3.0
@@ -288,7 +290,7 @@ class CloudSettings(_Strict):
         if self.token_id_prompts and self.tokenizer != "device":
             raise ValueError("token_id_prompts needs tokenizer='device' (the ids are the device model's)")
         if self.gateway_template and "structured_output" in self.model_fields_set:
-            if self.structured_output == "native":
+            if self.structured_output in ("native", "json_object"):
                 raise ValueError(
                     "structured_output='native' needs a chat upstream (a completions upstream with the device's "
                     "tokenizer is given tools in the prompt; set 'gbnf' if it enforces a GBNF grammar, else 'none')"
