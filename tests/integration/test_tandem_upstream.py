@@ -6,6 +6,11 @@ than A's); Tandem A serves Qwen2.5-Coder-0.5B on its device and has B as its clo
 (`prefix-flag`: Mistral's `"prefix": true`; `continue-final-message`: vLLM's flags), priced so that DiSCo moves
 A's device-started answers onto it mid-answer. Both devices run in the reproducible mode, so B's part of a migrated
 answer is compared with B's own answer to the same continuation, asked directly (one computation path).
+
+A device fault: a third gateway (Qwen2.5-Coder-0.5B again) whose device stalls after its first token hands the answer
+on to B in both of B's dialects and to llama.cpp's llama-server (conftest's `llama_server_smollm`, SmolLM2) in both of
+its own (prefill, completions with SmolLM2's template); each cloud's part is compared with what it writes when asked
+the same continuation directly (test_llama_server_dialects.py's helpers for llama-server).
 """
 
 from __future__ import annotations
