@@ -48,16 +48,11 @@ def verdict_of(text: str) -> str:
     return "unclear"
 
 
-async def _ask(cloud: CloudSettings, request: GenerationRequest) -> tuple[str, float]:
-    """One answer through a backend of its own: a connection of its own, so the second request never meets the
-    first one's keep-alive connection as the server closes it."""
-    backend = OpenAICompatBackend("check", upstream_options(cloud))
+async def _ask(backend: OpenAICompatBackend, request: GenerationRequest) -> tuple[list[str], float]:
+    """One answer's pieces of text, as the upstream sent them."""
     started = time.monotonic()
-    try:
-        parts = [event.text async for event in backend.stream(request)]
-    finally:
-        await backend.close()
-    return "".join(parts), time.monotonic() - started
+    pieces = [event.text async for event in backend.stream(request) if event.text]
+    return pieces, time.monotonic() - started
 
 
 def _request(messages, prefix: str, device_template: str | None) -> GenerationRequest:
@@ -67,18 +62,28 @@ def _request(messages, prefix: str, device_template: str | None) -> GenerationRe
 
 
 async def check(cloud: CloudSettings, device_template: str | None) -> tuple[Outcome, Outcome]:
-    """(the fresh answer, the continuation) of a cloud."""
+    """(the fresh answer, the continuation) of a cloud, asked through the backend a gateway builds for it."""
+    backend = OpenAICompatBackend("check", upstream_options(cloud))
     try:
-        text, seconds = await _ask(cloud, _request(GREETING, "", device_template))
-        fresh = Outcome("ok", text, seconds)
+        return await _check(backend, cloud.continuation, device_template)
+    finally:
+        await backend.close()
+
+
+async def _check(backend: OpenAICompatBackend, dialect: str, device_template: str | None) -> tuple[Outcome, Outcome]:
+    try:
+        pieces, seconds = await _ask(backend, _request(GREETING, "", device_template))
+        fresh = Outcome("ok", "".join(pieces), seconds)
     except BackendError as exc:
         fresh = Outcome("refused", str(exc), 0.0)
-    if cloud.continuation == "chat":
+    if dialect == "chat":
         return fresh, Outcome("not asked", "continuation = 'chat': this cloud only starts answers", 0.0)
     try:
-        text, seconds = await _ask(cloud, _request(COUNTING, BEGUN, device_template))
-        if cloud.continuation == "prefill" and text.startswith(BEGUN):
-            # llama-server sends the prefill back first; a migration's seam drops it (app/serving/seam.py).
+        pieces, seconds = await _ask(backend, _request(COUNTING, BEGUN, device_template))
+        text = "".join(pieces)
+        if dialect == "prefill" and pieces and pieces[0].startswith(BEGUN):
+            # llama-server sends the prefill back first, in one piece (an answer begun again spells it token by
+            # token); a migration's seam drops it (app/serving/seam.py).
             text = f"[{BEGUN} sent back, dropped]" + text[len(BEGUN) :]
             continued = Outcome(verdict_of(text[text.index("]") + 1 :]), text, seconds)
         else:

@@ -132,7 +132,7 @@ class GatewaySettings(_Strict):
     default_max_tokens: Annotated[int, Field(gt=0)] = 512
     ping_seconds: Annotated[float, Field(gt=0)] = 15.0
     # Mid-answer silence after which the serving endpoint counts as stalled and the
-    # answer migrates to the other endpoint.
+    # answer migrates to the other endpoint (the device's and each cloud's own `stall_timeout` override it).
     stall_timeout: Annotated[float, Field(gt=0)] = 10.0
     trace_history: Annotated[int, Field(gt=0)] = 1000
     # Request bodies larger than this are refused with 413 before they are read whole.
@@ -192,6 +192,10 @@ class DeviceSettings(_Strict):
     # chunk of re-evaluation on a repeated prompt; off, the longest cached prefix is reused. The torch backend keeps
     # no cache and always evaluates this way.
     reproducible: bool = False
+    # This endpoint's own mid-answer silence that counts as a stall (unset: [gateway] stall_timeout). A device
+    # writes at a pace known in advance, while a cloud may pause for long (a provider's queue, a reasoning model's
+    # silent thinking): each can be given the patience it deserves.
+    stall_timeout: Annotated[float, Field(gt=0)] | None = None
 
 
 class EmbeddedServerSettings(_Strict):
@@ -236,7 +240,9 @@ class CloudSettings(_Strict):
     # the device's template gets tools in the prompt the gateway renders; "gbnf" (llama.cpp's llama-server,
     # llama-cpp-python's server: an embedded cloud's default) sends a forced tool call or a JSON format as a GBNF
     # `grammar` it enforces, also when it continues an answer; otherwise such an upstream cannot enforce one ("none").
-    structured_output: Literal["native", "none", "gbnf"] = "native"
+    # "json_object": response_format takes {"type": "json_object"} only (DeepSeek); a json_schema request goes as
+    # json_object with the schema in a system message, and the answer is checked against the schema.
+    structured_output: Literal["native", "json_object", "none", "gbnf"] = "native"
     # Ask for usage in the stream (`stream_options`); off for a server that refuses the field (it sends usage anyway).
     stream_usage: bool = True
     connect_timeout: Annotated[float, Field(gt=0)] = 3.0
@@ -244,6 +250,7 @@ class CloudSettings(_Strict):
     write_timeout: Annotated[float, Field(gt=0)] = 10.0
     pool_timeout: Annotated[float, Field(gt=0)] = 5.0
     max_connections: Annotated[int, Field(gt=0)] = 64
+    stall_timeout: Annotated[float, Field(gt=0)] | None = None  # as [device]'s: unset, [gateway] stall_timeout
     price: PriceSettings = PriceSettings()
     embedded: EmbeddedServerSettings | None = None
 
@@ -290,7 +297,7 @@ class CloudSettings(_Strict):
         if self.token_id_prompts and self.tokenizer != "device":
             raise ValueError("token_id_prompts needs tokenizer='device' (the ids are the device model's)")
         if self.gateway_template and "structured_output" in self.model_fields_set:
-            if self.structured_output == "native":
+            if self.structured_output in ("native", "json_object"):
                 raise ValueError(
                     "structured_output='native' needs a chat upstream (a completions upstream with the device's "
                     "tokenizer is given tools in the prompt; set 'gbnf' if it enforces a GBNF grammar, else 'none')"
@@ -337,6 +344,7 @@ class HATCloudSettings(HATOptions):
     # "device": the split model shares the device model's vocabulary (the bundled Qwen pair does),
     # so prompts and migrations go by token ids.
     tokenizer: Literal["device", "own"] = "device"
+    stall_timeout: Annotated[float, Field(gt=0)] | None = None  # as [device]'s: unset, [gateway] stall_timeout
     price: PriceSettings = PriceSettings()
     # A profile (HATOptions.profile) also reaches an embedded worker, which starts from its measured times.
     embedded: EmbeddedWorkerSettings | None = None

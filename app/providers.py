@@ -18,8 +18,13 @@ PRESETS: dict[str, dict[str, object]] = {
         "continuation": "prefill",
         "structured_output": "none",
     },
-    # Prefix completion: `"prefix": true` on the last assistant message, on the beta base URL only.
-    "deepseek": {"base_url": "https://api.deepseek.com/beta", "continuation": "prefix-flag"},
+    # Prefix completion: `"prefix": true` on the last assistant message, on the beta base URL only. Its JSON mode
+    # takes json_object only: a json_schema format goes as json_object, the schema in the prompt, checked here.
+    "deepseek": {
+        "base_url": "https://api.deepseek.com/beta",
+        "continuation": "prefix-flag",
+        "structured_output": "json_object",
+    },
     # `"prefix": true` too; its API refuses fields it does not know (stream_options) and sends usage unasked.
     "mistral": {"base_url": "https://api.mistral.ai/v1", "continuation": "prefix-flag", "stream_usage": False},
     "vllm": {"base_url": "http://127.0.0.1:8000/v1", "continuation": "continue-final-message"},

@@ -9,6 +9,13 @@ head and body go out in one write, the answer's bytes are parsed as they arrive,
 handed to httpx unchanged. httpx keeps everything above the transport (URLs, headers, timeouts, errors,
 `Response`); proxies configured in the environment still go through httpx's own proxy transports.
 
+A request that meets a kept-alive connection as the server closes it is sent once more, on a new connection, when
+not one byte of an answer came back: a server may close an idle connection at any moment (its keep-alive timeout)
+or after a streamed answer (llama.cpp's llama-server does, though it said keep-alive), and the close can cross the
+request on the wire. httpcore and urllib3 look for a close before they reuse a connection, which the same race
+defeats; Go's net/http retries exactly this case (a reused connection, nothing read), as here. A request that got
+any byte of an answer, or failed on a new connection, is never sent again.
+
 Timeouts are httpx's per request: connect, write, read (each wait for the next bytes), pool (waiting for a
 connection slot). Failures raise httpx's exceptions, so callers cannot tell the transports apart. A
 connection goes back to the pool only after its answer was read to the end with keep-alive; an answer
@@ -40,6 +47,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.state = "connecting"  # connecting | active | idle | closed
         self.idle_since = 0.0  # loop time
+        self.reused = False  # taken from the idle pool for the request in flight
+        self._received = 0  # bytes of an answer to the request in flight
         self.read_timeout: float | None = None  # httpx's read timeout of the request in flight: each wait for bytes
         self._parser: httptools.HttpResponseParser | None = None
         self._headers: list[tuple[bytes, bytes]] = []
@@ -62,6 +71,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self._received += len(data)
         if self._parser is None or self._complete:
             # Bytes nobody asked for (a server talking out of turn): this connection cannot be trusted again.
             self._fail(httpx.RemoteProtocolError("the server sent data outside an answer"))
@@ -170,6 +180,7 @@ class _Connection(asyncio.Protocol):
         self._complete = self._length_known = self._keep_alive = False
         self._chunks.clear()
         self._buffered = 0
+        self._received = 0
         if self._lost or self.transport is None or self.transport.is_closing():
             raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
         self.transport.write(head + body)
@@ -207,6 +218,12 @@ class _Connection(asyncio.Protocol):
             if self._error is not None:
                 raise self._error
             await self._wait("data")
+
+    @property
+    def closed_unanswered(self) -> bool:
+        """The server closed this reused connection before a byte of an answer to the request in flight: it
+        cannot have begun on the request, which may go again on a new connection."""
+        return self.reused and self._lost and self._received == 0
 
     @property
     def reusable(self) -> bool:
@@ -274,13 +291,23 @@ class AsyncioHTTPTransport(httpx.AsyncBaseTransport):
         head += [b"%s: %s\r\n" % (name, value) for name, value in request.headers.raw]
         head.append(b"\r\n")
         key = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
+        head_bytes = b"".join(head)
         connection = await self._check_out(key, timeouts)
         try:
-            await connection.send(b"".join(head), body, timeouts)
+            await self._send(connection, head_bytes, body, timeouts)
+        except httpx.RemoteProtocolError:
+            if not connection.closed_unanswered:
+                raise
+            connection = await self._check_out(key, timeouts, fresh=True)  # once: a new connection is not retried
+            await self._send(connection, head_bytes, body, timeouts)
+        return connection.response()
+
+    async def _send(self, connection: _Connection, head: bytes, body: bytes, timeouts: dict) -> None:
+        try:
+            await connection.send(head, body, timeouts)
         except BaseException:
             self._discard(connection)
             raise
-        return connection.response()
 
     async def aclose(self) -> None:
         self._closed = True
@@ -288,7 +315,8 @@ class AsyncioHTTPTransport(httpx.AsyncBaseTransport):
             self._discard(connection)
 
     # -- the pool ------------------------------------------------------------------------------------
-    async def _check_out(self, key: tuple, timeouts: dict) -> _Connection:
+    async def _check_out(self, key: tuple, timeouts: dict, fresh: bool = False) -> _Connection:
+        """A connection for `key`: an idle one kept alive (unless `fresh`), else a new one once a slot is free."""
         loop = asyncio.get_running_loop()
         pool_timeout = timeouts.get("pool")
         deadline = None if pool_timeout is None else loop.time() + pool_timeout
@@ -297,10 +325,11 @@ class AsyncioHTTPTransport(httpx.AsyncBaseTransport):
             for connection in list(self._idle):
                 if now - connection.idle_since > self._expiry or connection.transport.is_closing():
                     self._discard(connection)  # the server may be about to close it, or has
-            for connection in reversed(self._idle):
+            for connection in () if fresh else reversed(self._idle):
                 if connection.key == key:
                     del self._idle[connection]
                     connection.state = "active"
+                    connection.reused = True
                     return connection
             if self._open >= self._max and self._idle:
                 self._discard(next(iter(self._idle)))  # an idle connection elsewhere gives up its slot

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
+import jsonschema
 
 from clients import gbnf
 from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent, TokenLogprob, Usage
@@ -46,6 +47,9 @@ class UpstreamOptions:
     chat_template: str | None = None
     token_id_prompts: bool = False  # the upstream takes prompts as token ids
     native_structure: bool = True  # a chat upstream takes tools / tool_choice / response_format
+    # Its response_format takes {"type": "json_object"} only (DeepSeek): a json_schema format goes as json_object with
+    # the schema in a system message, and the answer is checked against the schema before it is called finished.
+    json_object_only: bool = False
     gbnf: bool = False  # a completions upstream enforces a GBNF `grammar` field (llama.cpp's servers)
     stream_usage: bool = True  # ask for usage with `stream_options` (a server that rejects the field sends it anyway)
     connect_timeout: float = 3.0
@@ -182,14 +186,18 @@ class OpenAICompatBackend(NoPrefixCache):
         if request.logprobs is not None:
             body["logprobs"] = True
             body["top_logprobs"] = request.logprobs
+        fmt = request.response_format
+        if fmt is not None and fmt.get("type") == "json_schema" and self.options.json_object_only:
+            messages = [_schema_instruction(fmt["json_schema"]), *messages]
+            fmt = {"type": "json_object"}
         body["messages"] = messages
         if request.tools:
             body["tools"] = list(request.tools)
             body["parallel_tool_calls"] = request.parallel_tool_calls
             if request.tool_choice is not None:
                 body["tool_choice"] = request.tool_choice
-        if request.response_format is not None:
-            body["response_format"] = request.response_format
+        if fmt is not None:
+            body["response_format"] = fmt
         return "/chat/completions", body
 
     @staticmethod
@@ -273,6 +281,11 @@ class OpenAICompatBackend(NoPrefixCache):
         finish: str | None = None
         usage: Usage | None = None
         calls: dict[int, dict] = {}  # a chat upstream's tool calls, assembled from their pieces
+        fmt = request.response_format
+        schema = None  # the schema the answer is checked against here: the upstream only made it JSON
+        if fmt is not None and fmt.get("type") == "json_schema" and self.options.json_object_only:
+            schema = fmt["json_schema"].get("schema") or {"type": "object"}
+        written: list[str] = []
         lines = _sse_lines(response)
         async for line in lines:
             if not line.startswith(b"data:"):
@@ -303,6 +316,8 @@ class OpenAICompatBackend(NoPrefixCache):
                     yield TokenEvent(text="", reasoning=reasoning)
                 if text:
                     self.tokens_generated += 1
+                    if schema is not None:
+                        written.append(text)
                     yield TokenEvent(text=text, logprobs=lps)
                 for piece in pieces:
                     self._add_call_piece(calls, piece, data)
@@ -313,6 +328,8 @@ class OpenAICompatBackend(NoPrefixCache):
                 raise self._malformed("ended its stream without a finish reason or [DONE] (truncated answer)")
         for i in sorted(calls):
             yield TokenEvent(text=_call_text(calls[i]))
+        if schema is not None and finish != "length":
+            self._check_schema("".join(written), schema)
         yield TokenEvent(text="", finish_reason="stop" if finish == "tool_calls" else finish or "stop", usage=usage)
 
     def _add_call_piece(self, calls: dict[int, dict], piece, data: bytes) -> None:
@@ -325,6 +342,15 @@ class OpenAICompatBackend(NoPrefixCache):
             if not isinstance(value, str | None):
                 raise self._malformed(f"sent a tool call whose {key} is not a string: {data[:100]!r}")
             call[key] += value or ""
+
+    def _check_schema(self, text: str, schema: dict) -> None:
+        """Raises unless `text` is JSON that `schema` accepts (an answer cut by max_tokens is not checked)."""
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except ValueError as exc:
+            raise self._malformed(f"answered in JSON mode with text that is not JSON: {exc}") from exc
+        except jsonschema.ValidationError as exc:
+            raise self._malformed(f"answered JSON that response_format's schema refuses: {exc.message}") from exc
 
     def _malformed(self, what: str) -> BackendError:
         return BackendError(f"cloud backend {self.name!r} {what}", 502, self.name)
@@ -464,3 +490,10 @@ async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
             yield line.rstrip(b"\r\n")
     if rest:
         yield rest
+
+
+def _schema_instruction(json_schema: dict) -> dict:
+    """The system message that asks for a json_schema format where the upstream's JSON mode knows no schema (its
+    JSON mode also wants the word "JSON" in the prompt)."""
+    schema = json.dumps(json_schema.get("schema") or {"type": "object"}, ensure_ascii=False)
+    return {"role": "system", "content": f"Answer with one JSON object that this JSON Schema accepts: {schema}"}

@@ -75,7 +75,8 @@ def upstream_options(cloud: CloudSettings) -> UpstreamOptions:
         dialect=cloud.continuation,
         chat_template=_upstream_template(cloud),
         token_id_prompts=cloud.token_id_prompts,
-        native_structure=cloud.structured_output == "native",
+        native_structure=cloud.structured_output in ("native", "json_object"),
+        json_object_only=cloud.structured_output == "json_object",
         gbnf=cloud.gbnf,
         stream_usage=cloud.stream_usage,
         connect_timeout=cloud.connect_timeout,
@@ -84,6 +85,14 @@ def upstream_options(cloud: CloudSettings) -> UpstreamOptions:
         pool_timeout=cloud.pool_timeout,
         max_connections=cloud.max_connections,
     )
+
+
+def _own_stall_timeouts(settings: Settings, device: str) -> dict[str, float]:
+    """The endpoints that have a stall timeout of their own, and theirs."""
+    own = {name: cloud.stall_timeout for name, cloud in settings.clouds.items() if cloud.stall_timeout is not None}
+    if settings.device.stall_timeout is not None:
+        own[device] = settings.device.stall_timeout
+    return own
 
 
 def _state_store(settings: Settings, ledger: Ledger) -> StateStore:
@@ -151,6 +160,7 @@ class Gateway:
             self.disco,
             self.ledger,
             stall_timeout=settings.gateway.stall_timeout,
+            stall_timeouts=_own_stall_timeouts(settings, self.device.name),
             history=settings.gateway.trace_history,
             trace_file=settings.gateway.trace_file,
             events=self.events,

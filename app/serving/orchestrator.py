@@ -71,6 +71,7 @@ class Orchestrator:
         disco,
         ledger,
         stall_timeout: float = 10.0,
+        stall_timeouts: dict[str, float] | None = None,
         history: int = 1000,
         trace_file: str = "",
         events: EventBus | None = None,
@@ -85,6 +86,7 @@ class Orchestrator:
         self.ledger = ledger
         self.accounting = Accounting(disco, ledger, metrics)
         self.stall_timeout = stall_timeout
+        self.stall_timeouts = stall_timeouts or {}  # an endpoint's own, where it has one
         self.traces: OrderedDict[str, dict] = OrderedDict()
         # A shared store's copy of each trace (app/serving/state.py's keep_trace), so any replica can answer for it.
         self.keep_trace: Callable[[str, dict], None] | None = None
@@ -98,6 +100,10 @@ class Orchestrator:
             self._trace_out = open(path, "a", buffering=1, encoding="utf-8")  # lives with the app
 
     # -- helpers -----------------------------------------------------------------------------------
+    def stall_of(self, name: str) -> float:
+        """The mid-answer silence after which endpoint `name` counts as stalled."""
+        return self.stall_timeouts.get(name, self.stall_timeout)
+
     def role_of(self, name: str) -> str:
         return "device" if name == self.device else "cloud"
 
@@ -386,9 +392,10 @@ class Orchestrator:
         self.disco.observe_request(job.prompt_tokens)
         attempt: Attempt | None = None
         relay: Relay | None = None
-        stall = Deadline(self.stall_timeout)
+        stall = Deadline(None)
         try:
             attempt, event = await self._first_token(job)
+            stall = Deadline(self.stall_of(attempt.name))
             relay = Relay(job.gen, time.monotonic(), self.disco.settings.consumption_rate)
             job.ttft = relay.t_first - job.started
             self.metrics.ttft.labels(backend=attempt.name).observe(job.ttft)
@@ -409,12 +416,16 @@ class Orchestrator:
                 moved = await self._migrate(job, attempt, target, "cost", relay) if target else None
                 if moved is not None:
                     attempt, event = moved
+                    stall.close()
+                    stall = Deadline(self.stall_of(attempt.name))
                     continue
                 try:
                     with stall:  # not asyncio.timeout: no timer pushed and cancelled per token (clients/deadline.py)
                         following = await anext(attempt.stream)
                 except Exception as exc:
                     attempt, event = await self._recover(job, attempt, exc, relay)
+                    stall.close()
+                    stall = Deadline(self.stall_of(attempt.name))
                     continue
                 self.metrics.inter_token_of(attempt.name).observe(following.t - event.t)
                 self.token_seconds[attempt.name].update(following.t - event.t)
@@ -531,7 +542,8 @@ class Orchestrator:
             job.gen = replace(job.gen, grammar=job.call_grammar, gbnf=job.call_gbnf, grammar_covers_prefix=False)
         reason = "stall" if isinstance(exc, TimeoutError) else "error"
         if isinstance(exc, TimeoutError):
-            exc = BackendError(f"{source.name} sent nothing for {self.stall_timeout:g} s (stalled)", 504, source.name)
+            silence = self.stall_of(source.name)
+            exc = BackendError(f"{source.name} sent nothing for {silence:g} s (stalled)", 504, source.name)
         exc = _backend_error(source.name, exc, "ended its stream without finishing")
         self._failed(job, source, exc)
         await self._close(source)
@@ -574,7 +586,7 @@ class Orchestrator:
         self.events.publish("migration.started", request_id=job.id, **record)
         # A target that stays silent: after a fault the device may need long for a long context; a cost move
         # was predicted to fit the client's buffer, so waiting longer than a stall only starves the reader.
-        patience = self.stall_timeout if reason == "cost" else self.stall_timeout + 60
+        patience = self.stall_of(target) if reason == "cost" else self.stall_of(target) + 60
         try:
             event = await asyncio.wait_for(anext(attempt.stream), patience)
         except Exception as exc:

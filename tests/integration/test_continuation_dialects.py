@@ -8,6 +8,7 @@ servers that speak these dialects are in test_tandem_upstream.py and test_llama_
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -41,6 +42,7 @@ price = {CHEAP}
             ("cfm", 'continuation = "continue-final-message"'),
             ("templated", f'continuation = "completions"\ntemplate = "{TEMPLATE_MODEL}"'),
             ("mistral", 'provider = "mistral"'),
+            ("deepseek", 'provider = "deepseek"'),
         ]
     )
     process = start_gateway(f"""
@@ -138,6 +140,33 @@ def test_mistral_preset_speaks_prefix_flag_without_stream_options(gw, upstream):
     assert move["dialect"] == "prefix-flag"
     assert body["messages"][-1] == assistant_turn(device_part, prefix=True)
     assert "stream_options" not in body  # Mistral refuses fields it does not know
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_deepseek_preset_asks_json_mode_for_a_schema_and_checks_the_answer_against_it(gw, upstream):
+    """DeepSeek's JSON mode takes json_object only: a json_schema format goes as json_object, the schema in a system
+    message (which also has the word its JSON mode wants), and the answer that comes back is checked against it."""
+    upstream.push(Answer(pieces=('{"city": ', '"Paris"}')), Answer(pieces=('{"town": "Paris"}',)))
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": CITY}}
+    body = {"model": "deepseek", "messages": MESSAGES, "max_tokens": 16, "temperature": 0, "response_format": fmt}
+    r = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) == {"city": "Paris"}
+    sent = upstream.requests[0].body
+    assert sent["response_format"] == {"type": "json_object"}
+    system, *rest = sent["messages"]
+    assert system["role"] == "system" and "JSON" in system["content"] and json.dumps(CITY) in system["content"]
+    assert rest == MESSAGES
+    r = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=60)  # JSON, but not what the schema says
+    assert r.status_code == 502 and "schema refuses" in r.json()["error"]["message"], r.text
+    # json_object itself is DeepSeek's own: sent as it came.
+    upstream.push(Answer(pieces=("{}",)))
+    r = httpx.post(gw.v1 + "/chat/completions", json={**body, "response_format": {"type": "json_object"}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert upstream.requests[-1].body["response_format"] == {"type": "json_object"}
+    assert upstream.requests[-1].body["messages"] == MESSAGES
 
 
 def test_a_fresh_answer_on_a_dialect_cloud_is_a_plain_chat_request(gw, upstream):

@@ -6,7 +6,8 @@ the set-up, serving SmolLM2-135M (tests/conftest.py's `llama_server_smollm`). Th
 with SmolLM2's own chat template (raw /v1/completions, the template applied by the gateway). The cloud's part of
 each migrated answer is compared with what llama-server writes when asked the same continuation directly, from the
 same KV-cache state (an unrelated one-word prompt evicts its slot before each): nothing doubled, nothing lost. And
-`tandem check-cloud` says llama-server continues in both dialects (the `llama-server` preset: prefill).
+`tandem check-cloud` says llama-server continues in both dialects (the `llama-server` preset: prefill), and that one
+started with `--no-prefill-assistant` restarts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.launcher import GatewayProcess, start_gateway, stop_gateway
+from app import check_cloud
+from app.config import load_settings
+from app.launcher import GatewayProcess, start_gateway, start_llama_server, stop_gateway, stop_server
 from clients.chat_template import render_chat
 from clients.gguf_meta import read_chat_template
 from deploy.models import model_path
@@ -139,3 +142,25 @@ template = "{SMOLLM}"
         )
         assert done.returncode == 0, done.stdout + done.stderr
         assert "continuation:  continued" in done.stdout, done.stdout
+
+
+def test_check_cloud_says_llama_server_without_prefill_restarts(tmp_path, capsys):
+    # `--no-prefill-assistant`: a final assistant message is history, so the `llama-server` preset's dialect does not
+    # continue there. A restart spells the answer so far again token by token; it is not taken for the echo.
+    server = start_llama_server(model_path(SMOLLM), alias=SMOLLM, ctx_size=512, extra_args=("--no-prefill-assistant",))
+    try:
+        config = tmp_path / "clouds.toml"
+        config.write_text(f"""
+[gateway]
+cloud = "restarting"
+[clouds.restarting]
+provider = "llama-server"
+base_url = "{server.v1}"
+model = "{SMOLLM}"
+""")
+        status = check_cloud.run(load_settings(config), "restarting")
+    finally:
+        stop_server(server)
+    out = capsys.readouterr().out
+    assert status == 1 and "continuation:  restarted" in out and "fresh answer:  ok" in out, out
+    assert "took the answer so far as history" in out

@@ -6,10 +6,16 @@ than A's); Tandem A serves Qwen2.5-Coder-0.5B on its device and has B as its clo
 (`prefix-flag`: Mistral's `"prefix": true`; `continue-final-message`: vLLM's flags), priced so that DiSCo moves
 A's device-started answers onto it mid-answer. Both devices run in the reproducible mode, so B's part of a migrated
 answer is compared with B's own answer to the same continuation, asked directly (one computation path).
+
+A device fault: a third gateway (Qwen2.5-Coder-0.5B again) whose device stalls after its first token hands the answer
+on to B in both of B's dialects and to llama.cpp's llama-server (conftest's `llama_server_smollm`, SmolLM2) in both of
+its own (prefill, completions with SmolLM2's template); each cloud's part is compared with what it writes when asked
+the same continuation directly (test_llama_server_dialects.py's helpers for llama-server).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,6 +30,7 @@ from clients.gguf_meta import read_chat_template
 from deploy.models import model_path
 from tests.integration.disco_helpers import trace
 from tests.integration.scripted_upstream import Answer
+from tests.integration.test_llama_server_dialects import SMOLLM, direct, evict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,6 +130,110 @@ def _device(gw: GatewayProcess, max_tokens: int) -> httpx.Response:
     r = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r
+
+
+# --- a device fault: the answer goes on on the cloud, in its dialect ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stalling_a(tandem_b: GatewayProcess, llama_server_smollm) -> Iterator[GatewayProcess]:
+    """Tandem A's device with a stall timeout of its own too short for any device: after its first token it has
+    "stalled" (a device fault, test_privacy_routing's mechanism), while its clouds keep the gateway's patience. Its
+    clouds: Tandem B in both of B's dialects, and llama-server (SmolLM2: another tokenizer) in both of its own."""
+    process = start_gateway(f"""
+[gateway]
+policy = "device"
+cloud = "prefixflag"
+stall_timeout = 60     # a shared test machine: no cloud stalls here
+[device]
+reproducible = true
+model = "qwen2.5-coder-0.5b-instruct"
+n_ctx = 2048
+stall_timeout = 0.001  # no device writes tokens this fast
+[disco]
+profile_device = false
+migration = false      # only the fault moves answers
+[clouds.prefixflag]
+base_url = "{tandem_b.v1}"
+model = "tandem"
+continuation = "prefix-flag"
+[clouds.cfm]
+base_url = "{tandem_b.v1}"
+model = "tandem"
+continuation = "continue-final-message"
+[clouds.prefill]
+base_url = "{llama_server_smollm.v1}"
+model = "{SMOLLM}"
+continuation = "prefill"
+[clouds.templated]
+base_url = "{llama_server_smollm.v1}"
+model = "{SMOLLM}"
+continuation = "completions"
+template = "{SMOLLM}"
+""")
+    yield process
+    stop_gateway(process)
+
+
+@pytest.mark.parametrize(
+    ("cloud", "dialect"),
+    [
+        ("prefixflag", "prefix-flag"),
+        ("cfm", "continue-final-message"),
+        ("prefill", "prefill"),
+        ("templated", "completions"),
+    ],
+)
+def test_a_device_that_stalls_mid_answer_hands_it_on_in_the_clouds_dialect(
+    stalling_a, tandem_b, llama_server_smollm, cloud, dialect
+):
+    on_llama_server = dialect in ("prefill", "completions")
+    if on_llama_server:
+        evict(llama_server_smollm)
+    max_tokens = 8
+    r = chat(stalling_a, MESSAGES, max_tokens, stream=True, tandem={"cloud": cloud})
+    answer, finish = streamed(r)
+    t = trace(stalling_a, r.headers["x-request-id"])
+    (move,) = t["migrations"]
+    assert (move["from"], move["to"], move["reason"], move["dialect"]) == ("device", cloud, "stall", dialect), t
+    assert [(e["backend"], e["outcome"]) for e in t["endpoints"]] == [("device", "failed"), (cloud, "finished")], t
+    assert finish == "length" and "stalled" in t["endpoints"][0]["error"]
+    k = move["at_token"]
+    assert k >= 1
+    # What the device delivered before it stalled: its own first k tokens (k is where it stalls, so a pinned request
+    # for them ends before it could).
+    delivered = content(_device(stalling_a, k))
+    assert delivered and answer.startswith(delivered)
+    seam = t["endpoints"][1]["seam"]
+    assert seam["held"] == delivered[len(delivered.rstrip()) :]
+    # The cloud's part is the cloud's own continuation of the delivered text, asked directly in the same dialect, less
+    # the held whitespace it wrote again (and, from llama-server's prefill, the prefix it sent back): nothing
+    # repeated, skipped or lost at the seam.
+    if on_llama_server:
+        own = direct(llama_server_smollm, dialect, delivered.rstrip(), max_tokens - k)
+        if dialect == "prefill":
+            assert own.startswith(delivered.rstrip()) and seam["echo_dropped"]
+            own = own[len(delivered.rstrip()) :]
+    else:
+        flags = {"prefix": True} if dialect == "prefix-flag" else {}
+        extra = {"continue_final_message": True, "add_generation_prompt": False} if dialect != "prefix-flag" else {}
+        final = {"role": "assistant", "content": delivered.rstrip(), **flags}
+        own = content(chat(tandem_b, [*MESSAGES, final], max_tokens - k, **extra))
+    assert own.startswith(seam["dropped"])
+    assert answer == delivered + own[len(seam["dropped"]) :]
+
+
+def streamed(r: httpx.Response) -> tuple[str, str | None]:
+    """A streamed answer's text and finish reason, from its SSE body."""
+    text, finish = "", None
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[len("data: ") :])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                text += choice["delta"].get("content") or ""
+                finish = choice.get("finish_reason") or finish
+    return text, finish
 
 
 # --- Tandem continuing the client's own start (seams on a real model) ---------------------------------------------

@@ -39,6 +39,8 @@ def test_embedded_default_is_valid():
             "clouds.c",
         ),
         ("[clouds.c]\nstructured_output = 'grammar'", "clouds.c.structured_output"),
+        ("[device]\nstall_timeout = 0", "device.stall_timeout"),
+        ("[clouds.c]\nstall_timeout = -1", "clouds.c.stall_timeout"),
         ("[gateway]\ncloud = 'nope'\n[clouds.c]\nmodel = 'm'", "gateway.cloud"),
         ("[clouds.h]\nkind = 'hat'\ndraft_length = 'eq8'", "clouds.h.draft_length"),
         ("[clouds.h]\nkind = 'hat'\nmax_draft = 0", "clouds.h.max_draft"),
@@ -371,6 +373,8 @@ def test_a_provider_preset_fills_what_the_entry_leaves_out():
         gateway={"cloud": "v"},
     ).clouds["v"]
     assert (own.base_url, own.continuation) == ("http://gpu:9000/v1", "completions")  # the entry's own fields win
+    deepseek = Settings(clouds={"d": {"provider": "deepseek", "model": "deepseek-chat"}}, gateway={"cloud": "d"})
+    assert deepseek.clouds["d"].structured_output == "json_object"  # its JSON mode knows no schema
 
 
 @pytest.mark.parametrize(

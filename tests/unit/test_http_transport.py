@@ -261,6 +261,47 @@ async def test_a_server_closing_an_idle_connection_costs_nothing() -> None:
         assert server.connections == 2
 
 
+async def test_a_request_crossing_the_servers_close_of_a_kept_alive_connection_goes_again_on_a_new_one() -> None:
+    # The server said keep-alive, then closes the connection when the next request arrives, answering nothing (its
+    # idle timeout fired as the request came): the request is sent once more, on a new connection.
+    def answer(n, head, body):
+        return b"<close>" if n == 2 else _ok(b"r%d" % n)
+
+    async with _Server(answer) as server, httpx.AsyncClient(transport=AsyncioHTTPTransport()) as client:
+        assert (await client.post(server.url + "/", content=b"one")).text == "r1"
+        assert (await client.post(server.url + "/", content=b"two")).text == "r3"
+        assert [body for _, body in server.requests] == [b"one", b"two", b"two"] and server.connections == 2
+
+    # As llama.cpp's llama-server does after a streamed answer: keep-alive said, the connection closed at once; the
+    # next request, sent straight after, may cross the close on the wire. Every one is answered.
+    async with (
+        _Server(lambda n, head, body: [_chunked(b"data: %d\n\n" % n), b"<close>"]) as server,
+        httpx.AsyncClient(transport=AsyncioHTTPTransport()) as client,
+    ):
+        answered = [(await client.post(server.url + "/", content=b"x")).text for _ in range(20)]
+        assert len(set(answered)) == 20 and all(text.startswith("data: ") for text in answered)
+
+
+async def test_a_request_is_never_sent_again_after_an_answers_first_byte_nor_twice() -> None:
+    def answer(n, head, body):
+        if n == 2:  # on the kept-alive connection the answer begins, then the server closes it
+            return [b"HTTP/1.1 200", b"<close>"]
+        if n in (4, 5):  # a kept-alive connection closed unanswered, then the new connection closed unanswered too
+            return b"<close>"
+        return _ok(b"r%d" % n)
+
+    async with _Server(answer) as server, httpx.AsyncClient(transport=AsyncioHTTPTransport()) as client:
+        assert (await client.get(server.url + "/")).text == "r1"
+        with pytest.raises(httpx.RemoteProtocolError):  # a byte came: the server may have begun on it
+            await client.get(server.url + "/")
+        assert len(server.requests) == 2
+        assert (await client.get(server.url + "/")).text == "r3"
+        with pytest.raises(httpx.RemoteProtocolError, match="without sending"):
+            await client.get(server.url + "/")
+        assert len(server.requests) == 5 and server.connections == 3  # sent again once, on a new connection
+        assert (await client.get(server.url + "/")).text == "r6"
+
+
 async def test_connections_idle_past_their_expiry_are_not_reused() -> None:
     async with (
         _Server(lambda n, head, body: _ok(b"r%d" % n)) as server,
