@@ -6,6 +6,15 @@ port and waits for /health/ready, so the tests talk to exactly what a user runs.
 
 from __future__ import annotations
 
+import os
+
+# llama.cpp's and torch's OpenMP threads wait for each other at every barrier and by default spin there first. The
+# suite runs several such processes on two cores (a gateway's device, its embedded cloud, llama-server, workers), and
+# when anything else also wants the cores a spinning thread holds the one the thread it waits for needs: with one
+# other busy process on the box, test_openai_sdk.py took 134 s spinning and 34 s passive; on a quiet box the two
+# are the same (41.7 / 41.4 s for three test_hat tests). Set before any of them loads OpenMP; the servers inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import socket
 import threading
 from collections.abc import Iterator
