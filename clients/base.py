@@ -139,7 +139,9 @@ class Concurrency:
 
     lanes: how many it runs side by side, each at the speed of one alone — a staged HAT worker's pipeline depth P
     (Jupiter: P micro-batches in flight); 1: one after another, as one llama.cpp model decodes.
-    limit: the most it takes at once (a HAT worker's sessions); None: no limit known (all are started)."""
+    limit: the most it takes at once (a HAT worker's sessions; 1 for a model whose generations queue on its thread,
+    so a queued one is not started — and timed by the relay's stall check — before its turn); None: no limit known
+    (all are started)."""
 
     lanes: int = 1
     limit: int | None = None

@@ -163,7 +163,7 @@ class LlamaCppBackend:
         return len(self.tokenize(text)), True
 
     def concurrency(self) -> Concurrency:
-        return Concurrency()  # one model, one generation at a time
+        return Concurrency(lanes=1, limit=1)  # generations queue on the model thread: one at a time
 
     def cached_prefix(self, ids) -> int:
         """How many leading tokens of `ids` will be taken from the KV cache instead of evaluated: the longest common

@@ -232,7 +232,7 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
         return self._ready
 
     def concurrency(self) -> Concurrency:
-        return Concurrency()  # one model thread, one generation at a time
+        return Concurrency(lanes=1, limit=1)  # generations queue on the model thread: one at a time
 
     async def wait_idle(self) -> None:
         """Resolve once every job submitted before this call has finished or been dropped (tests, shutdown)."""
