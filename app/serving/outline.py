@@ -6,8 +6,9 @@ point, so its prompt's prefix is what the outline's endpoint already holds in it
 orchestrator — so dispatch, fallback, migration, privacy, accounting and traces apply per point — pinned to the
 endpoint predicted to finish it first, all at once. An endpoint that runs several points side by side counts that
 many lanes (a HAT endpoint on a staged worker: its pipeline's P stages, so the points fill the pipeline as Jupiter
-injects them), and one that takes only so many at once (a HAT worker's sessions) gets the rest as earlier ones
-finish, never more, so none is refused for being one too many. The answer streams in order: point 1 live, each
+injects them), and one that takes only so many at once (a HAT worker's sessions; a device model, whose generations
+queue on its thread anyway, one) gets the rest as earlier ones finish: none is refused for being one too many, and
+none waits in a queue where the relay's stall check would time it. The answer streams in order: point 1 live, each
 later point flushed when the ones before it are done. An outline that does not parse falls back to the normal
 answer. Closing the stream cancels every sub-request. What is not shared: on a HAT endpoint each point is a session
 of its own that prefills the question and outline again (the worker keeps no prefix across sessions).
