@@ -136,6 +136,20 @@ class BackendError(Exception):
         self.backend = backend
 
 
+@dataclass(frozen=True)
+class Concurrency:
+    """How a backend serves several generations at once (outline decoding places its points by it).
+
+    lanes: how many it runs side by side, each at the speed of one alone — a staged HAT worker's pipeline depth P
+    (Jupiter: P micro-batches in flight); 1: one after another, as one llama.cpp model decodes.
+    limit: the most it takes at once (a HAT worker's sessions; 1 for a model whose generations queue on its thread,
+    so a queued one is not started — and timed by the relay's stall check — before its turn); None: no limit known
+    (all are started)."""
+
+    lanes: int = 1
+    limit: int | None = None
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str
@@ -174,6 +188,9 @@ class Backend(Protocol):
 
     def count_tokens(self, text: str) -> tuple[int, bool]:
         """Token count of `text` and whether it is exact for this backend's model."""
+
+    def concurrency(self) -> Concurrency:
+        """How many generations it runs side by side, and the most it takes at once (as far as it knows now)."""
 
 
 class NoPrefixCache:

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from clients.base import BackendError, GenerationRequest, TokenEvent
+from clients.base import BackendError, Concurrency, GenerationRequest, TokenEvent
 from clients.chat_template import render_chat
 from clients.grammar import LlamaVocabGrammars, TokenMask
 from clients.logprobs import NumpyLogitAdjuster, entry_from_logprobs, log_softmax
@@ -161,6 +161,9 @@ class LlamaCppBackend:
 
     def count_tokens(self, text: str) -> tuple[int, bool]:
         return len(self.tokenize(text)), True
+
+    def concurrency(self) -> Concurrency:
+        return Concurrency(lanes=1, limit=1)  # generations queue on the model thread: one at a time
 
     def cached_prefix(self, ids) -> int:
         """How many leading tokens of `ids` will be taken from the KV cache instead of evaluated: the longest common

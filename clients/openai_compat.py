@@ -26,7 +26,15 @@ import httpx
 import jsonschema
 
 from clients import gbnf
-from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent, TokenLogprob, Usage
+from clients.base import (
+    BackendError,
+    Concurrency,
+    GenerationRequest,
+    NoPrefixCache,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
 from clients.continuation import CHAT_DIALECTS, chat_continuation, completions_prompt
 from clients.http_transport import AsyncioHTTPTransport
 from clients.tokencount import estimate_tokens
@@ -133,6 +141,9 @@ class OpenAICompatBackend(NoPrefixCache):
         if self._count_exact is not None:
             return self._count_exact(text), True
         return estimate_tokens(text), False
+
+    def concurrency(self) -> Concurrency:
+        return Concurrency()  # an upstream says nothing of how it batches: planned as one at a time, none held back
 
     # -- request building --------------------------------------------------------------------
     def _body(self, request: GenerationRequest) -> tuple[str, dict]:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent
+from clients.base import BackendError, Concurrency, GenerationRequest, NoPrefixCache, TokenEvent
 from clients.grammar import HFTokenizerGrammars, TokenMask
 from clients.hf_model import HFTokenizerMixin, IncrementalDetokenizer, open_token_source
 from clients.sampling import LogitAdjuster, sample_next, seeded_generator, token_logprob
@@ -230,6 +230,9 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
 
     async def ready(self) -> bool:
         return self._ready
+
+    def concurrency(self) -> Concurrency:
+        return Concurrency(lanes=1, limit=1)  # generations queue on the model thread: one at a time
 
     async def wait_idle(self) -> None:
         """Resolve once every job submitted before this call has finished or been dropped (tests, shutdown)."""

@@ -75,14 +75,24 @@ def parse_outline(text: str) -> list[str] | None:
     return points[:MAX_POINTS]
 
 
-def assign(points: int, tokens_per_point: float, rates: dict[str, float], busy: dict[str, float]) -> list[str]:
-    """Each point's endpoint, by earliest predicted finish: endpoint e finishes a point `tokens_per_point / rate[e]`
-    seconds after its last one (it runs one point at a time), starting when it is free (`busy[e]` seconds from now).
-    Points go in order, each to the endpoint that would finish it first (ties to the first listed)."""
-    free = {e: busy.get(e, 0.0) for e in rates}
+def assign(
+    points: int,
+    tokens_per_point: float,
+    rates: dict[str, float],
+    busy: dict[str, float],
+    lanes: dict[str, int] | None = None,
+) -> list[str]:
+    """Each point's endpoint, by earliest predicted finish. Endpoint e runs `lanes[e]` points side by side (default 1:
+    one after another), each at `rates[e]` tokens/s — a staged worker's P stages keep P points in flight, as Jupiter
+    injects its points into the pipeline — so a lane finishes a point `tokens_per_point / rate[e]` seconds after its
+    last one, starting when e is free (`busy[e]` seconds from now). Points go in order, each to the endpoint whose
+    earliest-free lane would finish it first (ties to the first listed)."""
+    lanes = lanes or {}
+    free = {e: [busy.get(e, 0.0)] * max(1, lanes.get(e, 1)) for e in rates}
     out = []
     for _ in range(points):
-        best = min(rates, key=lambda e: free[e] + tokens_per_point / rates[e])
-        free[best] += tokens_per_point / rates[best]
+        best = min(rates, key=lambda e: min(free[e]) + tokens_per_point / rates[e])
+        lane = free[best].index(min(free[best]))
+        free[best][lane] += tokens_per_point / rates[best]
         out.append(best)
     return out

@@ -4,9 +4,14 @@ The gate (policies/outline.py) lets a list-style question through; the endpoint 
 each point is then expanded by a sub-request of its own (the outline's conversation plus one turn asking for that
 point, so its prompt's prefix is what the outline's endpoint already holds in its KV cache) through the same
 orchestrator — so dispatch, fallback, migration, privacy, accounting and traces apply per point — pinned to the
-endpoint predicted to finish it first, all at once. The answer streams in order: point 1 live, each later point
-flushed when the ones before it are done. An outline that does not parse falls back to the normal answer. Closing
-the stream cancels every sub-request.
+endpoint predicted to finish it first, all at once. An endpoint that runs several points side by side counts that
+many lanes (a HAT endpoint on a staged worker: its pipeline's P stages, so the points fill the pipeline as Jupiter
+injects them), and one that takes only so many at once (a HAT worker's sessions; a device model, whose generations
+queue on its thread anyway, one) gets the rest as earlier ones finish: none is refused for being one too many, and
+none waits in a queue where the relay's stall check would time it. The answer streams in order: point 1 live, each
+later point flushed when the ones before it are done. An outline that does not parse falls back to the normal
+answer. Closing the stream cancels every sub-request. What is not shared: on a HAT endpoint each point is a session
+of its own that prefills the question and outline again (the worker keeps no prefix across sessions).
 
 Sub-requests' ids are the request's with `-outline` and `-p<i>`; the request's own trace lists them.
 """
@@ -106,7 +111,11 @@ class OutlineDecoding:
         job.backend = outline_job.backend
         conversation = (*asked, _message("assistant", outline))  # the outline as written: its tokens are cached
         per_point = max(48, min(256, job.gen.max_tokens // len(points)))
-        where = assign(len(points), per_point, self._rates(job), {})
+        rates = self._rates(job)
+        concurrency = {name: self.orchestrator.backends[name].concurrency() for name in rates}
+        where = assign(len(points), per_point, rates, {}, {name: c.lanes for name, c in concurrency.items()})
+        job.decoding["lanes"] = {name: c.lanes for name, c in concurrency.items()}
+        slots = {name: asyncio.Semaphore(c.limit) for name, c in concurrency.items() if c.limit is not None}
         point_jobs = []
         for i, (point, endpoint) in enumerate(zip(points, where, strict=True)):
             turn = _message("user", _POINT_PROMPT.format(number=i + 1, point=point))
@@ -117,7 +126,10 @@ class OutlineDecoding:
         ]
         finish = "stop"
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in point_jobs]
-        pumps = [asyncio.ensure_future(self._pump(p, q)) for p, q in zip(point_jobs, queues, strict=True)]
+        pumps = [
+            asyncio.ensure_future(self._pump(part, queue, slots.get(endpoint)))
+            for part, queue, endpoint in zip(point_jobs, queues, where, strict=True)
+        ]
         try:
             for i, queue in enumerate(queues):
                 head = _head(points, i)
@@ -158,18 +170,20 @@ class OutlineDecoding:
                 await stream.aclose()
         return "".join(texts)
 
-    async def _pump(self, part: Job, queue: asyncio.Queue) -> None:
+    async def _pump(self, part: Job, queue: asyncio.Queue, slot: asyncio.Semaphore | None) -> None:
         """Read one point's stream to its end into `queue` (a llama.cpp device computes a token only once the last
-        was read, so every point is read as it comes, whether or not it is its turn to be sent)."""
-        stream = self.orchestrator.generate(part)
-        try:
-            async for delta in stream:
-                queue.put_nowait(delta)
-        except Exception as exc:
-            queue.put_nowait(exc if isinstance(exc, BackendError) else BackendError(str(exc), 500))
-        finally:
-            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                await stream.aclose()
+        was read, so every point is read as it comes, whether or not it is its turn to be sent), once its endpoint
+        has a slot free (`slot`: the points it takes at once; the waiters are woken in point order)."""
+        async with slot or contextlib.nullcontext():
+            stream = self.orchestrator.generate(part)
+            try:
+                async for delta in stream:
+                    queue.put_nowait(delta)
+            except Exception as exc:
+                queue.put_nowait(exc if isinstance(exc, BackendError) else BackendError(str(exc), 500))
+            finally:
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await stream.aclose()
 
     def _rates(self, job: Job) -> dict[str, float]:
         """Tokens per second of the endpoints the points may run on — the request's DiSCo pair, as far as its

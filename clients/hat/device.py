@@ -74,7 +74,7 @@ from typing import Any
 
 import torch
 
-from clients.base import BackendError, GenerationRequest, NoPrefixCache, TokenEvent
+from clients.base import BackendError, Concurrency, GenerationRequest, NoPrefixCache, TokenEvent
 from clients.grammar import HFTokenizerGrammars, TokenMask
 from clients.hat import wire
 from clients.hat.drafting import Drafter, DraftState
@@ -320,6 +320,9 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             await self.station.close()
         await self.thread.close()
         await self.pool.close()
+
+    def concurrency(self) -> Concurrency:
+        return self.pool.concurrency()
 
     async def ready(self) -> bool:
         """Local half loaded and a worker of the pool answered /health/ready with 200 (cached for 5 s)."""

@@ -15,6 +15,9 @@ worker it lists with this device's m, refreshed at most every `refresh_seconds` 
 whose announcement expired leaves the pool (a session already on it keeps its worker until it ends or fails).
 Workers of another model fail their OPEN and are kept out by their breaker.
 
+Concurrency (outline decoding's points): each worker whose breaker is closed and that has answered an OPEN runs
+its pipeline's P sessions side by side (its stages' micro-batches in flight) and takes up to its max_sessions.
+
 The session's move itself (re-prefill of the delivered context on the new worker) is clients/hat/device.py's.
 """
 
@@ -27,6 +30,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from clients.base import Concurrency
 from clients.hat.link_model import LinkModel
 from clients.hat.registry import WorkerRegistry
 from clients.hat.transport import WorkerAddress
@@ -109,6 +113,19 @@ class WorkerPool:
         if not closed:  # every breaker open: half-open on the one that closes first
             return min(candidates, key=lambda w: w.closed_until)
         return min(closed, key=PoolWorker.predicted_delay)
+
+    def concurrency(self, now: float | None = None) -> Concurrency:
+        """Sessions its workers run side by side (the sum of their pipelines' P) and take at once (the sum of their
+        max_sessions; other devices' sessions there are not known: a session refused for them falls back as any
+        does), from the OPEN replies so far; one lane and no limit before any worker has answered."""
+        now = time.monotonic() if now is None else now
+        known = [w for w in self.workers if w.info and w.closed_until <= now]
+        if not known:
+            return Concurrency()
+        return Concurrency(
+            lanes=sum(max(1, int(w.info.get("pipeline") or 1)) for w in known),
+            limit=sum(max(1, int(w.info.get("max_sessions") or 1)) for w in known),
+        )
 
     def opened(self, worker: PoolWorker, rtt: float, info: dict[str, Any]) -> None:
         worker.rtt.update(rtt)

@@ -17,7 +17,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     out = tmp_path / "hat.json"
     code = tandem([
         "bench", "hat", "--model", "smollm2-135m-instruct", "--lengths", "96", "--decode-tokens", "6",
-        "--table4-prompts", "1", "--table4-tokens", "8", "--worker-counts", "1", "8", "64",
+        "--table5-prompts", "1", "--table4-prompts", "1", "--table4-tokens", "8", "--worker-counts", "1", "8", "64",
         "--sweep-rtt-ms", "40", "--sweep-up-mbps", "5",
         "--sweep-prompt", "160", "--sweep-tokens", "6", "--throughput-devices", "1", "2", "--throughput-tokens", "4",
         "--tree-widths", "4", "--tree-code-lengths", "96", "--draft-length-rtt-ms", "0", "--draft-length-tokens", "6",
@@ -29,7 +29,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     rows = results["table5"]
     assert {(r["prompt_tokens"], r["variant"]) for r in rows} == {(n, v.name) for n in (96,) for v in TABLE5}
     for r in rows:
-        assert r["ttft_ms"] > 0 and r["tbt_ms"] > 0 and r["tokens"] == 6
+        assert r["ttft_ms"] > 0 and r["tbt_ms"] > 0 and r["tokens"] == 6 and r["prompts"] == len(r["per_prompt"]) == 1
         assert (r["accept_length"] >= 1.0) if r["sd"] else math.isnan(r["accept_length"]) or r["accept_length"] == 1.0
     t4 = results["table4"]
     assert t4["U-shape"]["accept_length"] == 1.0 and t4["SD"]["accept_length"] >= 1.0 and t4["decode_speedup"] > 0

@@ -6,6 +6,8 @@ test_hat.py), stage 1 a real `tandem worker --stage-rank 1` process, gloo over l
 - rollback across stages, then re-decoding, equals a fresh session;
 - greedy HAT (the real device half over the WebSocket) equals U-shape token for token, on SmolLM2 and once on the
   default Qwen2.5-Coder-0.5B with its shipped adapter;
+- outline decoding pinned to HAT puts its points into the pipeline side by side, never more than the worker's
+  sessions, so none is refused;
 - killing stage 1 mid-answer fails the session with an ERROR, the worker reports not ready, and the gateway
   finishes the answer on the device (last: it breaks the module's worker).
 """
@@ -289,6 +291,39 @@ auth_token = "worker-token-5c1e"
 """)
     yield gw
     stop_gateway(gw)
+
+
+def test_outline_points_fill_the_staged_workers_pipeline_without_a_refused_session(staged, hat_gateway) -> None:
+    """Outline decoding pinned to HAT (Jupiter §V-B): the points are injected into the 2-stage worker's pipeline side
+    by side — placement counts its P = 2 lanes — but never more at once than the worker takes sessions
+    (MAX_SESSIONS), so no point is refused and falls back: every point finishes on HAT."""
+    peak, done = [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], staged.engine.session_count)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        r = httpx.post(hat_gateway.v1 + "/chat/completions", timeout=600, json={
+            "model": "hat", "messages": [{"role": "user", "content": "List some ways to save money."}],
+            "max_tokens": 160, "temperature": 0, "tandem": {"decoding": "outline"},
+        })  # fmt: skip
+    finally:
+        done.set()
+        watcher.join()
+    assert r.status_code == 200, r.text
+    decoding = trace(hat_gateway, r.json()["id"])["decoding"]
+    assert decoding["outline"] is True and decoding["lanes"] == {"hat": 2}, decoding
+    points = decoding["points"]
+    assert len(points) > MAX_SESSIONS, points  # more points than the worker takes sessions at once
+    assert {p["endpoint"] for p in points} == {"hat"}
+    for part in decoding["parts"]:
+        assert [(e["backend"], e["outcome"]) for e in trace(hat_gateway, part)["endpoints"]] == [("hat", "finished")]
+    assert 2 <= peak[0] <= MAX_SESSIONS, peak  # the pipeline held several points, never more than the worker takes
+    assert staged.engine.session_count == 0
 
 
 def test_killed_stage_fails_its_sessions_and_the_gateway_finishes_on_the_device(staged, hat_gateway) -> None:

@@ -162,3 +162,48 @@ def test_defaults_summary_takes_the_median_speedup_over_runs() -> None:
     assert row[spec.DEFAULT_NAME]["same_as_u_shape"]
     text = "\n".join(spec.report_defaults({**out, "prompts": 8, "tokens": 64}))
     assert f"| {spec.PROFILED_NAME} | 2.50 | 110.0 | 2.27x | 2.50x, 2.00x, 2.27x | 18/30 | 8.00 |" in text
+
+
+class _CharTokenizer:
+    """One token per character (pure logic: the prompt slicer needs only a tokenizer's two calls)."""
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str:
+        return f"<user>{messages[0]['content']}</user><assistant>"
+
+    def __call__(self, text: str, add_special_tokens: bool) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_tables_4_and_5_run_on_24_prompts_by_default_each_table5_prompt_its_own_slice() -> None:
+    from app.tools.bench.hat import build_parser
+    from app.tools.bench.hat_setup import code_prompt
+
+    args = build_parser().parse_args([])
+    assert args.table4_prompts >= 24  # the first 8 held-out prompts were an easy sample (issue 30)
+    assert args.table5_prompts * len(args.lengths) >= 24
+    tok = _CharTokenizer()
+    for length in (128, 2048):
+        prompts = [code_prompt(tok, length, i) for i in range(args.table5_prompts)]
+        assert all(len(p) == length for p in prompts)
+        assert len({tuple(p) for p in prompts}) == len(prompts)  # every prompt a different slice of the code
+    assert code_prompt(tok, 300, 0) == code_prompt(tok, 300)
+
+
+def test_table5_rows_are_medians_over_the_prompts_and_flag_any_prompt_that_differs() -> None:
+    from app.tools.bench.hat_sections import summarize_table5
+
+    def run(ttft: float, tbt: float, accept: float, ids: list[int]) -> dict:
+        return {"ttft_ms": ttft, "tbt_ms": tbt, "accept_length": accept, "tokens": len(ids), "ids": ids}
+
+    runs = {
+        "U-shape": [run(100, 50, 1.0, [1, 2]), run(300, 70, 1.0, [3, 4]), run(200, 60, 1.0, [5, 6])],
+        "SD": [run(90, 30, 2.0, [1, 2]), run(250, 20, 1.5, [3, 4]), run(80, 40, 2.5, [5, 6])],
+        "SD+PC": [run(90, 30, 2.0, [1, 2]), run(250, 20, 1.5, [3, 9]), run(80, 40, 2.5, [5, 6])],
+    }
+    variants = [(U_SHAPE.name, U_SHAPE), (SD_ONLY.name, SD_ONLY), ("SD+PC", SD_ONLY)]
+    rows = summarize_table5(512, variants, runs)
+    assert [r["variant"] for r in rows] == ["U-shape", "SD", "SD+PC"]
+    sd = rows[1]
+    assert (sd["ttft_ms"], sd["tbt_ms"], sd["accept_length"], sd["prompts"]) == (90, 30, 2.0, 3)
+    assert [p["tbt_ms"] for p in sd["per_prompt"]] == [30, 20, 40] and sd["prompt_tokens"] == 512
+    assert "differs_from_u_shape" not in sd and rows[2]["differs_from_u_shape"] is True

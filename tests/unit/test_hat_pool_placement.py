@@ -50,3 +50,14 @@ def test_with_every_breaker_open_the_first_to_close_is_tried():
     pool.failed(a, now=0)  # open until 2
     pool.failed(b, now=0)  # open until 1
     assert pool.place(now=0.5) is b
+
+
+def test_concurrency_sums_the_open_workers_pipelines_and_sessions():
+    pool = WorkerPool([A, B, C])
+    assert (pool.concurrency(now=0).lanes, pool.concurrency(now=0).limit) == (1, None)  # nothing known yet
+    a, b, _unopened = pool.workers
+    pool.opened(a, 0.002, {**INFO, "pipeline": 2})  # a 2-stage worker: two sessions in flight
+    pool.opened(b, 0.002, {**INFO, "pipeline": 1, "max_sessions": 8})
+    assert (pool.concurrency(now=0).lanes, pool.concurrency(now=0).limit) == (3, 12)  # c has not answered yet
+    pool.failed(b, now=0)  # its breaker is open: no lanes there until it closes
+    assert (pool.concurrency(now=0).lanes, pool.concurrency(now=0).limit) == (2, 4)

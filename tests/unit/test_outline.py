@@ -66,6 +66,19 @@ def test_points_go_where_they_finish_first():
     assert assign(2, 40, {"device": 10.0, "cloud": 10.0}, {"device": 10.0}) == ["cloud", "cloud"]
 
 
+def test_an_endpoint_with_lanes_runs_that_many_points_side_by_side():
+    # A 2-stage worker (two lanes) at the device's rate takes two points for each of the device's ...
+    where = assign(6, 40, {"device": 10.0, "hat": 10.0}, {}, {"hat": 2})
+    assert where == ["device", "hat", "hat", "device", "hat", "hat"]
+    # ... and at half the device's rate, as many as the device: each lane finishes a point when the device does two.
+    where = assign(8, 40, {"device": 10.0, "hat": 5.0}, {}, {"hat": 2})
+    assert where.count("hat") == 4 and where.count("device") == 4
+    # One lane is the default: the same placement as without lanes.
+    assert assign(5, 40, {"device": 10.0, "cloud": 30.0}, {}, {"cloud": 1}) == assign(
+        5, 40, {"device": 10.0, "cloud": 30.0}, {}
+    )
+
+
 def test_bench_pins_device_and_cloud_to_separate_cores_one_thread_each() -> None:
     import tomllib
 

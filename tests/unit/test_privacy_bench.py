@@ -154,3 +154,24 @@ def test_gateway_passes_a_hat_clouds_noise_to_its_backend(monkeypatch) -> None:
         backend = gw.Gateway._hat_backend(fake, "hat", cloud)
         assert backend.options.noise == noise and backend.link_options.noise == noise
         assert backend.link_options.noise_seed is None  # a fresh seed per session in the gateway
+
+
+def test_the_held_out_text_is_pinned_not_read_from_the_repository(tmp_path, monkeypatch) -> None:
+    """The held-out text is the shipped snapshot (commit 717abd1's code and README / ARCHITECTURE): editing, or even
+    removing, the repository's files does not change it, and a changed snapshot is refused."""
+    import app.tools.bench.privacy_bench as bench
+
+    pinned = bench.held_out_texts()
+    monkeypatch.setattr(bench, "REPO_ROOT", tmp_path)  # a repository without any file
+    assert bench.held_out_texts() == pinned
+    assert len(pinned["prose"]) == 2 and len(pinned["code"]) >= 10
+    assert sum(map(len, pinned["prose"])) > 30_000 and sum(map(len, pinned["code"])) > 100_000
+    assert pinned["prose"][0].startswith("# Tandem") and "def " in pinned["code"][1]
+    readme = (bench.HELD_OUT.parents[1] / "README.md").read_text()
+    assert pinned["prose"][0] != readme  # today's README is not the held-out text
+    changed = tmp_path / "held_out.json.gz"
+    data = bytearray(bench.HELD_OUT.read_bytes())
+    data[-9] ^= 1
+    changed.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match="sha256"):
+        bench.held_out_texts(changed)

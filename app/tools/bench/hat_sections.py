@@ -25,26 +25,45 @@ async def table5(bench: Bench) -> list[dict[str, Any]]:
 
 
 async def table5_rows(bench: Bench, configs: list[Config]) -> list[dict[str, Any]]:
-    """One greedy request per configuration and prompt length, interleaved per length, after one warm-up request;
-    the first configuration is the baseline whose tokens the others are checked against."""
+    """Per prompt length, --table5-prompts code-reading prompts (different slices of the code), one greedy request
+    per configuration and prompt, interleaved, after one warm-up request. One row per length and configuration: the
+    medians over its prompts (TTFT, TBT, accept length), each prompt's own in `per_prompt`. The first configuration is
+    the baseline whose tokens the others are checked against, prompt by prompt."""
     a = bench.args
     backends = {name: await started(bench, v, **kw) for name, v, kw in configs}
     await run_request(backends[configs[0][0]], bench.code_prompt(128), 4)  # warm-up
     rows = []
     for length in a.lengths:
-        ids = bench.code_prompt(length)
-        for name, v, _ in configs:
-            r = await run_request(backends[name], ids, a.decode_tokens)
-            r.update(variant=name, sd=v.sd, pc=v.pc, pd=v.pd)
-            rows.append(r)
-            print(f"  table5 {length:5d} {name:9s} TTFT {r['ttft_ms']:8.0f} ms  TBT {r['tbt_ms']:6.1f} ms  "
-                  f"accept {r['accept_length']:.2f}", file=sys.stderr)  # fmt: skip
-        base = next(r for r in rows if r["prompt_tokens"] == length and r["variant"] == configs[0][0])
-        for r in rows:
-            if r["prompt_tokens"] == length and r["ids"] != base["ids"]:
-                r["differs_from_u_shape"] = True  # greedy HAT == U-shape up to fp near-ties (reported)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
+        for index in range(a.table5_prompts):
+            ids = bench.code_prompt(length, index)
+            for name, _, _ in configs:
+                r = await run_request(backends[name], ids, a.decode_tokens)
+                runs[name].append(r)
+                print(f"  table5 {length:5d} #{index} {name:9s} TTFT {r['ttft_ms']:8.0f} ms  TBT {r['tbt_ms']:6.1f} "
+                      f"ms  accept {r['accept_length']:.2f}", file=sys.stderr)  # fmt: skip
+        rows += summarize_table5(length, [(name, v) for name, v, _ in configs], runs)
     for b in backends.values():
         await b.close()
+    return rows
+
+
+def summarize_table5(length: int, configs: list[tuple[str, Variant]], runs: dict[str, list[dict[str, Any]]]):
+    """One row per configuration at `length`: the medians over its prompts' requests (`runs[name]`, in prompt order);
+    `differs_from_u_shape` when any prompt's tokens differ from the first configuration's."""
+    base = runs[configs[0][0]]
+    rows = []
+    for name, v in configs:
+        per_prompt = runs[name]
+        row = {
+            "prompt_tokens": length, "variant": name, "sd": v.sd, "pc": v.pc, "pd": v.pd,
+            "prompts": len(per_prompt), "tokens": per_prompt[0]["tokens"],
+            **{k: statistics.median(r[k] for r in per_prompt) for k in ("ttft_ms", "tbt_ms", "accept_length")},
+            "per_prompt": [{k: r[k] for k in ("ttft_ms", "tbt_ms", "accept_length", "tokens")} for r in per_prompt],
+        }  # fmt: skip
+        if any(r["ids"] != b["ids"] for r, b in zip(per_prompt, base, strict=True)):
+            row["differs_from_u_shape"] = True  # greedy HAT == U-shape up to fp near-ties (reported)
+        rows.append(row)
     return rows
 
 

@@ -36,6 +36,27 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
 _CODE_FILES = ("app/serving/orchestrator.py", "app/worker/engine.py", "clients/hat/device.py", "policies/dispatch.py")
 
 
+def code_prompt(tok: Any, length: int, index: int = 0) -> list[int]:
+    """Exactly `length` tokens: a chat-templated request to explain a slice of this repository's code; prompt `index`
+    explains the `index`-th slice of that length (consecutive slices, wrapping round the code)."""
+    code = "\n".join((REPO_ROOT / f).read_text() for f in _CODE_FILES)
+    marker = "\u2063"
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": f"Explain what this code does, briefly:\n```python\n{marker}\n```"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    head, tail = text.split(marker)
+    ids_head = tok(head, add_special_tokens=False)["input_ids"]
+    ids_tail = tok(tail, add_special_tokens=False)["input_ids"]
+    room = length - len(ids_head) - len(ids_tail)
+    body = tok(code, add_special_tokens=False)["input_ids"]
+    if room <= 0 or room > len(body):
+        raise SystemExit(f"cannot build a {length}-token prompt (room {room}, code {len(body)} tokens)")
+    start = index * room % (len(body) - room + 1)
+    return [*ids_head, *body[start : start + room], *ids_tail]
+
+
 @dataclass(frozen=True)
 class Variant:
     sd: bool
@@ -167,23 +188,8 @@ class Bench:
 
     # --- prompts ------------------------------------------------------------------------------------
 
-    def code_prompt(self, length: int) -> list[int]:
-        """Exactly `length` tokens: a chat-templated request to explain a slice of this repository's code."""
-        code = "\n".join((REPO_ROOT / f).read_text() for f in _CODE_FILES)
-        marker = "\u2063"
-        text = self.tok.apply_chat_template(
-            [{"role": "user", "content": f"Explain what this code does, briefly:\n```python\n{marker}\n```"}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        head, tail = text.split(marker)
-        ids_head = self.tok(head, add_special_tokens=False)["input_ids"]
-        ids_tail = self.tok(tail, add_special_tokens=False)["input_ids"]
-        room = length - len(ids_head) - len(ids_tail)
-        body = self.tok(code, add_special_tokens=False)["input_ids"]
-        if room <= 0 or room > len(body):
-            raise SystemExit(f"cannot build a {length}-token prompt (room {room}, code {len(body)} tokens)")
-        return [*ids_head, *body[:room], *ids_tail]
+    def code_prompt(self, length: int, index: int = 0) -> list[int]:
+        return code_prompt(self.tok, length, index)
 
     def held_out_prompts(self, n: int) -> list[list[int]]:
         from app.tools.training.corpus import DEFAULT_PROMPTS, chat_ids, is_held_out, load_prompts

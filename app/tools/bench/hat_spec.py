@@ -213,7 +213,9 @@ def report_defaults(d: dict[str, Any]) -> list[str]:
         lines.append(f"| {n} | {c['accept_length']:.2f} | {c['tbt_ms_median']:.1f} | {c['speedup_median']:.2f}x | "
                      f"{per} | {c['tree_rounds']}/{c['rounds']} | {c['mean_draft_cap']:.2f} |")  # fmt: skip
     t5_names = [n for n in t5[0] if n != "prompt_tokens"] if t5 else []
-    lines += ["", "Defaults: Table 5 (SD+PC; TTFT ms / TBT ms (TBT ratio to U-shape) / accept length)", "",
+    prompts = d["table5_rows"][0]["prompts"] if d.get("table5_rows") else 0
+    lines += ["", f"Defaults: Table 5 (SD+PC, medians over {prompts} code-reading prompts a length; TTFT ms / TBT ms "
+              "(TBT ratio to U-shape) / accept length)", "",
               "| prompt | " + " | ".join(t5_names) + " |", "|---" * (len(t5_names) + 1) + "|"]  # fmt: skip
     for row in t5:
         cells = [f"{row[n]['ttft_ms']:.0f} / {row[n]['tbt_ms']:.1f} ({row[n]['tbt_ratio']:.2f}x) / "

@@ -14,8 +14,10 @@ dtype and, with noise, noised by clients/hat/noise.py — and scores top-1 token
   vocabulary.
 
 Fitting text (read at run time, nothing shipped): Python standard-library source files (code) plus docstrings of
-other standard-library files and the installed packages' licence texts (prose). Held out: this repository's
-Python code and its README / ARCHITECTURE prose — different files and a different source of prose. All
+other standard-library files and the installed packages' licence texts (prose). Held out, pinned (shipped in
+deploy/privacy_held_out.json.gz, sha256-checked): this repository's Python code and its README / ARCHITECTURE prose
+as they were at commit 717abd1, whose run published the figures — different files and a different source of
+prose, which the attacks never fit on, and which editing the repository does not move. All
 predictions range over the whole vocabulary.
 
 Next to the rates, what each m costs the device: the input submodel's time per decoded token (one thread, a
@@ -34,6 +36,8 @@ import argparse
 import ast
 import asyncio
 import contextlib
+import gzip
+import hashlib
 import json
 import math
 import os
@@ -107,11 +111,21 @@ def fit_texts() -> dict[str, list[str]]:
     return {"code": code, "prose": mixed}
 
 
-def held_out_texts() -> dict[str, list[str]]:
-    """This repository's Python code and its prose documentation."""
-    code = [p.read_text() for d in ("clients", "app", "policies") for p in sorted((REPO_ROOT / d).rglob("*.py"))]
-    prose = [(REPO_ROOT / f).read_text() for f in ("README.md", "ARCHITECTURE.md") if (REPO_ROOT / f).is_file()]
-    return {"code": code, "prose": prose}
+# The held-out text, pinned: this repository's Python code (its first files in path order, ~130 KB) and its README /
+# ARCHITECTURE at the commit whose run published the figures in BENCHMARKS.md, shipped gzipped in deploy/ and
+# checked against this hash, so the published rates do not move when the docs or the code are edited.
+HELD_OUT = REPO_ROOT / "deploy" / "privacy_held_out.json.gz"
+HELD_OUT_SHA256 = "b66a143d8116dc57e4e5ec0b84e768bdd0142ce34180814d692d99403ff792a0"
+
+
+def held_out_texts(path: Path = HELD_OUT) -> dict[str, list[str]]:
+    """The pinned held-out text (HELD_OUT): code files and prose files, each in its original order."""
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != HELD_OUT_SHA256:
+        raise SystemExit(f"{path}: sha256 {digest}, expected {HELD_OUT_SHA256} (the pinned held-out text was changed)")
+    pinned = json.loads(gzip.decompress(data))
+    return {kind: [text for _, text in pinned[kind]] for kind in ("code", "prose")}
 
 
 def sequences(tok: Any, texts: list[str], tokens: int, seq_len: int) -> torch.Tensor:
@@ -382,7 +396,8 @@ def report(results: dict[str, Any]) -> str:
         f"`tandem bench privacy {s['argv']}` — {s['date']}, {s['cpu']}, torch {s['torch']}; model {s['model']} "
         f"(fp32, hidden {s['hidden_size']}, vocab {s['vocab_size']}), wire dtype {s['wire_dtype']}; "
         f"fit on {s['fit_tokens']} tokens (stdlib code + docstrings/licences), held out {s['eval_tokens']} tokens "
-        f"(this repository's code + README/ARCHITECTURE), {s['seq_len']}-token sequences; {s['seconds']:.0f} s.",
+        f"(this repository's code + README/ARCHITECTURE at 717abd1, pinned), {s['seq_len']}-token sequences; "
+        f"{s['seconds']:.0f} s.",
         "",
         "Top-1 recovery of the input tokens from the states the worker receives (whole vocabulary):",
         "",
