@@ -43,6 +43,9 @@ inbox message and the replies go out then. A frame's rows are `done` once stage 
 may follow at once: a prompt's chunks flow through the stages one behind the other) and `finished` once they came
 back. At most `max_inflight` passes are in flight; ROLLBACK and CLOSE follow the same chain (crop / release). A
 broken pipeline fails every session with an ERROR (503) and refuses new ones.
+
+Size: a little over 600 lines with this docstring (the protocol's table is the engine's contract); the code is the
+engine's loop alone — scheduling, frame checks, stages, prefill costs and calibration are modules of their own.
 """
 
 from __future__ import annotations
