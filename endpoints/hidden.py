@@ -211,8 +211,7 @@ async def _send_error_and_close(ws: WebSocket, status: int, message: str, code: 
 # --- POST + SSE ------------------------------------------------------------------------------------
 
 
-def _check(request: Request) -> Engine:
-    worker = _worker(request.app)
+def _require_token(worker: WorkerState, request: Request) -> None:
     if not worker.authorized(request.headers.get("authorization")):
         raise ApiError(
             401,
@@ -220,6 +219,11 @@ def _check(request: Request) -> Engine:
             code="invalid_worker_token",
             headers={"WWW-Authenticate": "Bearer"},
         )
+
+
+def _check(request: Request) -> Engine:
+    worker = _worker(request.app)
+    _require_token(worker, request)
     if worker.engine is None or not worker.ready:
         failure = worker.failure
         why = f"The worker is not ready: {failure}" if failure else "The worker is still loading its model."
@@ -297,13 +301,7 @@ async def drain(request: Request, body: DrainBody | None = None) -> dict:
     the rest over (app/worker/server.py's Worker.drain). Idempotent: a second call changes nothing. The worker
     token is required, as for frames. `GET /health` says when it is done."""
     worker = _worker(request.app)
-    if not worker.authorized(request.headers.get("authorization")):
-        raise ApiError(
-            401,
-            "Missing or wrong worker token: send 'Authorization: Bearer <token>'.",
-            code="invalid_worker_token",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    _require_token(worker, request)
     timeout = body.timeout if body is not None else None
     worker.drain(worker.settings.drain_timeout if timeout is None else timeout)
     return _drain_state(worker)
