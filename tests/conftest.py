@@ -11,8 +11,10 @@ import os
 # llama.cpp's and torch's OpenMP threads wait for each other at every barrier and by default spin there first. The
 # suite runs several such processes on two cores (a gateway's device, its embedded cloud, llama-server, workers), and
 # when anything else also wants the cores a spinning thread holds the one the thread it waits for needs: with one
-# other busy process on the box, test_openai_sdk.py took 134 s spinning and 34 s passive; on a quiet box the two
-# are the same (41.7 / 41.4 s for three test_hat tests). Set before any of them loads OpenMP; the servers inherit it.
+# other busy process on the box, test_openai_sdk.py took 134 s spinning and 34 s passive. Alone on a quiet box,
+# passive waiting costs decode speed instead (`tandem bench device`: 48 -> 30 tok/s, BENCHMARKS.md), which is why
+# the product keeps the default; the whole suite, mostly several processes at once, came out ahead (clean `make
+# test`: 13 min 35 s for 1354 tests against 13 min 46 s for 1317 spinning). The servers inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import socket
