@@ -6,8 +6,8 @@ deploy/llama_server.py), the real peer they run beside it.
 A server started here dies with the process that started it, however that ends, so a
 test run killed from outside (a `timeout` around pytest, SIGTERM, SIGKILL) leaves no
 server behind: each runs in its own process group (stopping it stops what it spawned),
-on Linux with PR_SET_PDEATHSIG (the kernel sends it SIGTERM when its parent dies, even
-by SIGKILL), and this process stops the groups it still has at exit and on SIGTERM.
+on Linux with PR_SET_PDEATHSIG (the kernel sends it SIGTERM, llama-server SIGKILL, when
+its parent dies, even by SIGKILL), and this process stops the groups it still has at exit and on SIGTERM.
 `child_setup` is the same start for the gateway's own embedded servers (app/embedded.py).
 """
 
@@ -84,8 +84,10 @@ _exit_hooked = False
 _previous_sigterm: Callable | int | None = None  # the SIGTERM handler `track` found, called after its own
 
 
-def child_setup(cpus: list[int] | None = None) -> Callable[[], None]:
-    """A Popen preexec_fn: the child gets SIGTERM when this process dies (Linux) and runs on `cpus` (all if None).
+def child_setup(cpus: list[int] | None = None, death_signal: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
+    """A Popen preexec_fn: the child gets `death_signal` when this process dies (Linux) and runs on `cpus` (all if
+    None). SIGTERM lets one of our servers stop what it started in turn; a foreign server with nothing to stop gets
+    SIGKILL (see start_llama_server).
 
     The kernel ties PR_SET_PDEATHSIG to the thread that forks, not the process: set only when starting from the main
     thread, whose end is the process's; a child started from another thread relies on `track`'s hooks."""
@@ -94,7 +96,7 @@ def child_setup(cpus: list[int] | None = None) -> Callable[[], None]:
 
     def setup() -> None:
         if die_with_parent:
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            _prctl(_PR_SET_PDEATHSIG, death_signal, 0, 0, 0)
             if os.getppid() != parent:  # the parent died before the line above: no signal will come
                 os._exit(1)
         if cpus:
@@ -253,7 +255,11 @@ def start_llama_server(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=child_setup(cpus),
+            # SIGKILL when this process dies: llama-server answers a second SIGTERM (the hook's, then the kernel's)
+            # with exit() inside its signal handler, which can deadlock in its exit handlers and leave it running
+            # (seen in the suite: "Received second interrupt, terminating immediately." and still alive 5 s later).
+            # It has nothing to save and starts nothing of its own.
+            preexec_fn=child_setup(cpus, death_signal=signal.SIGKILL),
         )
     track(process)
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)

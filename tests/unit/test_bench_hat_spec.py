@@ -189,6 +189,27 @@ def test_tables_4_and_5_run_on_24_prompts_by_default_each_table5_prompt_its_own_
     assert code_prompt(tok, 300, 0) == code_prompt(tok, 300)
 
 
+def test_table5_prompts_read_the_pinned_code_not_the_working_tree(tmp_path) -> None:
+    """Table 5's prompts explain code shipped in deploy/ at one commit, so editing the repository's files does not
+    move the published table; a changed pinned file is refused."""
+    import gzip
+    import json
+
+    from app.tools.bench.hat_setup import TABLE5_CODE, table5_code
+
+    pinned = json.loads(gzip.decompress(TABLE5_CODE.read_bytes()))
+    assert len(pinned["commit"]) == 40
+    names = [name for name, _ in pinned["files"]]
+    assert "app/serving/orchestrator.py" in names and "clients/hat/device.py" in names
+    code = table5_code()
+    assert code == "\n".join(text for _, text in pinned["files"])
+    assert len(code) > 50_000  # room for 6 slices of 2048 tokens
+    tampered = tmp_path / "table5_code.json.gz"
+    tampered.write_bytes(gzip.compress(json.dumps({**pinned, "files": pinned["files"][:1]}).encode()))
+    with pytest.raises(SystemExit, match="sha256"):
+        table5_code(tampered)
+
+
 def test_table5_rows_are_medians_over_the_prompts_and_flag_any_prompt_that_differs() -> None:
     from app.tools.bench.hat_sections import summarize_table5
 

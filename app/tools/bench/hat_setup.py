@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -33,13 +35,26 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", default="", help='its reduced draft vocabulary (JSON; "full": none)')
 
 
-_CODE_FILES = ("app/serving/orchestrator.py", "app/worker/engine.py", "clients/hat/device.py", "policies/dispatch.py")
+# The code Table 5's prompts explain: four of this repository's files as they were at one commit, shipped gzipped
+# in deploy/ and checked against this hash, so the prompts (and the published Table 5) do not move when the code is
+# edited. Held out from the adapter's training, which reads the standard library's code (app/tools/training).
+TABLE5_CODE = REPO_ROOT / "deploy" / "table5_code.json.gz"
+TABLE5_CODE_SHA256 = "e7faea9cd80f9fc4e47b141961ae27e581d93788678c15b74f3b753daa07d9fb"
+
+
+def table5_code(path: Path = TABLE5_CODE) -> str:
+    """The pinned code (TABLE5_CODE), its files joined in their pinned order."""
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != TABLE5_CODE_SHA256:
+        raise SystemExit(f"{path}: sha256 {digest}, expected {TABLE5_CODE_SHA256} (the pinned code was changed)")
+    return "\n".join(text for _, text in json.loads(gzip.decompress(data))["files"])
 
 
 def code_prompt(tok: Any, length: int, index: int = 0) -> list[int]:
-    """Exactly `length` tokens: a chat-templated request to explain a slice of this repository's code; prompt `index`
-    explains the `index`-th slice of that length (consecutive slices, wrapping round the code)."""
-    code = "\n".join((REPO_ROOT / f).read_text() for f in _CODE_FILES)
+    """Exactly `length` tokens: a chat-templated request to explain a slice of the pinned code (table5_code);
+    prompt `index` explains the `index`-th slice of that length (consecutive slices, wrapping round the code)."""
+    code = table5_code()
     marker = "\u2063"
     text = tok.apply_chat_template(
         [{"role": "user", "content": f"Explain what this code does, briefly:\n```python\n{marker}\n```"}],
