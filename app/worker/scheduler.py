@@ -34,7 +34,8 @@ from app.worker.sessions import EngineError, Item, Session, check_positions
 from app.worker.settings import EngineLimits
 from app.worker.stats import EngineStats
 from clients.hat import wire
-from policies.fair_share import Pending, fair_shares
+from policies.fair_share import ROW_COUNT, Pending, RowCost, fair_shares
+from policies.sequence_partition import ChunkCost
 from policies.worker_batching import plan_groups, subchunk_tokens
 
 CONTROL_KINDS = frozenset({wire.Kind.ROLLBACK, wire.Kind.TREE, wire.Kind.KEEP})
@@ -94,14 +95,16 @@ class Scheduler:
             if not queue_:
                 self._ready.pop(item.session.id, None)
 
-    def next_pass(self, slope: float, intercept: float, sessions: int) -> list[Piece]:
+    def next_pass(self, slope: float, intercept: float, sessions: int, tau: ChunkCost | None = None) -> list[Piece]:
         """This pass's (frame, rows) pieces by the configured batching. g(x) = slope·x + intercept is the fitted pass
-        time; `sessions`: how many sessions are open (a lone one's prefill is never cut into sub-chunks)."""
+        time; `sessions`: how many sessions are open (a lone one's prefill is never cut into sub-chunks); `tau`: the
+        fitted cost of x rows after y cached positions, τ(x | y) (app/worker/prefill_cost.py; None while unknown),
+        which prices each session's fair share of a pass by the context its rows attend over."""
         if self.limits.batching == "planned":
-            return self._planned(slope, intercept, sessions)
+            return self._planned(slope, intercept, sessions, tau)
         return [(item, item.rows) for item in self._greedy()]
 
-    def _planned(self, slope: float, intercept: float, sessions: int) -> list[Piece]:
+    def _planned(self, slope: float, intercept: float, sessions: int, tau: ChunkCost | None) -> list[Piece]:
         """One candidate piece per session (a sub-chunk for a long prefill frame); run the plan's first group."""
         limits = self.limits
         budget = subchunk_tokens(
@@ -123,7 +126,7 @@ class Scheduler:
         # would pay their passes' fixed cost (up to `subchunk_overhead` of its TTFT).
         credits: dict[bytes, float] = {}  # what each session keeps of its fair share if its piece runs now
         if sessions > 1:
-            pieces = self._fair(pieces, budget, credits)
+            pieces = self._fair(pieces, budget, slope, tau, credits)
         if not pieces:
             return []
         forced = [i for i, (item, _) in enumerate(pieces) if item.deferred >= limits.max_defer]
@@ -151,13 +154,19 @@ class Scheduler:
         self._to_back(item for item, _ in batch)
         return batch
 
-    def _fair(self, pieces: list[Piece], quantum: int, credits: dict[bytes, float]) -> list[Piece]:
-        """Deficit round robin over the sessions (policies/fair_share.py), `quantum` rows of credit each per pass:
-        what each session's credit covers of its piece; a prefill chunk or a chain of drafts may run in pieces, a
-        token tree only whole. A session's credit changes only when its piece runs (the planner may defer it): the
-        credit it would keep goes into `credits`; one whose frame waits for more credit keeps what it earned."""
-        pending = [Pending(rows, _splittable(item)) for item, rows in pieces]
-        runs, kept = fair_shares(pending, [item.session.credit for item, _ in pieces], quantum, MIN_SUBCHUNK)
+    def _fair(
+        self, pieces: list[Piece], budget: int, slope: float, tau: ChunkCost | None, credits: dict[bytes, float]
+    ) -> list[Piece]:
+        """Deficit round robin over the sessions (policies/fair_share.py): what each session's credit covers of its
+        piece, priced in seconds by the rows and the context they attend over; a prefill chunk or a chain of drafts
+        may run in pieces, a token tree only whole. A session's credit changes only when its piece runs (the planner
+        may defer it): the credit it would keep goes into `credits`; one whose frame waits for more credit keeps what
+        it earned."""
+        cost, quantum = fair_price(budget, slope, tau, self.limits)
+        self.stats.fair_quantum = quantum
+        pending = [Pending(rows, _splittable(item), len(item.session.cache)) for item, rows in pieces]
+        credits_now = [item.session.credit for item, _ in pieces]
+        runs, kept = fair_shares(pending, credits_now, quantum, MIN_SUBCHUNK, cost)
         fair: list[Piece] = []
         for (item, _), run, credit in zip(pieces, runs, kept, strict=True):
             if run:
@@ -236,6 +245,29 @@ class Scheduler:
         for item in items:
             if item.session.id in self._ready:
                 self._ready.move_to_end(item.session.id)
+
+
+def fair_price(budget: int, slope: float, tau: ChunkCost | None, limits: EngineLimits) -> tuple[RowCost, float]:
+    """The fair share's cost model and quantum (seconds of work each session may add to a pass).
+
+    With τ known: a piece is priced by τ(x | y) less its fixed cost, and the quantum is what the sub-chunk budget
+    computed on τ's own fixed cost and per-row cost costs after no context (a short-context piece gets the rows it
+    always got, one late in a long context what the same time buys: fewer). Not on g: g has no context term, so a
+    long-context flood inflates its slope and drives its intercept below 0 (measured in `bench fair-share`: the
+    budget fell to its 16-row floor), which would shrink everyone's quantum. Before τ is known: g's slope per row
+    and g's budget (rows, no context term); with neither, rows."""
+    if tau is not None and tau.b > 0:
+        cost = RowCost(tau.b, tau.c, tau.d)
+        rows = subchunk_tokens(
+            tau.b,
+            tau.a,
+            overhead=limits.subchunk_overhead,
+            min_tokens=MIN_SUBCHUNK,
+            max_tokens=limits.max_batch_tokens,
+        )
+        return cost, cost(rows, 0)
+    cost = RowCost(slope) if slope > 0 else ROW_COUNT
+    return cost, cost(budget, 0)
 
 
 def _splittable(item: Item) -> bool:

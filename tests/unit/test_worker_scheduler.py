@@ -13,6 +13,7 @@ from app.worker.sessions import EngineError, Item, OpenParams, Reason, Session
 from app.worker.settings import EngineLimits
 from app.worker.stats import EngineStats
 from clients.hat import wire
+from policies.sequence_partition import ChunkCost
 
 Kind = wire.Kind
 # g(x) = 0.002·x + 0.048 s: the sub-chunk budget at the default 0.2 overhead is 0.048·0.8 / (0.2·0.002) = 96 tokens
@@ -69,9 +70,10 @@ class Script:
         self.scheduler.add(item)
         return item
 
-    def next_pass(self) -> list[tuple[str, int]]:
+    def next_pass(self, tau: ChunkCost | None = None) -> list[tuple[str, int]]:
         """The pass's pieces as (session, rows); then they run: the rows are done and in the session's cache."""
-        pieces: list[Piece] = self.scheduler.next_pass(SLOPE, INTERCEPT, len(self.sessions))
+        extra = {} if tau is None else {"tau": tau}  # τ known or not: the fair share's prices
+        pieces: list[Piece] = self.scheduler.next_pass(SLOPE, INTERCEPT, len(self.sessions), **extra)
         for item, n in pieces:
             item.done += n
             item.finished += n
@@ -286,3 +288,29 @@ def test_a_token_tree_larger_than_the_quantum_waits_for_its_credit_then_runs_who
     s.send("small", Kind.DRAFT, 3)
     assert s.next_pass() == [("tree", 150), ("small", 3)]  # 192 does
     assert tree.credit == 0.0
+
+
+def test_a_long_context_flood_gets_its_share_of_each_pass_in_time_not_rows() -> None:
+    """With τ known (τ(x | y) = 0.048 + 0.002·x + 2e-6·x·y s), the quantum is what the sub-chunk budget's 96 rows
+    cost after no context (0.192 s) and a piece is priced by the context it attends over: the flood, 3000 positions
+    in, runs ~21 rows a pass (9 ms each), not 96, so the pass beside the other session's round costs what a
+    96-row piece after no context does, not 4× that."""
+    tau = ChunkCost(0.048, 0.002, 2e-6, 0.0)
+    s = Script(batching="planned")
+    s.session("victim", cached=20)
+    s.session("flood", cached=3000)
+    for _ in range(2):
+        s.send("flood", Kind.DRAFT, 455)
+    flooded = spent = 0.0
+    for _ in range(12):
+        s.send("victim", Kind.DRAFT, 3)
+        context, credit = len(s.sessions["flood"].cache), s.sessions["flood"].credit
+        pass_ = dict(s.next_pass(tau))
+        piece = pass_["flood"]
+        assert pass_["victim"] == 3 and 16 <= piece <= 24, pass_
+        seconds = piece * (0.002 + 2e-6 * context)
+        assert seconds <= credit + 0.192 + 1e-9  # what its credit covers: the quantum and what it kept
+        flooded, spent = flooded + piece, spent + seconds
+    assert s.stats.fair_quantum == 0.002 * 96
+    assert 11 * 0.192 < spent <= 12 * 0.192 + 1e-9  # its time share of every pass: not starved, no more
+    assert flooded < 12 * 24  # where a row quantum ran 12 × ~91
