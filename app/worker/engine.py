@@ -362,7 +362,8 @@ class Engine:
             if self._pipeline_full():
                 continue  # every stage has work: wait for a micro-batch to come back
             try:
-                batch = self.scheduler.next_pass(*self.stats.g.coefficients(), len(self._sessions))
+                slope, intercept = self.stats.g.coefficients()
+                batch = self.scheduler.next_pass(slope, intercept, len(self._sessions), self.prefill_cost.total())
                 if batch:
                     self._forward(batch)
             except Exception:  # never let the engine thread die
@@ -492,7 +493,7 @@ class Engine:
             if item.done == item.rows:
                 self.scheduler.unqueue(item)  # all its rows ran here: the session's next frame may follow it
         if self.pipeline is None:
-            self._observe_prefill(batch, [elapsed])
+            self._observe_lone_piece(batch, [elapsed])
             self._complete(batch, outs, elapsed)
             return
         sent = [(item.session.id, item.frame.arg + item.done - n, n) for item, n in batch]  # type: ignore[union-attr]
@@ -513,16 +514,18 @@ class Engine:
             busy[:] = [0.0] * len(stage_seconds)
         for s, seconds in enumerate(stage_seconds):
             busy[s] += seconds
-        self._observe_prefill(batch, stage_seconds)
+        self._observe_lone_piece(batch, stage_seconds)
         self._complete(batch, deep, sum(stage_seconds))
 
-    def _observe_prefill(self, batch: list[tuple[Item, int]], stage_seconds: list[float]) -> None:
-        """A lone prefill piece times τ_s(x | y) on every stage: the fit (and so a staged worker's sequence partition
-        and the τ the devices get) learns from such passes. Called before `_complete`, while `finished` is still the
+    def _observe_lone_piece(self, batch: list[tuple[Item, int]], stage_seconds: list[float]) -> None:
+        """A lone piece of consecutive positions (a prefill chunk or a chain of drafts: the same computation) times
+        τ_s(x | y) on every stage: the fit (and so a staged worker's sequence partition, the fair share's prices and
+        the τ the devices get) learns from such passes. Called before `_complete`, while `finished` is still the
         piece's first row."""
         item, n = batch[0]
-        if len(batch) == 1 and item.frame is not None and item.frame.kind == wire.Kind.PREFILL_CHUNK:
-            self.prefill_cost.observe(n, item.frame.arg + item.finished, stage_seconds)
+        if len(batch) == 1 and item.frame is not None and item.tree is None:
+            if item.frame.kind in (wire.Kind.PREFILL_CHUNK, wire.Kind.DRAFT):
+                self.prefill_cost.observe(n, item.frame.arg + item.finished, stage_seconds)
 
     def profile_prefill(self) -> None:
         """The start-up profile of τ(x | y) on this process's layers (engine thread; `[worker] prefill_profile`)."""

@@ -57,6 +57,29 @@ def test_the_engine_fits_tau_from_its_own_lone_prefill_pieces_and_reports_it_at_
                    engine.prefill_cost.costs[0].c, engine.prefill_cost.costs[0].d]  # type: ignore[index]  # fmt: skip
 
 
+def test_lone_chains_of_drafts_feed_tau_too_and_a_tree_does_not(engine: Engine) -> None:
+    """A chain of drafts is the prefill's computation (consecutive positions after the cache), so a lone one times
+    τ(x | y) as well: a worker whose sessions only verify (or flood it with drafts) learns τ, which prices their fair
+    share of a pass (app/worker/scheduler.py). A token tree attends otherwise and is not a point."""
+    session, _ = opened(engine)
+    seq, position = 0, 0
+    for x in (16, 32, 24):
+        seq += 1
+        frame = wire.encode_tensor(Kind.DRAFT, session.id, seq, torch.randn(x, H), arg=position)
+        *_status, reply = [wire.decode_frame(b) for b in engine.submit(session, frame).result(timeout=10)]
+        assert reply.kind == Kind.VERIFY_RESULT
+        position += x
+    assert [(x, y) for x, y, _ in engine.prefill_cost.points] == [(16, 0), (32, 16), (24, 48)]
+    assert engine.prefill_cost.total() == engine.prefill_cost.costs[0]  # type: ignore[index]  # one stage: its τ
+    parents = [-1, *range(15), 0]  # a 17-node tree: a chain of 16 and a branch at the root
+    seq += 1
+    engine.submit(session, wire.encode_indices(Kind.TREE, session.id, seq, parents, arg=position))
+    seq += 1
+    tree = wire.encode_tensor(Kind.DRAFT, session.id, seq, torch.randn(len(parents), H), arg=position)
+    *_status, reply = [wire.decode_frame(b) for b in engine.submit(session, tree).result(timeout=10)]
+    assert reply.kind == Kind.VERIFY_RESULT and len(engine.prefill_cost.points) == 3
+
+
 def test_the_start_up_profile_determines_tau_before_any_session(engine: Engine) -> None:
     engine.call(engine.profile_prefill).result(timeout=60)
     fit = engine.prefill_cost
