@@ -66,7 +66,7 @@ import torch
 from app.worker.calibration import check_ragged_forward, profile_prefill
 from app.worker.compute import MIN_ROWS
 from app.worker.prefill_cost import PrefillCostFit
-from app.worker.scheduler import Scheduler
+from app.worker.scheduler import CONTROL_KINDS, Scheduler, has_tensor_frame
 from app.worker.sessions import (
     MAX_REORDER,
     PROTOCOL,
@@ -82,6 +82,7 @@ from app.worker.stats import EngineStats
 from clients.hat import wire
 from clients.hat.ragged import RaggedMiddle
 from clients.hat.split import MiddleSubmodel
+from policies.fair_share import anticipation
 
 if TYPE_CHECKING:
     from app.worker.pipeline import Pipeline
@@ -350,7 +351,8 @@ class Engine:
         while not self._stopping:
             try:
                 idle = not self.scheduler.pending or self._pipeline_full()
-                item = self._inbox.get(timeout=tick) if idle else self._inbox.get_nowait()
+                wait = tick if idle else self._anticipation()
+                item = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
                 self._take(item)
                 while True:
                     self._take(self._inbox.get_nowait())
@@ -358,6 +360,8 @@ class Engine:
                 pass
             if self._stopping:
                 break
+            if self._anticipation() > 0:
+                continue  # what arrived was not the frame the flood's pass is held for: wait on
             self._expire_idle()
             if self._pipeline_full():
                 continue  # every stage has work: wait for a micro-batch to come back
@@ -369,6 +373,19 @@ class Engine:
             except Exception:  # never let the engine thread die
                 log.exception("engine tick failed")
         self._drain_on_stop()
+
+    def _anticipation(self) -> float:
+        """Seconds to hold a pass of only a flood's pieces for a session answered a moment ago (policies/fair_share.py:
+        its next frame would otherwise wait behind a whole piece)."""
+        if self.limits.batching != "planned" or len(self._sessions) < 2 or not self.scheduler.only_bulk():
+            return 0.0
+        now = time.perf_counter()
+        answered = [
+            (now - s.answered_at, s.reply_gap.get())
+            for s in self._sessions.values()
+            if s.answered_at is not None and s.reply_gap.count
+        ]
+        return anticipation(answered, self.stats.fair_quantum)
 
     def _pipeline_full(self) -> bool:
         return self.pipeline is not None and self.pipeline.inflight >= self.pipeline.max_inflight
@@ -386,6 +403,10 @@ class Engine:
                 _resolve(item.future, [])
                 return
             self.scheduler.add(item)
+            session = item.session
+            if session.answered_at is not None and item.frame is not None and item.frame.kind not in CONTROL_KINDS:
+                session.reply_gap.update(time.perf_counter() - session.answered_at)  # the device's turn
+                session.answered_at = None
         elif kind == "close":
             self._drop(obj)
         elif kind == "call":
@@ -556,6 +577,8 @@ class Engine:
             if item.finished < item.rows:
                 continue  # a piece: the frame's reply comes with its last one
             item.session.frames += 1
+            if not has_tensor_frame(item.session):
+                item.session.answered_at = time.perf_counter()  # its turn: the next frame is the device's to send
             if item.tree is not None:
                 item.session.open_tree = (frame.arg, item.tree)
             if frame.kind == wire.Kind.PREFILL_CHUNK:

@@ -78,6 +78,13 @@ class Scheduler:
         """Some session has a frame queued."""
         return bool(self._ready)
 
+    def only_bulk(self) -> bool:
+        """Every session with a tensor frame queued is a flood in progress: its next frame partly run already (the
+        fair share is cutting it) or more frames queued behind it. Sessions with only control frames queued wait for
+        no pass."""
+        waiting = [frames for frames in (_tensor_frames(s, 2) for s in self._ready.values()) if frames]
+        return bool(waiting) and all(frames[0].done > 0 or len(frames) > 1 for frames in waiting)
+
     def add(self, item: Item) -> None:
         """A frame released in its session's sequence order joins the session's queue."""
         item.session.queue.append(item)
@@ -268,6 +275,22 @@ def fair_price(budget: int, slope: float, tau: ChunkCost | None, limits: EngineL
         return cost, cost(rows, 0)
     cost = RowCost(slope) if slope > 0 else ROW_COUNT
     return cost, cost(budget, 0)
+
+
+def _tensor_frames(session: Session, most: int) -> list[Item]:
+    """Up to `most` of the session's queued tensor frames, in order."""
+    frames: list[Item] = []
+    for item in session.queue:
+        if item.frame is not None and item.frame.kind not in CONTROL_KINDS:
+            frames.append(item)
+            if len(frames) == most:
+                break
+    return frames
+
+
+def has_tensor_frame(session: Session) -> bool:
+    """The session has a tensor frame queued (its next round or chunk is at the worker)."""
+    return bool(_tensor_frames(session, 1))
 
 
 def _splittable(item: Item) -> bool:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from policies.fair_share import ROW_COUNT, Pending, RowCost, fair_shares
+from policies.fair_share import ROW_COUNT, Pending, RowCost, anticipation, fair_shares
 
 
 def test_frames_within_the_quantum_run_whole_and_keep_no_credit() -> None:
@@ -148,3 +148,14 @@ def test_over_many_passes_two_backlogged_sessions_get_the_same_time_not_the_same
             seconds[i] += cost(run, contexts[i])
     assert abs(seconds[0] - seconds[1]) < 0.05
     assert rows[0] > 3 * rows[1]
+
+
+def test_a_flood_only_pass_is_held_for_a_session_answered_a_moment_ago_until_it_is_due() -> None:
+    # answered 2 ms ago, its next frame usually 4 ms after a reply: hold 4 ms (due at 1.5 × 4 = 6 ms)
+    assert anticipation([(0.002, 0.004)], cap=0.3) == pytest.approx(0.004)
+    # the soonest of several; one overdue (answered 1 s ago, usually back in 10 ms) holds nothing
+    assert anticipation([(1.0, 0.01), (0.001, 0.002), (0.0, 0.1)], cap=0.3) == pytest.approx(0.002)
+    assert anticipation([(1.0, 0.01)], cap=0.3) == 0.0 and anticipation([], cap=0.3) == 0.0
+    # never past the cap after the reply: a slow device is not waited for longer than a flood piece takes
+    assert anticipation([(0.05, 1.0)], cap=0.3) == pytest.approx(0.25)
+    assert anticipation([(0.3, 1.0)], cap=0.3) == 0.0

@@ -314,3 +314,22 @@ def test_a_long_context_flood_gets_its_share_of_each_pass_in_time_not_rows() -> 
     assert s.stats.fair_quantum == 0.002 * 96
     assert 11 * 0.192 < spent <= 12 * 0.192 + 1e-9  # its time share of every pass: not starved, no more
     assert flooded < 12 * 24  # where a row quantum ran 12 × ~91
+
+
+def test_only_bulk_when_every_session_with_a_tensor_frame_queued_is_a_flood_in_progress() -> None:
+    """What the engine holds a pass for a returning session on (policies/fair_share.anticipation): a pass of only a
+    flood's pieces; a session's single next round, or a first frame not yet cut, is not bulk."""
+    s = Script(batching="planned")
+    s.session("victim", cached=20)
+    s.session("flood")
+    assert not s.scheduler.only_bulk()  # nothing queued
+    s.send("flood", Kind.DRAFT, 455)
+    assert not s.scheduler.only_bulk()  # one frame, not cut yet: it may be a round of its own
+    s.send("flood", Kind.DRAFT, 455)
+    assert s.scheduler.only_bulk()  # a backlog
+    s.send("victim", Kind.ROLLBACK, arg=20)
+    assert s.scheduler.only_bulk()  # a control frame waits for no pass
+    s.send("victim", Kind.DRAFT, 3)
+    assert not s.scheduler.only_bulk()  # the victim's round is here
+    assert dict(s.next_pass()) == {"flood": 91, "victim": 3}
+    assert s.scheduler.only_bulk()
