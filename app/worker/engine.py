@@ -29,10 +29,12 @@ per-session idle timeout (408, session dropped), frame size (413), kind/dtype/sh
 non-finite values (400), positions and sequence numbers (409).
 
 Batching (continuous, "ragged"): every tick the engine thread asks its scheduler (app/worker/scheduler.py: planned
-or greedy) for the next pass's pieces and runs them through the middle layers in ONE forward pass. Passes are ragged
-(clients/hat/ragged.py: packed rows, attention per session, each row's result independent of its neighbours). That
-forward is checked against the model's own layers at start-up (`self_check`), so an unsupported layer layout fails
-loudly instead of computing garbage.
+or greedy) for the next pass's pieces and runs them through the middle layers in ONE forward pass. Planned, a pass
+of only a flood's pieces is held back while a session answered a moment ago is due to send its next round
+(policies/fair_share.anticipation), so that round shares the next pass rather than waiting behind the piece. Passes
+are ragged (clients/hat/ragged.py: packed rows, attention per session, each row's result independent of its
+neighbours). That forward is checked against the model's own layers at start-up (`self_check`), so an unsupported
+layer layout fails loudly instead of computing garbage.
 
 Threading: all model calls run on one dedicated engine thread under torch.inference_mode(); the event loop only
 validates frames and hands them over (`submit` returns a concurrent Future of the reply frames).
@@ -44,7 +46,7 @@ may follow at once: a prompt's chunks flow through the stages one behind the oth
 back. At most `max_inflight` passes are in flight; ROLLBACK and CLOSE follow the same chain (crop / release). A
 broken pipeline fails every session with an ERROR (503) and refuses new ones.
 
-Size: a little over 600 lines with this docstring (the protocol's table is the engine's contract); the code is the
+Size: about 650 lines with this docstring (the protocol's table is the engine's contract); the code is the
 engine's loop alone — scheduling, frame checks, stages, prefill costs and calibration are modules of their own.
 """
 

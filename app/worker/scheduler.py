@@ -4,17 +4,19 @@ Batching (continuous, "ragged"): every tick the engine thread asks for the next 
 next tensor frame of every session that has one pending and chooses which of them (and how many of their rows) run
 together in ONE forward pass. `batching = "greedy"`: all of them, up to max_batch_tokens, whole frames. `batching =
 "planned"` (default): while more than one session is open, each session's share of a pass is bounded by deficit
-round robin (policies/fair_share.py, the quantum a budget derived from the fitted delay predictor g): a prefill
-frame or a chain of drafts longer than the session's credit is cut into consecutive pieces (exact with the KV
-cache), a token tree runs whole once the credit covers it, so one session flooding its backlog with large frames
-makes no other session's verification round wait behind more than a piece. The pending pieces are sorted shortest
-first and grouped by
-policies/worker_batching.plan_groups (least mean completion time under g), and only the first group runs; the rest
-are re-planned next tick with whatever arrived meanwhile. A frame left out `max_defer` passes in a row is forced into
-the next one — so at the default, max_defer = 0, every pending piece is forced into every pass and the DP has nothing
-to choose: the sub-chunks are what a waiting verification round gains (it waits behind one sub-chunk's pass). In a
-staged worker (app/worker/pipeline.py), each prefill frame is first cut at the ends of its Jupiter plan (the sequence
-partition of app/worker/prefill_cost.py over the stages' τ_s) so a lone long prompt keeps every stage busy.
+round robin in time (policies/fair_share.py): a piece is priced by the fitted τ(x | y) less its fixed cost, so by
+its rows and the context they attend over, and the quantum is what the sub-chunk budget costs after no context
+(`fair_price`; g's slope and budget, rows only, until τ is known). A prefill frame or a chain of drafts costing more
+than the session's credit is cut into consecutive pieces (exact with the KV cache), a token tree runs whole once the
+credit covers it, so one session flooding its backlog with large frames makes no other session's verification round
+wait behind more than a piece, however long the flood's context. The pending pieces are sorted shortest first and
+grouped by policies/worker_batching.plan_groups (least mean completion time under g), and only the first group runs;
+the rest are re-planned next tick with whatever arrived meanwhile. A frame left out `max_defer` passes in a row is
+forced into the next one — so at the default, max_defer = 0, every pending piece is forced into every pass and the
+DP has nothing to choose: the sub-chunks are what a waiting verification round gains (it waits behind one
+sub-chunk's pass). In a staged worker (app/worker/pipeline.py), each prefill frame is first cut at the ends of its
+Jupiter plan (the sequence partition of app/worker/prefill_cost.py over the stages' τ_s) so a lone long prompt keeps
+every stage busy.
 
 On the way to a session's next tensor frame, the control frames queued before it (ROLLBACK, TREE, KEEP) are handed
 to the engine to apply, and a tensor frame whose positions do not follow the session's cache, or that breaks its

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import pytest
 import torch
 
-from app.worker.scheduler import Piece, Scheduler
+from app.worker.scheduler import Piece, Scheduler, fair_price
 from app.worker.sessions import EngineError, Item, OpenParams, Reason, Session
 from app.worker.settings import EngineLimits
 from app.worker.stats import EngineStats
 from clients.hat import wire
+from policies.fair_share import ROW_COUNT, RowCost
 from policies.sequence_partition import ChunkCost
 
 Kind = wire.Kind
@@ -333,3 +335,16 @@ def test_only_bulk_when_every_session_with_a_tensor_frame_queued_is_a_flood_in_p
     assert not s.scheduler.only_bulk()  # the victim's round is here
     assert dict(s.next_pass()) == {"flood": 91, "victim": 3}
     assert s.scheduler.only_bulk()
+
+
+def test_the_fair_quantum_comes_from_tau_not_from_a_g_that_a_long_context_flood_distorted() -> None:
+    """g has no context term: under a long-context flood its slope grows and its intercept goes below 0 (measured in
+    `bench fair-share`), which would floor the sub-chunk budget. With τ known the quantum is τ's own sub-chunk
+    budget's cost: 0.048·0.8 / (0.2·0.002) = 96 rows, 0.192 s."""
+    limits = EngineLimits()
+    tau = ChunkCost(0.048, 0.002, 2e-6, 0.0)
+    cost, quantum = fair_price(16, 0.02, tau, limits)  # g's budget floored at 16 rows by a distorted g
+    assert cost == RowCost(0.002, 2e-6, 0.0) and quantum == pytest.approx(0.192)
+    cost, quantum = fair_price(96, SLOPE, None, limits)  # before τ: g's slope per row, no context term
+    assert cost == RowCost(SLOPE) and quantum == pytest.approx(SLOPE * 96)
+    assert fair_price(4096, 0.0, None, limits) == (ROW_COUNT, 4096.0)  # nothing fitted: rows
