@@ -516,7 +516,7 @@ class Engine:
             if item.done == item.rows:
                 self.scheduler.unqueue(item)  # all its rows ran here: the session's next frame may follow it
         if self.pipeline is None:
-            self._observe_lone_piece(batch, [elapsed])
+            self._observe_piece_cost(batch, [elapsed])
             self._complete(batch, outs, elapsed)
             return
         sent = [(item.session.id, item.frame.arg + item.done - n, n) for item, n in batch]  # type: ignore[union-attr]
@@ -537,18 +537,28 @@ class Engine:
             busy[:] = [0.0] * len(stage_seconds)
         for s, seconds in enumerate(stage_seconds):
             busy[s] += seconds
-        self._observe_lone_piece(batch, stage_seconds)
+        self._observe_piece_cost(batch, stage_seconds)
         self._complete(batch, deep, sum(stage_seconds))
 
-    def _observe_lone_piece(self, batch: list[tuple[Item, int]], stage_seconds: list[float]) -> None:
-        """A lone piece of consecutive positions (a prefill chunk or a chain of drafts: the same computation) times
-        τ_s(x | y) on every stage: the fit (and so a staged worker's sequence partition, the fair share's prices and
-        the τ the devices get) learns from such passes. Called before `_complete`, while `finished` is still the
-        piece's first row."""
-        item, n = batch[0]
-        if len(batch) == 1 and item.frame is not None and item.tree is None:
-            if item.frame.kind in (wire.Kind.PREFILL_CHUNK, wire.Kind.DRAFT):
-                self.prefill_cost.observe(n, item.frame.arg + item.finished, stage_seconds)
+    def _observe_piece_cost(self, batch: list[tuple[Item, int]], stage_seconds: list[float]) -> None:
+        """A piece of consecutive positions (a prefill chunk or a chain of drafts: the same computation) that ran
+        alone, or beside decode-sized pieces only, times τ_s(x | y) on every stage: the fit (and so a staged worker's
+        sequence partition, the fair share's prices and the τ the devices get) learns from such passes. Beside small
+        pieces, because a flood's pieces mostly share a pass with another session's round (the engine holds them for
+        it), and they would leave τ unfitted; the round's few rows add their share of the pass to the point (a 4-row
+        round beside a 16-row piece: a few percent). Called before `_complete`, while `finished` is still the piece's
+        first row."""
+        small = self.prefill_cost.min_len  # decode-sized: fewer rows than the fit takes a point from
+        long = [(item, n) for item, n in batch if n >= small]
+        if len(long) != 1 or sum(n for _, n in batch) - long[0][1] >= small:
+            return
+        item, n = long[0]
+        if (
+            item.frame is not None
+            and item.tree is None
+            and item.frame.kind in (wire.Kind.PREFILL_CHUNK, wire.Kind.DRAFT)
+        ):
+            self.prefill_cost.observe(n, item.frame.arg + item.finished, stage_seconds)
 
     def profile_prefill(self) -> None:
         """The start-up profile of τ(x | y) on this process's layers (engine thread; `[worker] prefill_profile`)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -120,3 +121,25 @@ def test_dp_chunks_are_planned_with_the_workers_tau_when_it_sends_one() -> None:
     without = planner.plan(1024, base, beta_up=5e6)  # an older worker: g as a context-free τ
     assert without.worker_tau == ChunkCost(0.01, 1e-4)
     assert without.bounds != with_tau.bounds
+
+
+def test_a_long_piece_beside_decode_sized_ones_times_tau_and_two_long_pieces_do_not(engine: Engine) -> None:
+    """The engine holds a flood's pass for another session's round, so its pieces mostly share a pass with a few
+    rows: such a pass still gives τ a point (the piece's x and y); a pass of two long pieces does not (whose?)."""
+    (a, _), (b, _) = opened(engine), opened(engine)
+
+    def together(frames: list[tuple[object, bytes]]) -> None:
+        gate = threading.Event()
+        engine.call(gate.wait)  # hold the engine thread so that the frames share its next pass
+        futures = [engine.submit(session, frame) for session, frame in frames]  # type: ignore[arg-type]
+        gate.set()
+        for fut in futures:
+            assert wire.decode_frame(fut.result(timeout=10)[-1]).kind == Kind.VERIFY_RESULT
+
+    def draft(session, seq: int, rows: int, at: int) -> tuple[object, bytes]:
+        return session, wire.encode_tensor(Kind.DRAFT, session.id, seq, torch.randn(rows, H), arg=at)
+
+    together([draft(a, 1, 24, 0), draft(b, 1, 3, 0)])
+    assert [(x, y) for x, y, _ in engine.prefill_cost.points] == [(24, 0)]
+    together([draft(a, 2, 20, 24), draft(b, 2, 16, 3)])
+    assert len(engine.prefill_cost.points) == 1
