@@ -36,7 +36,7 @@ from app.worker.sessions import EngineError, Item, Session, check_positions
 from app.worker.settings import EngineLimits
 from app.worker.stats import EngineStats
 from clients.hat import wire
-from policies.fair_share import ROW_COUNT, Pending, RowCost, fair_shares
+from policies.fair_share import Pending, RowCost, fair_shares
 from policies.sequence_partition import ChunkCost
 from policies.worker_batching import plan_groups, subchunk_tokens
 
@@ -171,7 +171,11 @@ class Scheduler:
         may run in pieces, a token tree only whole. A session's credit changes only when its piece runs (the planner
         may defer it): the credit it would keep goes into `credits`; one whose frame waits for more credit keeps what
         it earned."""
-        cost, quantum = fair_price(budget, slope, tau, self.limits)
+        priced = fair_price(budget, slope, tau, self.limits)
+        if priced is None:  # nothing to price by yet: the least pieces, and no credit kept in a unit to come
+            self.stats.fair_quantum = 0.0
+            return [(item, min(rows, MIN_SUBCHUNK) if _splittable(item) else rows) for item, rows in pieces]
+        cost, quantum = priced
         self.stats.fair_quantum = quantum
         pending = [Pending(rows, _splittable(item), len(item.session.cache)) for item, rows in pieces]
         credits_now = [item.session.credit for item, _ in pieces]
@@ -256,15 +260,19 @@ class Scheduler:
                 self._ready.move_to_end(item.session.id)
 
 
-def fair_price(budget: int, slope: float, tau: ChunkCost | None, limits: EngineLimits) -> tuple[RowCost, float]:
-    """The fair share's cost model and quantum (seconds of work each session may add to a pass).
+def fair_price(budget: int, slope: float, tau: ChunkCost | None, limits: EngineLimits) -> tuple[RowCost, float] | None:
+    """The fair share's cost model and quantum (seconds of work each session may add to a pass), or None with
+    nothing to price by.
 
     With τ known: a piece is priced by τ(x | y) less its fixed cost, and the quantum is what the sub-chunk budget
     computed on τ's own fixed cost and per-row cost costs after no context (a short-context piece gets the rows it
     always got, one late in a long context what the same time buys: fewer). Not on g: g has no context term, so a
     long-context flood inflates its slope and drives its intercept below 0 (measured in `bench fair-share`: the
     budget fell to its 16-row floor), which would shrink everyone's quantum. Before τ is known: g's slope per row
-    and g's budget (rows, no context term); with neither, rows."""
+    and g's budget (rows, no context term). With neither (g's slope not positive: it has seen passes of one size
+    only, e.g. a session's rounds, and measured: a slightly negative slope), None: the scheduler then runs the least
+    pieces rather than a whole-frame quantum of max_batch_tokens (which let a flood's first 1 MiB draft run whole,
+    1.5 s, beside a 0.07 s round)."""
     if tau is not None and tau.b > 0:
         cost = RowCost(tau.b, tau.c, tau.d)
         rows = subchunk_tokens(
@@ -275,8 +283,10 @@ def fair_price(budget: int, slope: float, tau: ChunkCost | None, limits: EngineL
             max_tokens=limits.max_batch_tokens,
         )
         return cost, cost(rows, 0)
-    cost = RowCost(slope) if slope > 0 else ROW_COUNT
-    return cost, cost(budget, 0)
+    if slope > 0:
+        cost = RowCost(slope)
+        return cost, cost(budget, 0)
+    return None
 
 
 def _tensor_frames(session: Session, most: int) -> list[Item]:

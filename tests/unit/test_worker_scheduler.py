@@ -14,7 +14,7 @@ from app.worker.sessions import EngineError, Item, OpenParams, Reason, Session
 from app.worker.settings import EngineLimits
 from app.worker.stats import EngineStats
 from clients.hat import wire
-from policies.fair_share import ROW_COUNT, RowCost
+from policies.fair_share import RowCost
 from policies.sequence_partition import ChunkCost
 
 Kind = wire.Kind
@@ -347,4 +347,17 @@ def test_the_fair_quantum_comes_from_tau_not_from_a_g_that_a_long_context_flood_
     assert cost == RowCost(0.002, 2e-6, 0.0) and quantum == pytest.approx(0.192)
     cost, quantum = fair_price(96, SLOPE, None, limits)  # before τ: g's slope per row, no context term
     assert cost == RowCost(SLOPE) and quantum == pytest.approx(SLOPE * 96)
-    assert fair_price(4096, 0.0, None, limits) == (ROW_COUNT, 4096.0)  # nothing fitted: rows
+    assert fair_price(4096, -1e-4, None, limits) is None  # nothing to price by: see the test below
+
+
+def test_with_nothing_to_price_by_a_flood_runs_in_the_least_pieces_not_whole() -> None:
+    """g's slope not positive (it saw one pass size only) and no τ: a flood's 455-row draft beside a round runs 16
+    rows a pass, not whole, and nobody's credit changes."""
+    s = Script(batching="planned")
+    s.session("victim", cached=20)
+    s.session("flood")
+    s.send("flood", Kind.DRAFT, 455)
+    s.send("victim", Kind.DRAFT, 3)
+    pieces = s.scheduler.next_pass(-1e-4, 0.07, 2)
+    assert [(s.names[item.session.id], n) for item, n in pieces] == [("flood", 16), ("victim", 3)]
+    assert s.sessions["flood"].credit == 0.0 and s.stats.fair_quantum == 0.0
