@@ -15,12 +15,15 @@ length). A piece of x rows after y cached positions is priced by `RowCost`: what
 worker's prefill cost τ(x | y) = a + b·x + c·x·y + d·x² less the fixed cost a, which the pass pays once whoever runs
 in it. With `ROW_COUNT` (one second a row, no context term) this is deficit round robin over rows.
 
-So a pass carries at most `quantum` seconds of any one session's work (a waiting tree's whole frame once its credit
-has grown to it; a piece of `min_piece` rows once the credit covers it), and a small frame never waits behind
-another session's flood for more than a pass.
+So a pass carries about a quantum of any one session's work (what its credit covers: the quantum and what it kept
+from earlier passes; a waiting tree's whole frame once its credit has grown to it; a piece of `min_piece` rows once
+the credit covers it; more only when every frame waits and one must run), and a small frame never waits behind
+another session's flood for more than a pass. `anticipation` says how long to hold a pass of only a flood's pieces
+for a session about to send, so its frame does not arrive behind one either.
 
 Pure: plain numbers in, plain numbers out; the worker's scheduler (app/worker/scheduler.py) keeps each session's
-credit, picks the quantum and hands in the cost model (its fitted τ, or g's slope before τ is known).
+credit, picks the quantum and hands in the cost model (its fitted τ, or g's slope before τ is known); the engine
+(app/worker/engine.py) times the sessions' turns and holds the pass.
 """
 
 from __future__ import annotations
