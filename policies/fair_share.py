@@ -138,6 +138,10 @@ def _share(frame: Pending, credit: float, min_piece: int, cost: RowCost) -> int:
 # How late a session answered a moment ago may send its next frame, as a multiple of its usual gap, and still be held
 # for: a gap is noisy (the device's own work, the link), and a held pass costs a flood no more than the hold.
 LATE_FACTOR = 1.5
+# ... and at least this share of the cap: a turn of a few milliseconds jitters by as much again on a loaded host
+# (traced: rounds whose frame reached the engine 5-8 ms after the reply, past 1.5× a 3 ms turn, waited 0.6 s behind a
+# piece), and waiting a tenth of a piece for a frame that would otherwise wait the whole piece is cheap.
+MIN_PATIENCE = 0.1
 
 
 def anticipation(answered: Sequence[tuple[float, float]], cap: float) -> float:
@@ -153,11 +157,11 @@ def anticipation(answered: Sequence[tuple[float, float]], cap: float) -> float:
 
     `answered`: for each session with nothing queued whose last frame was answered, (seconds since that reply, its
     usual reply-to-next-frame gap). The hold lasts until the soonest of them is due (LATE_FACTOR × its gap since its
-    reply) and never past `cap` seconds after that reply (the time one flood piece may take: holding longer would
-    cost the flood more than the piece costs the other). 0: run the pass now."""
+    reply, at least MIN_PATIENCE × cap) and never past `cap` seconds after that reply (the time one flood piece may
+    take: holding longer would cost the flood more than the piece costs the other). 0: run the pass now."""
     hold = math.inf
     for since, gap in answered:
-        due = min(LATE_FACTOR * gap, cap) - since
+        due = min(max(LATE_FACTOR * gap, MIN_PATIENCE * cap), cap) - since
         if due > 0:
             hold = min(hold, due)
     return 0.0 if hold == math.inf else hold

@@ -151,10 +151,12 @@ def test_over_many_passes_two_backlogged_sessions_get_the_same_time_not_the_same
 
 
 def test_a_flood_only_pass_is_held_for_a_session_answered_a_moment_ago_until_it_is_due() -> None:
-    # answered 2 ms ago, its next frame usually 4 ms after a reply: hold 4 ms (due at 1.5 × 4 = 6 ms)
-    assert anticipation([(0.002, 0.004)], cap=0.3) == pytest.approx(0.004)
+    # answered 2 ms ago, its next frame usually 40 ms after a reply: hold 58 ms (due at 1.5 × 40 = 60 ms)
+    assert anticipation([(0.002, 0.04)], cap=0.3) == pytest.approx(0.058)
+    # a turn of a few ms: held at least a tenth of the cap after the reply (its jitter is as large as the turn)
+    assert anticipation([(0.002, 0.004)], cap=0.3) == pytest.approx(0.028)
     # the soonest of several; one overdue (answered 1 s ago, usually back in 10 ms) holds nothing
-    assert anticipation([(1.0, 0.01), (0.001, 0.002), (0.0, 0.1)], cap=0.3) == pytest.approx(0.002)
+    assert anticipation([(1.0, 0.01), (0.001, 0.04), (0.0, 0.1)], cap=0.3) == pytest.approx(0.059)
     assert anticipation([(1.0, 0.01)], cap=0.3) == 0.0 and anticipation([], cap=0.3) == 0.0
     # never past the cap after the reply: a slow device is not waited for longer than a flood piece takes
     assert anticipation([(0.05, 1.0)], cap=0.3) == pytest.approx(0.25)
