@@ -265,8 +265,9 @@ def fair_price(budget: int, slope: float, tau: ChunkCost | None, limits: EngineL
     nothing to price by.
 
     With τ known: a piece is priced by τ(x | y) less its fixed cost, and the quantum is what the sub-chunk budget
-    computed on τ's own fixed cost and per-row cost costs after no context (a short-context piece gets the rows it
-    always got, one late in a long context what the same time buys: fewer). Not on g: g has no context term, so a
+    computed on τ's own fixed cost and per-row cost costs after no context, a·(1 − ε) / ε (a short-context piece gets
+    the rows it always got, one late in a long context what the same time buys: fewer), within what 16 rows and
+    max_batch_tokens rows cost. Not on g: g has no context term, so a
     long-context flood inflates its slope and drives its intercept below 0 (measured in `bench fair-share`: the
     budget fell to its 16-row floor), which would shrink everyone's quantum. Before τ is known: g's slope per row
     and g's budget (rows, no context term). With neither (g's slope not positive: it has seen passes of one size
@@ -275,14 +276,11 @@ def fair_price(budget: int, slope: float, tau: ChunkCost | None, limits: EngineL
     1.5 s, beside a 0.07 s round)."""
     if tau is not None and tau.b > 0:
         cost = RowCost(tau.b, tau.c, tau.d)
-        rows = subchunk_tokens(
-            tau.b,
-            tau.a,
-            overhead=limits.subchunk_overhead,
-            min_tokens=MIN_SUBCHUNK,
-            max_tokens=limits.max_batch_tokens,
-        )
-        return cost, cost(rows, 0)
+        # b·X for the budget X = a·(1 − ε) / (ε·b): the fixed cost's multiple itself, so a small fitted b (a loaded
+        # host's noise) cannot blow the budget up to max_batch_tokens, whose x² term alone made a 20 s quantum
+        overhead = limits.subchunk_overhead
+        quantum = tau.a * (1 - overhead) / overhead
+        return cost, min(max(quantum, cost(MIN_SUBCHUNK, 0)), cost(limits.max_batch_tokens, 0))
     if slope > 0:
         cost = RowCost(slope)
         return cost, cost(budget, 0)

@@ -348,6 +348,9 @@ def test_the_fair_quantum_comes_from_tau_not_from_a_g_that_a_long_context_flood_
     cost, quantum = fair_price(96, SLOPE, None, limits)  # before τ: g's slope per row, no context term
     assert cost == RowCost(SLOPE) and quantum == pytest.approx(SLOPE * 96)
     assert fair_price(4096, -1e-4, None, limits) is None  # nothing to price by: see the test below
+    # a loaded host's fit with a tiny per-row cost: still four fixed costs, not max_batch_tokens rows' x² term
+    cost, quantum = fair_price(16, 0.02, ChunkCost(0.08, 1e-7, 2e-6, 1e-6), limits)
+    assert quantum == pytest.approx(0.32)
 
 
 def test_with_nothing_to_price_by_a_flood_runs_in_the_least_pieces_not_whole() -> None:
