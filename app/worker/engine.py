@@ -29,10 +29,12 @@ per-session idle timeout (408, session dropped), frame size (413), kind/dtype/sh
 non-finite values (400), positions and sequence numbers (409).
 
 Batching (continuous, "ragged"): every tick the engine thread asks its scheduler (app/worker/scheduler.py: planned
-or greedy) for the next pass's pieces and runs them through the middle layers in ONE forward pass. Passes are ragged
-(clients/hat/ragged.py: packed rows, attention per session, each row's result independent of its neighbours). That
-forward is checked against the model's own layers at start-up (`self_check`), so an unsupported layer layout fails
-loudly instead of computing garbage.
+or greedy) for the next pass's pieces and runs them through the middle layers in ONE forward pass. Planned, a pass
+of only a flood's pieces is held back while a session answered a moment ago is due to send its next round
+(policies/fair_share.anticipation), so that round shares the next pass rather than waiting behind the piece. Passes
+are ragged (clients/hat/ragged.py: packed rows, attention per session, each row's result independent of its
+neighbours). That forward is checked against the model's own layers at start-up (`self_check`), so an unsupported
+layer layout fails loudly instead of computing garbage.
 
 Threading: all model calls run on one dedicated engine thread under torch.inference_mode(); the event loop only
 validates frames and hands them over (`submit` returns a concurrent Future of the reply frames).
@@ -44,7 +46,7 @@ may follow at once: a prompt's chunks flow through the stages one behind the oth
 back. At most `max_inflight` passes are in flight; ROLLBACK and CLOSE follow the same chain (crop / release). A
 broken pipeline fails every session with an ERROR (503) and refuses new ones.
 
-Size: a little over 600 lines with this docstring (the protocol's table is the engine's contract); the code is the
+Size: about 650 lines with this docstring (the protocol's table is the engine's contract); the code is the
 engine's loop alone — scheduling, frame checks, stages, prefill costs and calibration are modules of their own.
 """
 
@@ -66,7 +68,7 @@ import torch
 from app.worker.calibration import check_ragged_forward, profile_prefill
 from app.worker.compute import MIN_ROWS
 from app.worker.prefill_cost import PrefillCostFit
-from app.worker.scheduler import Scheduler
+from app.worker.scheduler import CONTROL_KINDS, Scheduler, has_tensor_frame
 from app.worker.sessions import (
     MAX_REORDER,
     PROTOCOL,
@@ -82,6 +84,7 @@ from app.worker.stats import EngineStats
 from clients.hat import wire
 from clients.hat.ragged import RaggedMiddle
 from clients.hat.split import MiddleSubmodel
+from policies.fair_share import anticipation
 
 if TYPE_CHECKING:
     from app.worker.pipeline import Pipeline
@@ -350,7 +353,8 @@ class Engine:
         while not self._stopping:
             try:
                 idle = not self.scheduler.pending or self._pipeline_full()
-                item = self._inbox.get(timeout=tick) if idle else self._inbox.get_nowait()
+                wait = tick if idle else self._anticipation()
+                item = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
                 self._take(item)
                 while True:
                     self._take(self._inbox.get_nowait())
@@ -358,16 +362,32 @@ class Engine:
                 pass
             if self._stopping:
                 break
+            if self._anticipation() > 0:
+                continue  # what arrived was not the frame the flood's pass is held for: wait on
             self._expire_idle()
             if self._pipeline_full():
                 continue  # every stage has work: wait for a micro-batch to come back
             try:
-                batch = self.scheduler.next_pass(*self.stats.g.coefficients(), len(self._sessions))
+                slope, intercept = self.stats.g.coefficients()
+                batch = self.scheduler.next_pass(slope, intercept, len(self._sessions), self.prefill_cost.total())
                 if batch:
                     self._forward(batch)
             except Exception:  # never let the engine thread die
                 log.exception("engine tick failed")
         self._drain_on_stop()
+
+    def _anticipation(self) -> float:
+        """Seconds to hold a pass of only a flood's pieces for a session answered a moment ago (policies/fair_share.py:
+        its next frame would otherwise wait behind a whole piece)."""
+        if self.limits.batching != "planned" or len(self._sessions) < 2 or not self.scheduler.only_bulk():
+            return 0.0
+        now = time.perf_counter()
+        answered = [
+            (now - s.answered_at, s.reply_gap.get())
+            for s in self._sessions.values()
+            if s.answered_at is not None and s.reply_gap.count
+        ]
+        return anticipation(answered, self.stats.fair_quantum)
 
     def _pipeline_full(self) -> bool:
         return self.pipeline is not None and self.pipeline.inflight >= self.pipeline.max_inflight
@@ -385,6 +405,10 @@ class Engine:
                 _resolve(item.future, [])
                 return
             self.scheduler.add(item)
+            session = item.session
+            if session.answered_at is not None and item.frame is not None and item.frame.kind not in CONTROL_KINDS:
+                session.reply_gap.update(time.perf_counter() - session.answered_at)  # the device's turn
+                session.answered_at = None
         elif kind == "close":
             self._drop(obj)
         elif kind == "call":
@@ -492,7 +516,7 @@ class Engine:
             if item.done == item.rows:
                 self.scheduler.unqueue(item)  # all its rows ran here: the session's next frame may follow it
         if self.pipeline is None:
-            self._observe_prefill(batch, [elapsed])
+            self._observe_piece_cost(batch, [elapsed])
             self._complete(batch, outs, elapsed)
             return
         sent = [(item.session.id, item.frame.arg + item.done - n, n) for item, n in batch]  # type: ignore[union-attr]
@@ -513,15 +537,27 @@ class Engine:
             busy[:] = [0.0] * len(stage_seconds)
         for s, seconds in enumerate(stage_seconds):
             busy[s] += seconds
-        self._observe_prefill(batch, stage_seconds)
+        self._observe_piece_cost(batch, stage_seconds)
         self._complete(batch, deep, sum(stage_seconds))
 
-    def _observe_prefill(self, batch: list[tuple[Item, int]], stage_seconds: list[float]) -> None:
-        """A lone prefill piece times τ_s(x | y) on every stage: the fit (and so a staged worker's sequence partition
-        and the τ the devices get) learns from such passes. Called before `_complete`, while `finished` is still the
-        piece's first row."""
-        item, n = batch[0]
-        if len(batch) == 1 and item.frame is not None and item.frame.kind == wire.Kind.PREFILL_CHUNK:
+    def _observe_piece_cost(self, batch: list[tuple[Item, int]], stage_seconds: list[float]) -> None:
+        """A piece of consecutive positions (a prefill chunk or a chain of drafts: the same computation) that ran
+        alone, or beside decode-sized pieces only, times τ_s(x | y) on every stage: the fit (and so a staged worker's
+        sequence partition, the fair share's prices and the τ the devices get) learns from such passes. Beside small
+        pieces, because a flood's pieces mostly share a pass with another session's round (the engine holds them for
+        it), and they would leave τ unfitted; the round's few rows add their share of the pass to the point (a 4-row
+        round beside a 16-row piece: a few percent). Called before `_complete`, while `finished` is still the piece's
+        first row."""
+        small = self.prefill_cost.min_len  # decode-sized: fewer rows than the fit takes a point from
+        long = [(item, n) for item, n in batch if n >= small]
+        if len(long) != 1 or sum(n for _, n in batch) - long[0][1] >= small:
+            return
+        item, n = long[0]
+        if (
+            item.frame is not None
+            and item.tree is None
+            and item.frame.kind in (wire.Kind.PREFILL_CHUNK, wire.Kind.DRAFT)
+        ):
             self.prefill_cost.observe(n, item.frame.arg + item.finished, stage_seconds)
 
     def profile_prefill(self) -> None:
@@ -553,6 +589,8 @@ class Engine:
             if item.finished < item.rows:
                 continue  # a piece: the frame's reply comes with its last one
             item.session.frames += 1
+            if not has_tensor_frame(item.session):
+                item.session.answered_at = time.perf_counter()  # its turn: the next frame is the device's to send
             if item.tree is not None:
                 item.session.open_tree = (frame.arg, item.tree)
             if frame.kind == wire.Kind.PREFILL_CHUNK:

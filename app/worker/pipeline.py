@@ -445,7 +445,7 @@ def _plan_and_check(
         if not diff <= 1e-3:
             raise RuntimeError(f"the {world}-stage pipeline disagrees with the model's layers (relative {diff:.2e})")
         # the profile unless switched off (prefill_profile None or true): the sequence partition needs τ from the
-        # first prompt; without it τ is fitted from the lone prefill pieces the worker runs
+        # first prompt; without it τ is fitted from the lone pieces the worker runs
         points = [] if settings.prefill_profile is False else profile_chunk_costs(pipeline, ragged, mine, hidden)
     seeds += [(x_, sum(ts)) for x_, _y, ts in points if _y == 0]
     fit = PrefillCostFit(world, fit_stage_costs(points, world) if points else None, profiled=points)

@@ -5,11 +5,13 @@ One fit serves two readers: a staged worker's sequence partition (`SubsequencePl
 which get it in every OPEN reply (`prefill_tau`, one [a, b, c, d] per stage: plain numbers) and plan their own
 prefill chunks with it (`chunking = "dp"`, clients/hat/prefill_plan.py). g, the decode-delay line the worker also
 sends, is fitted on whatever passes ran (mostly a few positions) and has no context term, so it misprices prefill
-chunks; τ is fitted only on lone prefill pieces, with the context and in-piece attention terms.
+chunks; τ is fitted only on lone pieces of consecutive positions (prefill chunks, and chains of drafts, which compute
+the same), with the context and in-piece attention terms. A third reader: the scheduler prices each session's fair
+share of a pass by it (`total`, app/worker/scheduler.py), so a worker whose sessions only verify learns it too.
 
 Where the points come from: a start-up profile (`[worker] prefill_profile`: a few passes on a small grid; on by default
 for a staged worker, whose sequence partition needs τ from the first prompt, off for a single-process one, where it
-would cost every start several seconds on the default model), and every lone prefill piece the worker runs afterwards.
+would cost every start several seconds on the default model), and every lone piece the worker runs afterwards.
 Least squares with the x² term (`policies.sequence_partition.fit_chunk_cost`), refitted every `refit_every` new points;
 with neither a profile nor given costs, at every new point until `refit_every` points have been seen (the first fit
 rests on a handful of pieces and should not stand for 32 more), and with d tied to c/2: the devices' pieces come in a
@@ -48,7 +50,7 @@ class PrefillCostFit:
     stages: int
     costs: tuple[ChunkCost, ...] | None = None
     profiled: list[Point] = field(default_factory=list)  # the start-up profile (always kept)
-    points: deque[Point] = field(default_factory=lambda: deque(maxlen=256))  # the last lone prefill pieces
+    points: deque[Point] = field(default_factory=lambda: deque(maxlen=256))  # the last lone pieces run
     refit_every: int = 32
     min_len: int = 16  # shorter pieces are decode-sized: their time is mostly the pass's fixed cost
     version: int = 0  # bumped at every refit: plans made on an older fit are stale
@@ -85,6 +87,13 @@ class PrefillCostFit:
         if fits is not None:
             self.costs, self._learning, self._new = fits, False, 0
             self.version += 1
+
+    def total(self) -> ChunkCost | None:
+        """τ(x | y) summed over the stages, a piece's compute time through all of them (None while undetermined):
+        what the scheduler prices each session's fair share of a pass by."""
+        if self.costs is None:
+            return None
+        return ChunkCost(*(sum(getattr(c, term) for c in self.costs) for term in ("a", "b", "c", "d")))
 
     def wire(self) -> list[list[float]] | None:
         """τ for the OPEN reply: [a, b, c, d] per stage, or None while undetermined."""

@@ -4,17 +4,19 @@ Batching (continuous, "ragged"): every tick the engine thread asks for the next 
 next tensor frame of every session that has one pending and chooses which of them (and how many of their rows) run
 together in ONE forward pass. `batching = "greedy"`: all of them, up to max_batch_tokens, whole frames. `batching =
 "planned"` (default): while more than one session is open, each session's share of a pass is bounded by deficit
-round robin (policies/fair_share.py, the quantum a budget derived from the fitted delay predictor g): a prefill
-frame or a chain of drafts longer than the session's credit is cut into consecutive pieces (exact with the KV
-cache), a token tree runs whole once the credit covers it, so one session flooding its backlog with large frames
-makes no other session's verification round wait behind more than a piece. The pending pieces are sorted shortest
-first and grouped by
-policies/worker_batching.plan_groups (least mean completion time under g), and only the first group runs; the rest
-are re-planned next tick with whatever arrived meanwhile. A frame left out `max_defer` passes in a row is forced into
-the next one — so at the default, max_defer = 0, every pending piece is forced into every pass and the DP has nothing
-to choose: the sub-chunks are what a waiting verification round gains (it waits behind one sub-chunk's pass). In a
-staged worker (app/worker/pipeline.py), each prefill frame is first cut at the ends of its Jupiter plan (the sequence
-partition of app/worker/prefill_cost.py over the stages' τ_s) so a lone long prompt keeps every stage busy.
+round robin in time (policies/fair_share.py): a piece is priced by the fitted τ(x | y) less its fixed cost, so by
+its rows and the context they attend over, and the quantum is what the sub-chunk budget costs after no context
+(`fair_price`; g's slope and budget, rows only, until τ is known). A prefill frame or a chain of drafts costing more
+than the session's credit is cut into consecutive pieces (exact with the KV cache), a token tree runs whole once the
+credit covers it, so one session flooding its backlog with large frames makes no other session's verification round
+wait behind more than a piece, however long the flood's context. The pending pieces are sorted shortest first and
+grouped by policies/worker_batching.plan_groups (least mean completion time under g), and only the first group runs;
+the rest are re-planned next tick with whatever arrived meanwhile. A frame left out `max_defer` passes in a row is
+forced into the next one — so at the default, max_defer = 0, every pending piece is forced into every pass and the
+DP has nothing to choose: the sub-chunks are what a waiting verification round gains (it waits behind one
+sub-chunk's pass). In a staged worker (app/worker/pipeline.py), each prefill frame is first cut at the ends of its
+Jupiter plan (the sequence partition of app/worker/prefill_cost.py over the stages' τ_s) so a lone long prompt keeps
+every stage busy.
 
 On the way to a session's next tensor frame, the control frames queued before it (ROLLBACK, TREE, KEEP) are handed
 to the engine to apply, and a tensor frame whose positions do not follow the session's cache, or that breaks its
@@ -34,7 +36,8 @@ from app.worker.sessions import EngineError, Item, Session, check_positions
 from app.worker.settings import EngineLimits
 from app.worker.stats import EngineStats
 from clients.hat import wire
-from policies.fair_share import Pending, fair_shares
+from policies.fair_share import Pending, RowCost, fair_shares
+from policies.sequence_partition import ChunkCost
 from policies.worker_batching import plan_groups, subchunk_tokens
 
 CONTROL_KINDS = frozenset({wire.Kind.ROLLBACK, wire.Kind.TREE, wire.Kind.KEEP})
@@ -77,6 +80,13 @@ class Scheduler:
         """Some session has a frame queued."""
         return bool(self._ready)
 
+    def only_bulk(self) -> bool:
+        """Every session with a tensor frame queued is a flood in progress: its next frame partly run already (the
+        fair share is cutting it) or more frames queued behind it. Sessions with only control frames queued wait for
+        no pass."""
+        waiting = [frames for frames in (_tensor_frames(s, 2) for s in self._ready.values()) if frames]
+        return bool(waiting) and all(frames[0].done > 0 or len(frames) > 1 for frames in waiting)
+
     def add(self, item: Item) -> None:
         """A frame released in its session's sequence order joins the session's queue."""
         item.session.queue.append(item)
@@ -94,14 +104,16 @@ class Scheduler:
             if not queue_:
                 self._ready.pop(item.session.id, None)
 
-    def next_pass(self, slope: float, intercept: float, sessions: int) -> list[Piece]:
+    def next_pass(self, slope: float, intercept: float, sessions: int, tau: ChunkCost | None = None) -> list[Piece]:
         """This pass's (frame, rows) pieces by the configured batching. g(x) = slope·x + intercept is the fitted pass
-        time; `sessions`: how many sessions are open (a lone one's prefill is never cut into sub-chunks)."""
+        time; `sessions`: how many sessions are open (a lone one's prefill is never cut into sub-chunks); `tau`: the
+        fitted cost of x rows after y cached positions, τ(x | y) (app/worker/prefill_cost.py; None while unknown),
+        which prices each session's fair share of a pass by the context its rows attend over."""
         if self.limits.batching == "planned":
-            return self._planned(slope, intercept, sessions)
+            return self._planned(slope, intercept, sessions, tau)
         return [(item, item.rows) for item in self._greedy()]
 
-    def _planned(self, slope: float, intercept: float, sessions: int) -> list[Piece]:
+    def _planned(self, slope: float, intercept: float, sessions: int, tau: ChunkCost | None) -> list[Piece]:
         """One candidate piece per session (a sub-chunk for a long prefill frame); run the plan's first group."""
         limits = self.limits
         budget = subchunk_tokens(
@@ -123,7 +135,7 @@ class Scheduler:
         # would pay their passes' fixed cost (up to `subchunk_overhead` of its TTFT).
         credits: dict[bytes, float] = {}  # what each session keeps of its fair share if its piece runs now
         if sessions > 1:
-            pieces = self._fair(pieces, budget, credits)
+            pieces = self._fair(pieces, budget, slope, tau, credits)
         if not pieces:
             return []
         forced = [i for i, (item, _) in enumerate(pieces) if item.deferred >= limits.max_defer]
@@ -151,13 +163,23 @@ class Scheduler:
         self._to_back(item for item, _ in batch)
         return batch
 
-    def _fair(self, pieces: list[Piece], quantum: int, credits: dict[bytes, float]) -> list[Piece]:
-        """Deficit round robin over the sessions (policies/fair_share.py), `quantum` rows of credit each per pass:
-        what each session's credit covers of its piece; a prefill chunk or a chain of drafts may run in pieces, a
-        token tree only whole. A session's credit changes only when its piece runs (the planner may defer it): the
-        credit it would keep goes into `credits`; one whose frame waits for more credit keeps what it earned."""
-        pending = [Pending(rows, _splittable(item)) for item, rows in pieces]
-        runs, kept = fair_shares(pending, [item.session.credit for item, _ in pieces], quantum, MIN_SUBCHUNK)
+    def _fair(
+        self, pieces: list[Piece], budget: int, slope: float, tau: ChunkCost | None, credits: dict[bytes, float]
+    ) -> list[Piece]:
+        """Deficit round robin over the sessions (policies/fair_share.py): what each session's credit covers of its
+        piece, priced in seconds by the rows and the context they attend over; a prefill chunk or a chain of drafts
+        may run in pieces, a token tree only whole. A session's credit changes only when its piece runs (the planner
+        may defer it): the credit it would keep goes into `credits`; one whose frame waits for more credit keeps what
+        it earned."""
+        priced = fair_price(budget, slope, tau, self.limits)
+        if priced is None:  # nothing to price by yet: the least pieces, and no credit kept in a unit to come
+            self.stats.fair_quantum = 0.0
+            return [(item, min(rows, MIN_SUBCHUNK) if _splittable(item) else rows) for item, rows in pieces]
+        cost, quantum = priced
+        self.stats.fair_quantum = quantum
+        pending = [Pending(rows, _splittable(item), len(item.session.cache)) for item, rows in pieces]
+        credits_now = [item.session.credit for item, _ in pieces]
+        runs, kept = fair_shares(pending, credits_now, quantum, MIN_SUBCHUNK, cost)
         fair: list[Piece] = []
         for (item, _), run, credit in zip(pieces, runs, kept, strict=True):
             if run:
@@ -236,6 +258,49 @@ class Scheduler:
         for item in items:
             if item.session.id in self._ready:
                 self._ready.move_to_end(item.session.id)
+
+
+def fair_price(budget: int, slope: float, tau: ChunkCost | None, limits: EngineLimits) -> tuple[RowCost, float] | None:
+    """The fair share's cost model and quantum (seconds of work each session may add to a pass), or None with
+    nothing to price by.
+
+    With τ known: a piece is priced by τ(x | y) less its fixed cost, and the quantum is what the sub-chunk budget
+    computed on τ's own fixed cost and per-row cost costs after no context, a·(1 − ε) / ε (a short-context piece gets
+    the rows it always got, one late in a long context what the same time buys: fewer), within what 16 rows and
+    max_batch_tokens rows cost. Not on g: g has no context term, so a
+    long-context flood inflates its slope and drives its intercept below 0 (measured in `bench fair-share`: the
+    budget fell to its 16-row floor), which would shrink everyone's quantum. Before τ is known: g's slope per row
+    and g's budget (rows, no context term). With neither (g's slope not positive: it has seen passes of one size
+    only, e.g. a session's rounds, and measured: a slightly negative slope), None: the scheduler then runs the least
+    pieces rather than a whole-frame quantum of max_batch_tokens (which let a flood's first 1 MiB draft run whole,
+    1.5 s, beside a 0.07 s round)."""
+    if tau is not None and tau.b > 0:
+        cost = RowCost(tau.b, tau.c, tau.d)
+        # b·X for the budget X = a·(1 − ε) / (ε·b): the fixed cost's multiple itself, so a small fitted b (a loaded
+        # host's noise) cannot blow the budget up to max_batch_tokens, whose x² term alone made a 20 s quantum
+        overhead = limits.subchunk_overhead
+        quantum = tau.a * (1 - overhead) / overhead
+        return cost, min(max(quantum, cost(MIN_SUBCHUNK, 0)), cost(limits.max_batch_tokens, 0))
+    if slope > 0:
+        cost = RowCost(slope)
+        return cost, cost(budget, 0)
+    return None
+
+
+def _tensor_frames(session: Session, most: int) -> list[Item]:
+    """Up to `most` of the session's queued tensor frames, in order."""
+    frames: list[Item] = []
+    for item in session.queue:
+        if item.frame is not None and item.frame.kind not in CONTROL_KINDS:
+            frames.append(item)
+            if len(frames) == most:
+                break
+    return frames
+
+
+def has_tensor_frame(session: Session) -> bool:
+    """The session has a tensor frame queued (its next round or chunk is at the worker)."""
+    return bool(_tensor_frames(session, 1))
 
 
 def _splittable(item: Item) -> bool:

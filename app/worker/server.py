@@ -231,6 +231,11 @@ class _EngineCollector:
                 "Planned batching: sub-chunk size from g",
                 float(st.subchunk_budget),
             ),
+            (
+                "tandem_worker_fair_quantum_seconds",
+                "Planned batching: each session's fair share of a pass (seconds of work it may add)",
+                st.fair_quantum,
+            ),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)

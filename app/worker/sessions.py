@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clients.hat import wire
 from clients.hat.split import SplitKVCache
+from policies.estimate import MovingAverage
 from policies.trees import check_tree, is_root_path
 
 PROTOCOL = 1
@@ -128,7 +129,12 @@ class Session:
     # nodes are all in the cache until the device's KEEP says which path stays.
     pending_tree: tuple[int, tuple[int, ...]] | None = None
     open_tree: tuple[int, tuple[int, ...]] | None = None
-    credit: float = 0.0  # engine thread: rows of the scheduler's fair share it kept from earlier passes
+    credit: float = 0.0  # engine thread: seconds of the scheduler's fair share it kept from earlier passes
+    # Engine thread (time.perf_counter): when its last tensor frame was answered with no other queued behind it, until
+    # its next one arrives; and the usual gap between the two (the device's turn), for the anticipation of a flood's
+    # passes (policies/fair_share.py).
+    answered_at: float | None = None
+    reply_gap: MovingAverage = field(default_factory=lambda: MovingAverage(alpha=0.5))
 
     @property
     def hex(self) -> str:

@@ -99,7 +99,7 @@ class WorkerSettings(EngineLimits):
     # Profile the prefill cost τ(x | y) at start-up (app/worker/prefill_cost.py; devices get it at OPEN and plan
     # their chunks with it under chunking = "dp"). None: a staged worker does (its sequence partition needs τ at
     # once), a single-process one does not (several seconds per start on the default model). Either way τ is then
-    # fitted from the lone prefill pieces the worker runs.
+    # fitted from the lone prefill pieces (and chains of drafts) the worker runs.
     prefill_profile: bool | None = None
     # The shared store the worker announces itself in (app/worker/registry.py), for device halves whose HAT endpoint
     # names a registry: a Redis-protocol URL ("" = none), its key prefix, the URL devices should use ("" =

@@ -33,5 +33,6 @@ class EngineStats:
     split_frames: int = 0  # prefill frames split into sub-chunks
     subchunk_passes: int = 0  # sub-chunks run (pieces of split frames)
     subchunk_budget: int = 0  # the current sub-chunk size from g (tokens)
+    fair_quantum: float = 0.0  # the fair share's quantum: seconds of work a session may add to a pass
     status_frames: int = 0  # STATUS frames sent mid-session (mu and g moved since the device was told)
     stage_seconds: list[float] = field(default_factory=list)  # staged worker: compute seconds so far, per stage

@@ -1,10 +1,13 @@
-"""Deficit round robin over a worker's sessions (policies/fair_share.py), on plain numbers."""
+"""Deficit round robin over a worker's sessions (policies/fair_share.py), on plain numbers: the rows each session
+runs in a pass, priced in seconds by the rows and the context they attend over (in rows with ROW_COUNT)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from policies.fair_share import Pending, fair_shares
+from policies.fair_share import ROW_COUNT, Pending, RowCost, anticipation, fair_shares
 
 
 def test_frames_within_the_quantum_run_whole_and_keep_no_credit() -> None:
@@ -47,3 +50,114 @@ def test_bad_arguments_are_refused() -> None:
         fair_shares([Pending(1, True)], [], quantum=8)
     with pytest.raises(ValueError, match="at least one row"):
         fair_shares([Pending(0, True)], [0.0], quantum=8)
+
+
+def test_a_long_context_piece_gets_fewer_rows_than_a_short_context_one_at_the_same_budget() -> None:
+    """A row late in a long context attends over all of it: the same credit buys fewer of them (τ less its fixed
+    cost: 1 ms a row, 1 µs a row per cached position)."""
+    cost = RowCost(per_row=1e-3, per_context=1e-6)
+    flood = [Pending(455, True, context=0), Pending(455, True, context=4000)]
+    runs, kept = fair_shares(flood, [0.0, 0.0], quantum=0.096, min_piece=4, cost=cost)
+    # after no context 0.096 s buys 96 rows (455 = 5 pieces of 91); after 4000 positions a row costs 5 ms: 19 rows
+    # (455 = 24 pieces of 19)
+    assert runs == [91, 19]
+    assert cost(runs[1], 4000) <= 0.096 < cost(20, 4000)
+    assert kept == pytest.approx([0.096 - cost(91, 0), 0.096 - cost(19, 4000)])
+
+
+def test_with_row_count_pricing_the_share_is_deficit_round_robin_over_rows() -> None:
+    assert ROW_COUNT(96, 4000) == 96.0
+    by_rows = fair_shares([Pending(200, True, context=4000)], [0.0], quantum=96)
+    assert by_rows == ([67], [29.0])  # the context is not priced: 200 = 67 + 67 + 66 as without it
+
+
+def test_a_piece_whose_credit_cannot_buy_min_piece_rows_waits_beside_others_and_catches_up() -> None:
+    """A long-context flood whose quantum buys fewer than min_piece rows waits (keeping its credit) while another
+    session's frame runs, then runs min_piece rows once its credit covers them: its pieces never cost more than its
+    credit, so the other session's passes are not made longer than the quantum."""
+    cost = RowCost(per_row=1e-3, per_context=1e-6)  # 5 ms a row after 4000 positions: 16 rows cost 80 ms
+    pending = [Pending(455, True, context=4000), Pending(3, True)]
+    runs, kept = fair_shares(pending, [0.0, 0.0], quantum=0.032, min_piece=16, cost=cost)
+    assert runs == [0, 3] and kept == [0.032, 0.0]  # 6 rows' worth
+    runs, kept = fair_shares(pending, kept, quantum=0.032, min_piece=16, cost=cost)
+    assert runs == [0, 3] and kept == pytest.approx([0.064, 0.0])  # 12 rows' worth
+    runs, kept = fair_shares(pending, kept, quantum=0.032, min_piece=16, cost=cost)
+    assert runs == [19, 3] and kept == pytest.approx([0.096 - 0.095, 0.0])  # 19 rows' worth, 455 = 24 × ~19
+    # alone in the pass it runs anyway (a pass is never empty), its credit not below 0
+    assert fair_shares(pending[:1], [0.0], quantum=0.032, min_piece=16, cost=cost) == ([16], [0.0])
+
+
+def test_rows_within_is_the_most_rows_the_seconds_buy() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        cost = RowCost(rng.choice([0.0, rng.uniform(1e-4, 1e-2)]), rng.uniform(0, 1e-5), rng.choice([0.0, 1e-6]))
+        if not (cost.per_row or cost.per_context or cost.per_pair):
+            continue
+        context, limit, seconds = rng.randrange(0, 5000), rng.randrange(1, 600), rng.uniform(-0.01, 0.5)
+        best = max((x for x in range(limit + 1) if cost(x, context) <= seconds), default=0)
+        assert cost.rows_within(seconds, context, limit) == best, (cost, context, limit, seconds)
+
+
+def test_the_invariants_of_a_pass_on_random_sessions() -> None:
+    """Brute force over random sessions, credits and costs: what each session runs is its whole frame, a piece of
+    at least min_piece rows its credit covers (no smaller than half what the credit could buy: no small remainder
+    left), or nothing; a tree is never cut; credit is kept only by a piece or a frame that waits; the pass is never
+    empty, and at most one session (the one with the most credit, when all would wait) overspends."""
+    rng = random.Random(11)
+    for _ in range(3000):
+        cost = RowCost(rng.uniform(1e-4, 2e-3), rng.choice([0.0, rng.uniform(1e-7, 1e-6)]), rng.choice([0.0, 1e-6]))
+        quantum, min_piece = rng.uniform(0.005, 0.3), rng.choice([1, 4, 16])
+        n = rng.randrange(1, 5)
+        pending = [Pending(rng.randrange(1, 500), rng.random() < 0.7, rng.randrange(0, 4096)) for _ in range(n)]
+        credits = [rng.uniform(0, 0.3) for _ in range(n)]
+        runs, kept = fair_shares(pending, credits, quantum, min_piece, cost)
+        assert any(runs) and all(k >= 0 for k in kept)
+        overspent = 0
+        for frame, credit, run, keep in zip(pending, credits, runs, kept, strict=True):
+            earned, price = credit + quantum, cost(run, frame.context)
+            assert 0 <= run <= frame.rows
+            if not frame.splittable:
+                assert run in (0, frame.rows)
+            if run == 0:
+                assert keep == earned
+                continue
+            if price > earned + 1e-12:
+                overspent += 1
+                assert earned == max(c + quantum for c in credits)  # the never-empty rule's choice
+                assert run == frame.rows or run == min_piece
+            if run == frame.rows:
+                assert keep == 0.0
+            elif price <= earned:
+                affordable = cost.rows_within(earned, frame.context, frame.rows)
+                assert min_piece <= run <= affordable and 2 * run >= affordable, (frame, earned, run)
+                assert keep == pytest.approx(earned - price)
+        assert overspent <= 1
+
+
+def test_over_many_passes_two_backlogged_sessions_get_the_same_time_not_the_same_rows() -> None:
+    """One flood after no context, one after 3000 positions, both backlogged: each pass each earns the quantum and
+    spends it, so over 200 passes their work differs by less than a quantum, while the long-context one ran far
+    fewer rows."""
+    cost = RowCost(per_row=1e-3, per_context=1e-6, per_pair=1e-7)
+    contexts, credits, rows, seconds = [0, 3000], [0.0, 0.0], [0, 0], [0.0, 0.0]
+    for _ in range(200):
+        pending = [Pending(455, True, c) for c in contexts]
+        runs, credits = fair_shares(pending, credits, quantum=0.05, min_piece=4, cost=cost)
+        for i, run in enumerate(runs):
+            rows[i] += run
+            seconds[i] += cost(run, contexts[i])
+    assert abs(seconds[0] - seconds[1]) < 0.05
+    assert rows[0] > 3 * rows[1]
+
+
+def test_a_flood_only_pass_is_held_for_a_session_answered_a_moment_ago_until_it_is_due() -> None:
+    # answered 2 ms ago, its next frame usually 40 ms after a reply: hold 58 ms (due at 1.5 × 40 = 60 ms)
+    assert anticipation([(0.002, 0.04)], cap=0.3) == pytest.approx(0.058)
+    # a turn of a few ms: held at least a tenth of the cap after the reply (its jitter is as large as the turn)
+    assert anticipation([(0.002, 0.004)], cap=0.3) == pytest.approx(0.028)
+    # the soonest of several; one overdue (answered 1 s ago, usually back in 10 ms) holds nothing
+    assert anticipation([(1.0, 0.01), (0.001, 0.04), (0.0, 0.1)], cap=0.3) == pytest.approx(0.059)
+    assert anticipation([(1.0, 0.01)], cap=0.3) == 0.0 and anticipation([], cap=0.3) == 0.0
+    # never past the cap after the reply: a slow device is not waited for longer than a flood piece takes
+    assert anticipation([(0.05, 1.0)], cap=0.3) == pytest.approx(0.25)
+    assert anticipation([(0.3, 1.0)], cap=0.3) == 0.0

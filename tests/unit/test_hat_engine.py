@@ -340,3 +340,16 @@ def test_status_rides_with_a_verification_when_mu_or_g_moved(tiny: LlamaForCausa
         ]
     finally:
         engine.stop()
+
+
+def test_the_engine_learns_each_sessions_turn_between_its_reply_and_its_next_frame(engine: Engine) -> None:
+    """What anticipation (policies/fair_share.py) waits on: after a reply the session is answered (its turn), and its
+    next tensor frame's arrival times the gap; a ROLLBACK in between does not end its turn."""
+    session, _ = open_session(engine)
+    assert one(engine.submit(session, tensor_frame(session, 1, torch.randn(3, H), 0))).kind == Kind.VERIFY_RESULT
+    assert session.answered_at is not None and session.reply_gap.count == 0
+    engine.submit(session, wire.encode_control(Kind.ROLLBACK, session.id, 2, arg=0)).result(timeout=10)
+    time.sleep(0.02)
+    assert session.answered_at is not None  # a control frame is not its next round
+    assert one(engine.submit(session, tensor_frame(session, 3, torch.randn(3, H), 0))).kind == Kind.VERIFY_RESULT
+    assert session.reply_gap.count == 1 and session.reply_gap.get() >= 0.02

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -57,6 +58,29 @@ def test_the_engine_fits_tau_from_its_own_lone_prefill_pieces_and_reports_it_at_
                    engine.prefill_cost.costs[0].c, engine.prefill_cost.costs[0].d]  # type: ignore[index]  # fmt: skip
 
 
+def test_lone_chains_of_drafts_feed_tau_too_and_a_tree_does_not(engine: Engine) -> None:
+    """A chain of drafts is the prefill's computation (consecutive positions after the cache), so a lone one times
+    τ(x | y) as well: a worker whose sessions only verify (or flood it with drafts) learns τ, which prices their fair
+    share of a pass (app/worker/scheduler.py). A token tree attends otherwise and is not a point."""
+    session, _ = opened(engine)
+    seq, position = 0, 0
+    for x in (16, 32, 24):
+        seq += 1
+        frame = wire.encode_tensor(Kind.DRAFT, session.id, seq, torch.randn(x, H), arg=position)
+        *_status, reply = [wire.decode_frame(b) for b in engine.submit(session, frame).result(timeout=10)]
+        assert reply.kind == Kind.VERIFY_RESULT
+        position += x
+    assert [(x, y) for x, y, _ in engine.prefill_cost.points] == [(16, 0), (32, 16), (24, 48)]
+    assert engine.prefill_cost.total() == engine.prefill_cost.costs[0]  # type: ignore[index]  # one stage: its τ
+    parents = [-1, *range(15), 0]  # a 17-node tree: a chain of 16 and a branch at the root
+    seq += 1
+    engine.submit(session, wire.encode_indices(Kind.TREE, session.id, seq, parents, arg=position))
+    seq += 1
+    tree = wire.encode_tensor(Kind.DRAFT, session.id, seq, torch.randn(len(parents), H), arg=position)
+    *_status, reply = [wire.decode_frame(b) for b in engine.submit(session, tree).result(timeout=10)]
+    assert reply.kind == Kind.VERIFY_RESULT and len(engine.prefill_cost.points) == 3
+
+
 def test_the_start_up_profile_determines_tau_before_any_session(engine: Engine) -> None:
     engine.call(engine.profile_prefill).result(timeout=60)
     fit = engine.prefill_cost
@@ -97,3 +121,25 @@ def test_dp_chunks_are_planned_with_the_workers_tau_when_it_sends_one() -> None:
     without = planner.plan(1024, base, beta_up=5e6)  # an older worker: g as a context-free τ
     assert without.worker_tau == ChunkCost(0.01, 1e-4)
     assert without.bounds != with_tau.bounds
+
+
+def test_a_long_piece_beside_decode_sized_ones_times_tau_and_two_long_pieces_do_not(engine: Engine) -> None:
+    """The engine holds a flood's pass for another session's round, so its pieces mostly share a pass with a few
+    rows: such a pass still gives τ a point (the piece's x and y); a pass of two long pieces does not (whose?)."""
+    (a, _), (b, _) = opened(engine), opened(engine)
+
+    def together(frames: list[tuple[object, bytes]]) -> None:
+        gate = threading.Event()
+        engine.call(gate.wait)  # hold the engine thread so that the frames share its next pass
+        futures = [engine.submit(session, frame) for session, frame in frames]  # type: ignore[arg-type]
+        gate.set()
+        for fut in futures:
+            assert wire.decode_frame(fut.result(timeout=10)[-1]).kind == Kind.VERIFY_RESULT
+
+    def draft(session, seq: int, rows: int, at: int) -> tuple[object, bytes]:
+        return session, wire.encode_tensor(Kind.DRAFT, session.id, seq, torch.randn(rows, H), arg=at)
+
+    together([draft(a, 1, 24, 0), draft(b, 1, 3, 0)])
+    assert [(x, y) for x, y, _ in engine.prefill_cost.points] == [(24, 0)]
+    together([draft(a, 2, 20, 24), draft(b, 2, 16, 3)])
+    assert len(engine.prefill_cost.points) == 1

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import pytest
 import torch
 
-from app.worker.scheduler import Piece, Scheduler
+from app.worker.scheduler import Piece, Scheduler, fair_price
 from app.worker.sessions import EngineError, Item, OpenParams, Reason, Session
 from app.worker.settings import EngineLimits
 from app.worker.stats import EngineStats
 from clients.hat import wire
+from policies.fair_share import RowCost
+from policies.sequence_partition import ChunkCost
 
 Kind = wire.Kind
 # g(x) = 0.002·x + 0.048 s: the sub-chunk budget at the default 0.2 overhead is 0.048·0.8 / (0.2·0.002) = 96 tokens
@@ -69,9 +72,10 @@ class Script:
         self.scheduler.add(item)
         return item
 
-    def next_pass(self) -> list[tuple[str, int]]:
+    def next_pass(self, tau: ChunkCost | None = None) -> list[tuple[str, int]]:
         """The pass's pieces as (session, rows); then they run: the rows are done and in the session's cache."""
-        pieces: list[Piece] = self.scheduler.next_pass(SLOPE, INTERCEPT, len(self.sessions))
+        extra = {} if tau is None else {"tau": tau}  # τ known or not: the fair share's prices
+        pieces: list[Piece] = self.scheduler.next_pass(SLOPE, INTERCEPT, len(self.sessions), **extra)
         for item, n in pieces:
             item.done += n
             item.finished += n
@@ -286,3 +290,77 @@ def test_a_token_tree_larger_than_the_quantum_waits_for_its_credit_then_runs_who
     s.send("small", Kind.DRAFT, 3)
     assert s.next_pass() == [("tree", 150), ("small", 3)]  # 192 does
     assert tree.credit == 0.0
+
+
+def test_a_long_context_flood_gets_its_share_of_each_pass_in_time_not_rows() -> None:
+    """With τ known (τ(x | y) = 0.048 + 0.002·x + 2e-6·x·y s), the quantum is what the sub-chunk budget's 96 rows
+    cost after no context (0.192 s) and a piece is priced by the context it attends over: the flood, 3000 positions
+    in, runs ~21 rows a pass (9 ms each), not 96, so the pass beside the other session's round costs what a
+    96-row piece after no context does, not 4× that."""
+    tau = ChunkCost(0.048, 0.002, 2e-6, 0.0)
+    s = Script(batching="planned")
+    s.session("victim", cached=20)
+    s.session("flood", cached=3000)
+    for _ in range(2):
+        s.send("flood", Kind.DRAFT, 455)
+    flooded = spent = 0.0
+    for _ in range(12):
+        s.send("victim", Kind.DRAFT, 3)
+        context, credit = len(s.sessions["flood"].cache), s.sessions["flood"].credit
+        pass_ = dict(s.next_pass(tau))
+        piece = pass_["flood"]
+        assert pass_["victim"] == 3 and 16 <= piece <= 24, pass_
+        seconds = piece * (0.002 + 2e-6 * context)
+        assert seconds <= credit + 0.192 + 1e-9  # what its credit covers: the quantum and what it kept
+        flooded, spent = flooded + piece, spent + seconds
+    assert s.stats.fair_quantum == 0.002 * 96
+    assert 11 * 0.192 < spent <= 12 * 0.192 + 1e-9  # its time share of every pass: not starved, no more
+    assert flooded < 12 * 24  # where a row quantum ran 12 × ~91
+
+
+def test_only_bulk_when_every_session_with_a_tensor_frame_queued_is_a_flood_in_progress() -> None:
+    """What the engine holds a pass for a returning session on (policies/fair_share.anticipation): a pass of only a
+    flood's pieces; a session's single next round, or a first frame not yet cut, is not bulk."""
+    s = Script(batching="planned")
+    s.session("victim", cached=20)
+    s.session("flood")
+    assert not s.scheduler.only_bulk()  # nothing queued
+    s.send("flood", Kind.DRAFT, 455)
+    assert not s.scheduler.only_bulk()  # one frame, not cut yet: it may be a round of its own
+    s.send("flood", Kind.DRAFT, 455)
+    assert s.scheduler.only_bulk()  # a backlog
+    s.send("victim", Kind.ROLLBACK, arg=20)
+    assert s.scheduler.only_bulk()  # a control frame waits for no pass
+    s.send("victim", Kind.DRAFT, 3)
+    assert not s.scheduler.only_bulk()  # the victim's round is here
+    assert dict(s.next_pass()) == {"flood": 91, "victim": 3}
+    assert s.scheduler.only_bulk()
+
+
+def test_the_fair_quantum_comes_from_tau_not_from_a_g_that_a_long_context_flood_distorted() -> None:
+    """g has no context term: under a long-context flood its slope grows and its intercept goes below 0 (measured in
+    `bench fair-share`), which would floor the sub-chunk budget. With τ known the quantum is τ's own sub-chunk
+    budget's cost: 0.048·0.8 / (0.2·0.002) = 96 rows, 0.192 s."""
+    limits = EngineLimits()
+    tau = ChunkCost(0.048, 0.002, 2e-6, 0.0)
+    cost, quantum = fair_price(16, 0.02, tau, limits)  # g's budget floored at 16 rows by a distorted g
+    assert cost == RowCost(0.002, 2e-6, 0.0) and quantum == pytest.approx(0.192)
+    cost, quantum = fair_price(96, SLOPE, None, limits)  # before τ: g's slope per row, no context term
+    assert cost == RowCost(SLOPE) and quantum == pytest.approx(SLOPE * 96)
+    assert fair_price(4096, -1e-4, None, limits) is None  # nothing to price by: see the test below
+    # a loaded host's fit with a tiny per-row cost: still four fixed costs, not max_batch_tokens rows' x² term
+    cost, quantum = fair_price(16, 0.02, ChunkCost(0.08, 1e-7, 2e-6, 1e-6), limits)
+    assert quantum == pytest.approx(0.32)
+
+
+def test_with_nothing_to_price_by_a_flood_runs_in_the_least_pieces_not_whole() -> None:
+    """g's slope not positive (it saw one pass size only) and no τ: a flood's 455-row draft beside a round runs 16
+    rows a pass, not whole, and nobody's credit changes."""
+    s = Script(batching="planned")
+    s.session("victim", cached=20)
+    s.session("flood")
+    s.send("flood", Kind.DRAFT, 455)
+    s.send("victim", Kind.DRAFT, 3)
+    pieces = s.scheduler.next_pass(-1e-4, 0.07, 2)
+    assert [(s.names[item.session.id], n) for item, n in pieces] == [("flood", 16), ("victim", 3)]
+    assert s.sessions["flood"].credit == 0.0 and s.stats.fair_quantum == 0.0

@@ -6,7 +6,9 @@ its context stays put) and times each: first alone (its usual round), then for a
 `--flood` drafts of 1 MiB each, sent at once (the issue's case: forty), are at the worker. The worker runs once with
 `batching = "greedy"` (whole frames in every pass: the behaviour before fair share, which planned batching also had
 for drafts) and once with `"planned"`, the default, whose deficit round robin (policies/fair_share.py) runs the
-flood in pieces. The flood's frames past the session's backlog or context limits are refused, as they would be.
+flood in pieces priced in time (rows and the context they attend over), and holds a pass of only the flood's pieces
+while the measured session's next round is due. The flood's frames past the session's backlog or context limits
+are refused, as they would be.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ async def _one_mode(url: str, args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=10) as http:
         metrics = (await http.get(url.replace("ws://", "http://") + "/metrics")).text
     budget = next(line.split()[-1] for line in metrics.splitlines() if line.startswith("tandem_worker_subchunk_budget"))
+    quantum = next(line.split()[-1] for line in metrics.splitlines() if line.startswith("tandem_worker_fair_quantum"))
     for ws in (victim, flooder):
         await ws.close()
     return {
@@ -103,6 +106,7 @@ async def _one_mode(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "ran": ran,
         "rows": rows,
         "quantum": float(budget),
+        "quantum_ms": float(quantum) * 1e3,
     }
 
 
@@ -141,14 +145,15 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace, load: t
         f"{any_['rows']} rows (1 MiB) at once; the measured session: rounds of {args.draft} rows.",
         "",
         "| worker batching | round alone, median (ms) | rounds during the flood | median (ms) | mean (ms) | max (ms) "
-        "| max / alone | flood frames run | quantum (rows) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| median / alone | max / alone | flood frames run | sub-chunk budget (rows) | fair quantum (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in results.items():
-        ratio = r["flood_max_ms"] / r["alone_ms"]
         lines.append(
             f"| {mode} | {r['alone_ms']:.0f} | {r['flood_rounds']} | {r['flood_ms']:.0f} | {r['flood_mean_ms']:.0f} "
-            f"| {r['flood_max_ms']:.0f} | **{ratio:.1f}×** | {r['ran']} of {args.flood} | {r['quantum']:.0f} |"
+            f"| {r['flood_max_ms']:.0f} | **{r['flood_ms'] / r['alone_ms']:.1f}×** "
+            f"| **{r['flood_max_ms'] / r['alone_ms']:.1f}×** | {r['ran']} of {args.flood} | {r['quantum']:.0f} "
+            f"| {r['quantum_ms']:.0f} |"
         )
     return "\n".join(lines)
 
