@@ -73,7 +73,7 @@ serve: $(SERVE_STAMP) models
 # The suite on two processes (pytest-xdist), each taking whole modules (--dist loadfile: a module's gateways and
 # workers are started once, in one process; the session-wide ones once per process). Most tests wait on a server
 # that computes on one core at a time, so two processes keep both cores busy: measured on 2 cores, 12.5 min against
-# ~20 min in one process with the same background load (BENCHMARKS.md, "The suite's time"). TEST_PROCESSES=1 runs
+# 21 min in one process with the same background load (BENCHMARKS.md, "The suite's time"). TEST_PROCESSES=1 runs
 # it in this process alone, as `pytest` does by default.
 TEST_PROCESSES ?= 2
 test: setup

@@ -12,7 +12,7 @@ A pass costs T(b, F) = c1·F·b + c2 seconds (Eq. 17) for b tasks of F FLOPs eac
 `policies.cost.flops_breakdown` (decoder layers only, as the paper counts, but with the gated 3-matrix FFN and
 grouped-query attention of the real LLaMA models, and causal attention pairs rather than Eq. 11's full I²).
 
-Where this departs from the printed paper (see /work/shared/notes/formulas.md):
+Where this departs from the printed paper:
 
 * Eq. 29 / Alg. 1 line 15 attach T^d to the wrong term. `plan_batches(variant="corrected")` uses
   Σ_n [max(Υ[j−1,n,0] + T^d_n, Υ[j−1,n,1]) + T^v_n], consistent with Eqs. 20, 31-32; `variant="printed"` keeps

@@ -10,7 +10,7 @@ Stage s finishes sub-sequence k at the permutation flow-shop time
 
 (unlimited buffering between stages: a finished sub-sequence's activations wait on the link or in a queue).
 
-Our copy of the paper lost Eqs. 1-4 (see /work/shared/notes/formulas.md); what is built here:
+The copy of the paper we read has lost Eqs. 1-4 (their text is garbled); what is built here:
 
 * Sequence partition (§IV-B2, Eqs. 2-4 replaced). The paper balances the slowest sub-sequence (min-max, Eqs. 2-3)
   for each count n, then picks n by Eq. 4, T ≈ Σ τ_k + (S − 1)·max τ_k, which holds only for stages of exactly

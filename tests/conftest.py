@@ -14,7 +14,9 @@ import os
 # other busy process on the box, test_openai_sdk.py took 134 s spinning and 34 s passive. Alone on a quiet box,
 # passive waiting costs decode speed instead (`tandem bench device`: 48 -> 30 tok/s, BENCHMARKS.md), which is why
 # the product keeps the default; the whole suite, mostly several processes at once, came out ahead (clean `make
-# test`: 13 min 35 s for 1354 tests against 13 min 46 s for 1317 spinning). The servers inherit it.
+# test`: 13 min 35 s for 1354 tests against 13 min 46 s for 1317 spinning), and `make test` now runs two pytest
+# processes (BENCHMARKS.md, "The suite's time": two modules took 86 s passive, 224 s spinning 30,000 times under
+# load). The servers inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import socket
