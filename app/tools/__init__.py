@@ -7,9 +7,13 @@ lazily). Their own dependencies are the `tools` extra (matplotlib, tqdm), import
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import importlib
+import json
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the repository: its deploy/ files, and its own text and code
 
@@ -29,3 +33,13 @@ def pyplot() -> ModuleType:
     """matplotlib.pyplot, drawing into files only (the Agg backend)."""
     import_extra("matplotlib").use("Agg")
     return import_extra("matplotlib.pyplot")
+
+
+def pinned_json(path: Path, sha256: str) -> Any:
+    """A gzipped JSON file shipped in deploy/ and pinned by its hash (a benchmark's fixed text), or SystemExit when
+    it was changed: the published figures were measured on exactly these bytes."""
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise SystemExit(f"{path}: sha256 {digest}, expected {sha256} (the pinned file was changed)")
+    return json.loads(gzip.decompress(data))

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -16,7 +14,7 @@ from typing import Any
 
 import torch
 
-from app.tools import REPO_ROOT
+from app.tools import REPO_ROOT, pinned_json
 
 DEFAULT_LINK = "latency=10ms,up=7.5MB/s,down=12.5MB/s"  # the HAT benches' link: 20 ms RTT, 7.5 / 12.5 MB/s
 
@@ -44,11 +42,7 @@ TABLE5_CODE_SHA256 = "e7faea9cd80f9fc4e47b141961ae27e581d93788678c15b74f3b753daa
 
 def table5_code(path: Path = TABLE5_CODE) -> str:
     """The pinned code (TABLE5_CODE), its files joined in their pinned order."""
-    data = path.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != TABLE5_CODE_SHA256:
-        raise SystemExit(f"{path}: sha256 {digest}, expected {TABLE5_CODE_SHA256} (the pinned code was changed)")
-    return "\n".join(text for _, text in json.loads(gzip.decompress(data))["files"])
+    return "\n".join(text for _, text in pinned_json(path, TABLE5_CODE_SHA256)["files"])
 
 
 def code_prompt(tok: Any, length: int, index: int = 0) -> list[int]:

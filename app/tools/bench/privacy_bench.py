@@ -36,8 +36,6 @@ import argparse
 import ast
 import asyncio
 import contextlib
-import gzip
-import hashlib
 import json
 import math
 import os
@@ -52,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.tools import REPO_ROOT, pyplot
+from app.tools import REPO_ROOT, pinned_json, pyplot
 from app.tools.bench.hat_setup import DEFAULT_LINK
 from app.tools.bench.inversion import (
     LinearProbe,
@@ -120,11 +118,7 @@ HELD_OUT_SHA256 = "b66a143d8116dc57e4e5ec0b84e768bdd0142ce34180814d692d99403ff79
 
 def held_out_texts(path: Path = HELD_OUT) -> dict[str, list[str]]:
     """The pinned held-out text (HELD_OUT): code files and prose files, each in its original order."""
-    data = path.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != HELD_OUT_SHA256:
-        raise SystemExit(f"{path}: sha256 {digest}, expected {HELD_OUT_SHA256} (the pinned held-out text was changed)")
-    pinned = json.loads(gzip.decompress(data))
+    pinned = pinned_json(path, HELD_OUT_SHA256)
     return {kind: [text for _, text in pinned[kind]] for kind in ("code", "prose")}
 
 
