@@ -627,7 +627,8 @@ async def test_two_devices_batched_in_one_forward_equal_running_alone(worker: Wo
     # Greedy packing puts both devices' frames in every pass; the planner may rightly run them apart (its choice
     # depends on the fitted pass time: tests/integration/test_worker_planner.py).
     planned = engine.limits
-    engine.limits = planned.model_copy(update={"batching": "greedy"})
+    # the engine (its anticipation hold) and its scheduler (the passes) each read their own copy
+    engine.limits = engine.scheduler.limits = planned.model_copy(update={"batching": "greedy"})
     backends = [worker.backend(model, tok, SMOL) for _ in prompts]
     for b in backends:
         await b.start()
@@ -644,7 +645,7 @@ async def test_two_devices_batched_in_one_forward_equal_running_alone(worker: Wo
     together = [token_ids(await t) for t in tasks]
     for b in backends:
         await b.close()
-    engine.limits = planned
+    engine.limits = engine.scheduler.limits = planned
     assert engine.stats.batched_forwards >= before + min(-(-len(ids) // 16) for ids in prompts)
     assert engine.stats.max_rows >= 2
     assert together == alone  # each device's answer is exactly what it got alone
