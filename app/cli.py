@@ -143,6 +143,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.tools.bench.sd_edge_bench import main
     elif args.what == "worker-batching":
         from app.tools.bench.worker_batching_bench import main
+    elif args.what == "worker-compute":
+        from app.tools.bench.worker_compute import main
     elif args.what == "privacy":
         from app.tools.bench.privacy_bench import main
     elif args.what == "outline":
@@ -260,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             "fair-share",
             "sd-edge",
             "worker-batching",
+            "worker-compute",
             "privacy",
             "outline",
             "jupiter",

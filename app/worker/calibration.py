@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from app.worker.compute import synchronize
 from app.worker.prefill_cost import Point, profile_points
 from clients.hat.ragged import RaggedMiddle
 from clients.hat.split import MiddleSubmodel
@@ -36,6 +37,7 @@ def check_ragged_forward(
     for part in (x[:tokens], x[tokens:]):
         t0 = time.perf_counter()
         got.append(ragged.forward([(part, got_cache)])[0])
+        synchronize(ragged.device)  # g must time the compute, not the kernels' launch (CUDA queues them)
         g.update(part.shape[0], time.perf_counter() - t0)
     diff = float((torch.cat(got) - ref).abs().max()) / max(1.0, float(ref.abs().max()))
     if not diff <= tolerance:
@@ -61,8 +63,7 @@ def profile_prefill(middle: MiddleSubmodel, ragged: RaggedMiddle, hidden_size: i
             with torch.inference_mode():
                 t0 = time.perf_counter()
                 ragged.forward([(piece, cache)])
-                if ragged.device.type == "cuda":
-                    torch.cuda.synchronize()
+                synchronize(ragged.device)
                 seconds = time.perf_counter() - t0
             cache.crop(y)
             return [seconds]

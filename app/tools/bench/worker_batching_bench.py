@@ -121,6 +121,13 @@ def run_mode(middle, batching: str, args: argparse.Namespace) -> dict[str, float
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tandem bench worker-batching", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="random weights of this config.json's architecture instead of the "
+        "model's own (a GPU machine without the weights: a pass's time does not depend on them)",
+    )
+    p.add_argument("--device", default="cpu", help="where the middle layers compute: cpu, cuda or auto")
     p.add_argument("--m", type=int, default=2)
     p.add_argument("--decoders", type=int, default=4)
     p.add_argument("--prompt", type=int, default=1024)
@@ -142,13 +149,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    from app.worker.compute import compute_device
     from clients.hat.split import split_model
-    from clients.hf_model import load_hf_model
-    from deploy.models import model_path
 
     torch.set_num_threads(args.threads)
-    model, _ = load_hf_model(model_path(args.model))
-    middle = split_model(model, args.m).middle
+    device = compute_device(args.device)
+    if args.config:
+        from app.tools.bench.worker_compute import random_model
+
+        model = random_model(Path(args.config), torch.float32, device)
+    else:
+        from clients.hf_model import load_hf_model
+        from deploy.models import model_path
+
+        model, _ = load_hf_model(model_path(args.model))
+    middle = split_model(model, args.m).middle.to(device)
+    label = f"{args.config} (random weights) on {device}" if args.config else args.model
     res = {mode: run_mode(middle, mode, args) for mode in ("greedy", "planned")}
     g, pl = res["greedy"], res["planned"]
     cmd = " ".join(argv if argv is not None else sys.argv[1:])
@@ -158,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"Command: `tandem bench worker-batching {cmd}`",
             "",
-            f"{args.model} middle layers on {args.threads} thread(s); {args.decoders} decoding sessions (3-position "
+            f"{label} middle layers on {args.threads} thread(s); {args.decoders} decoding sessions (3-position "
             f"rounds, back to back), {args.decode_only:g} s per mode after a {args.warmup:g} s warm-up.",
             "",
             "| measurement | greedy | planned | planned / greedy | target |",
@@ -173,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `tandem bench worker-batching {cmd}`",
         "",
-        f"{args.model} middle layers on {args.threads} thread(s); {args.decoders} decoding sessions (3-position "
+        f"{label} middle layers on {args.threads} thread(s); {args.decoders} decoding sessions (3-position "
         f"rounds), one session prefilling {args.prompt}-token prompts in {args.chunk}-token frames, "
         f"{args.prompts} prompts per mode.",
         "",
