@@ -1,15 +1,17 @@
-"""The split KV cache's buffers, alone and under the ragged forward of a tiny random Llama."""
+"""The split KV cache's buffers and the ragged forward's grouped-query attention, on a tiny random Llama."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterator
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import repeat_kv
 
-from clients.hat.ragged import RaggedMiddle
+from clients.hat.ragged import RaggedMiddle, grouped_attention
 from clients.hat.split import SplitKVCache, split_model
 
 H = 32  # the hidden size of conftest's `tiny` model
@@ -94,6 +96,44 @@ def test_crop_restore_keep_fork_and_row_keep_their_semantics() -> None:
     append(one, 1, layers)
     assert forked.layer(3)[0].shape[-2] == 3  # the row is a copy
     assert len(cache) == 3 and cache.layer(3)[0].shape[-2] == 3  # forking left the source alone
+
+
+@pytest.mark.parametrize(("n", "ctx", "masked"), [(1, 9, False), (4, 9, True), (6, 40, True)])
+def test_grouped_attention_equals_the_expanded_reference(n: int, ctx: int, masked: bool) -> None:
+    torch.manual_seed(n)
+    heads, kv_heads, d = 6, 2, 8
+    buf_k, buf_v = torch.randn(1, kv_heads, ctx + 10, d), torch.randn(1, kv_heads, ctx + 10, d)
+    k, v = buf_k[:, :, :ctx], buf_v[:, :, :ctx]  # the cache's views of its buffers: not contiguous
+    q = torch.randn(1, heads, n, d)
+    mask = None
+    if masked:  # causal over the last n positions and a window of 5, as the split's position rule builds it
+        qp, kp = torch.arange(ctx - n, ctx), torch.arange(ctx)
+        allowed = (kp[None] <= qp[:, None]) & (kp[None] > qp[:, None] - 5)
+        mask = torch.zeros(n, ctx).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_kv(k.contiguous(), 3), repeat_kv(v.contiguous(), 3), attn_mask=mask, scale=0.3
+    ).transpose(1, 2)
+    grouped = None if mask is None else mask.repeat(1, 1, 3, 1)
+    got = grouped_attention(q, k, v, grouped, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ragged_forward_matches_the_models_layers_and_the_eager_path(tiny: LlamaForCausalLM) -> None:
+    torch.manual_seed(2)
+    middle = split_model(tiny, 2).middle
+    eager_model = copy.deepcopy(tiny)
+    eager_model.config._attn_implementation = "eager"
+    eager_middle = split_model(eager_model, 2).middle
+    xs = [torch.randn(n, H) for n in (9, 1, 4)]
+    with torch.inference_mode():
+        ref = middle(torch.cat(xs)[None], middle.new_cache())[0]
+        outs = {}
+        for name, mid in (("sdpa", middle), ("eager", eager_middle)):
+            ragged, cache = RaggedMiddle(mid.stack), mid.new_cache()
+            assert ragged._grouped == (name == "sdpa")
+            outs[name] = torch.cat([ragged.forward([(x, cache)])[0] for x in xs])
+    torch.testing.assert_close(outs["sdpa"], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["eager"], ref, rtol=1e-5, atol=1e-5)
 
 
 def test_a_failed_ragged_forward_leaves_every_cache_as_it_was(tiny: LlamaForCausalLM) -> None:
