@@ -257,7 +257,7 @@ class Engine:
                     503, Reason.FULL, f"worker is serving its maximum of {self.limits.max_sessions} sessions"
                 )
             sid = uuid.uuid4().bytes
-            session = Session(sid, self.middle.new_cache(), params, created=now, last_active=now)
+            session = Session(sid, self.middle.new_cache(self.max_context), params, created=now, last_active=now)
             self._sessions[sid] = session
             self.stats.sessions_opened += 1
         reply = dict(self.info(), session=session.hex, protocol=PROTOCOL)

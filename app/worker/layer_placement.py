@@ -61,8 +61,8 @@ class StageSlice(nn.Module):
         super().__init__()
         self.stack = LayerStack.from_model(model, start, end)
 
-    def new_cache(self) -> SplitKVCache:
-        return self.stack.new_cache()
+    def new_cache(self, max_positions: int | None = None) -> SplitKVCache:
+        return self.stack.new_cache(max_positions)
 
     def forward(self, hidden: torch.Tensor, cache: SplitKVCache | None = None) -> torch.Tensor:
         return self.stack.run(hidden, cache)

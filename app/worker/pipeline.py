@@ -418,7 +418,7 @@ def _plan_and_check(
              [f"{t * 1e3:.1f} ms" for t in part.stage_times],
              [f"{gib(used)} of {gib(cap)}" for used, cap in zip(part.stage_memory, shown, strict=True)])  # fmt: skip
     assign = torch.tensor(bounds, dtype=torch.int64)
-    assigned = header(Cmd.ASSIGN, 0, 0, 0, 0, 0, MIN_ROWS, int(settings.batch_invariant))
+    assigned = header(Cmd.ASSIGN, 0, 0, 0, 0, 0, MIN_ROWS, int(settings.batch_invariant), context)
     pipeline.call([assigned, assign], Cmd.ASSIGN, timeout)
 
     full = StageSlice(model, m, n_layers)  # the reference for the check, dropped afterwards

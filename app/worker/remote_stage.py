@@ -64,6 +64,7 @@ class _Stage:
         self.ragged: RaggedMiddle | None = None
         self.stack: LayerStack | None = None
         self.caches: dict[tuple[int, int], SplitKVCache] = {}
+        self.max_context: int | None = None
         self.outbox: queue.SimpleQueue[list[torch.Tensor] | None] = queue.SimpleQueue()
         self.send_error: str | None = None
         self.sender = threading.Thread(target=self._send_loop, name="stage-send", daemon=True)
@@ -132,6 +133,7 @@ class _Stage:
             start, end = (int(v) for v in tensors[0][rank])
             self.stack = LayerStack.from_model(self.model, start, end).to(self.device)
             self.ragged = RaggedMiddle(self.stack, int(head[6]), bool(head[7]))
+            self.max_context = int(head[8]) or None
             self.model = None  # only this stage's layers stay referenced
             log.info("stage %d runs layers %d..%d", rank, start, end - 1)
             self.pass_on([head, tensors[0]])
@@ -149,7 +151,7 @@ class _Stage:
         for hi, lo, first, n in meta.tolist():
             cache = self.caches.get((hi, lo))
             if cache is None:
-                cache = self.caches[(hi, lo)] = self.stack.new_cache()
+                cache = self.caches[(hi, lo)] = self.stack.new_cache(self.max_context)
             if len(cache) != first:
                 raise StageFailure(f"session rows start at {first} but this stage's cache holds {len(cache)}")
             rows.append((hidden[start : start + n], cache))

@@ -9,7 +9,8 @@ rows, tokens, hidden size, dtype code, a, b, c, d]; the tensors that follow have
     CROP / RELEASE    none: a, b = session id, c = positions to keep
     PROBE             per-layer times int64 [P, L + 2] (ns; then the stage's free device bytes, 0 off CUDA, and a key
                       naming its device, 0 off CUDA), a = tokens, b = repetitions, c = L (start-up profile)
-    ASSIGN            the layer bounds int64 [P, 2], a = min_rows, b = batch_invariant (start-up)
+    ASSIGN            the layer bounds int64 [P, 2], a = min_rows, b = batch_invariant, c = max_context: no
+                      session's KV cache grows past it (start-up)
     HEARTBEAT / STOP  none
 
 Two process groups carry them: `forward` (s → s + 1) and `back` (P − 1 → 0), so stage 0's sender and receiver

@@ -6,7 +6,10 @@ session against that session's own KV cache, with per-row positions (rotary) and
 This is the varlen/ragged layout of vLLM-style continuous batching rather than a padded [B, T] batch: no
 compute is spent on padding (a 256-token prefill chunk and a 2-token verification share one pass without the
 verification row being padded to 256), and no session can see another's keys. Rows are never concatenated
-into one attention sequence.
+into one attention sequence. Attention (sdpa, HF's default) runs the query heads that share a KV head as one head
+over the cache's K/V (`grouped_attention`): the grouped K/V are never expanded, and the cache appends in place
+(SplitKVCache's buffers), so a piece's cost past the weights grows with its rows × context, not with the context
+once per pass.
 
 Batch invariance: nothing is shared between sessions except the weights, so a row's result does not depend on
 its neighbours — with one intra-op thread and the packed matrix padded to >= `min_rows` rows (BLAS switches from
@@ -65,6 +68,10 @@ class RaggedMiddle:
         module = sys.modules[type(attn0).__module__]
         self._rotary = module.apply_rotary_pos_emb
         self._eager = getattr(module, "eager_attention_forward", None)
+        # sdpa (HF's default) runs as grouped_attention; another implementation the config asks for (eager, flash
+        # kernels) runs as the model's own function, with its own expansion of grouped K/V
+        self._grouped = (getattr(attn0.config, "_attn_implementation", None) or "sdpa") == "sdpa"
+        self._groups = int(getattr(attn0, "num_key_value_groups", 1))
         param = next(self.layers[0].parameters())
         self.dtype, self.device = param.dtype, param.device
 
@@ -75,6 +82,12 @@ class RaggedMiddle:
         if impl == "eager" and self._eager is not None:
             return self._eager
         return ALL_ATTENTION_FUNCTIONS.get_interface(impl, self._eager)
+
+    def _group_masks(self, masks: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """A session's masks for grouped_attention: each query row's mask once per query head of a KV head."""
+        if not self._grouped or self._groups == 1:
+            return masks
+        return {t: None if m is None else m.repeat(1, 1, self._groups, 1) for t, m in masks.items()}
 
     def forward(
         self,
@@ -107,7 +120,7 @@ class RaggedMiddle:
             spans.append((start, start + n))
             key_pos.append(kp)
             pos_parts.append(q_pos)
-            masks.append(self.stack.masks(kp, q_pos, self.dtype, self.device, among))
+            masks.append(self._group_masks(self.stack.masks(kp, q_pos, self.dtype, self.device, among)))
             start += n
         total = start
         pad = max(0, self.min_rows - total) if (self.batch_invariant or total > 1) else 0
@@ -156,13 +169,16 @@ class RaggedMiddle:
         if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before rotary
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        fn = self._attention_fn(attn)
+        fn = None if self._grouped else self._attention_fn(attn)
         extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
         pieces = []
         for (s, e), (_, cache), mask in zip(spans, rows, masks, strict=True):
-            kk, vv = cache.update(k[:, :, s:e].contiguous(), v[:, :, s:e].contiguous(), attn.layer_idx)
+            kk, vv = cache.update(k[:, :, s:e], v[:, :, s:e], attn.layer_idx)
             qq = q[:, :, s:e].contiguous()
-            out, _ = fn(attn, qq, kk, vv, mask[ltype], dropout=0.0, scaling=attn.scaling, **extra)
+            if fn is None:
+                out = grouped_attention(qq, kk, vv, mask[ltype], attn.scaling)
+            else:
+                out, _ = fn(attn, qq, kk, vv, mask[ltype], dropout=0.0, scaling=attn.scaling, **extra)
             pieces.append(out.reshape(1, e - s, -1))
         if pad:
             pieces.append(x.new_zeros(1, pad, pieces[0].shape[-1]))
@@ -173,6 +189,25 @@ class RaggedMiddle:
         if project is None or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             return h + mlp(normed)
         return h + lin(mlp.down_proj, mlp.act_fn(lin(mlp.gate_proj, normed)) * lin(mlp.up_proj, normed))
+
+
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """Attention of q [b, heads, n, d] over grouped-query k, v [b, kv_heads, ctx, d] -> [b, n, heads, d_v].
+
+    The query heads that share a KV head run as one head of n·(heads/kv_heads) rows against it, as HF's sdpa path
+    does for a single row (pack_gqa), so K/V are never expanded (transformers' repeat_kv copied the whole context
+    heads/kv_heads times per layer per pass). `mask`: [1, 1, n·groups, ctx] additive, each row's mask repeated per
+    query head of a group (RaggedMiddle._group_masks), or None. The sliding window is the mask's part. On this CPU
+    with one thread it also beats SDPA's own enable_gqa=True for pieces of a few rows (measured: 4 rows after 4000
+    positions 0.7 ms against 1.0 ms a layer).
+    """
+    b, heads, n, d = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(b, kv_heads, heads // kv_heads * n, d)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scaling)
+    return out.view(b, heads, n, v.shape[-1]).transpose(1, 2)
 
 
 ROWS_CHUNK = 4

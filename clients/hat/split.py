@@ -22,6 +22,7 @@ exact.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,14 +39,24 @@ class SplitKVCache:
 
     Implements the one method HF attention modules call (`update`), plus the absolute positions of the cached
     tokens (needed for masks) and `crop` for KV rollback. Batch rows share positions.
+
+    Each layer's keys and values live in a buffer [batch, kv_heads, capacity, head_dim] whose first `used` positions
+    are the cache, and `update` returns views of that prefix. The capacity grows geometrically (GROWTH), never past
+    `max_positions` when one is given (the worker's context limit, so its KV reserve holds): appending x positions
+    costs O(x) amortised instead of a copy of the whole context per layer per pass, which made a long-context pass
+    cost several times its rows. Rolling back (crop, restore) only lowers `used`; the memory stays for the next append.
     """
 
     is_compileable = False
+    GROWTH = 1.5
+    MIN_CAPACITY = 64
 
-    def __init__(self, layer_indices: range) -> None:
+    def __init__(self, layer_indices: range, max_positions: int | None = None) -> None:
         self.layer_indices = layer_indices
+        self.max_positions = max_positions
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
+        self._used: dict[int, int] = {}
         self.positions = torch.empty(0, dtype=torch.long)
 
     def update(
@@ -54,13 +65,41 @@ class SplitKVCache:
         """Append this step's keys/values ([batch, kv_heads, new, head_dim]) and return the full cached ones."""
         if layer_idx not in self.layer_indices:
             raise IndexError(f"layer {layer_idx} is not in this cache's range {self.layer_indices}")
-        if layer_idx in self._keys:
-            self._keys[layer_idx] = torch.cat([self._keys[layer_idx], key_states], dim=-2)
-            self._values[layer_idx] = torch.cat([self._values[layer_idx], value_states], dim=-2)
+        used = self._used.get(layer_idx, 0)
+        end = used + key_states.shape[-2]
+        keys, values = self._keys.get(layer_idx), self._values.get(layer_idx)
+        if keys is None or values is None:
+            keys, values = self._alloc(key_states, end), self._alloc(value_states, end)
         else:
-            self._keys[layer_idx] = key_states
-            self._values[layer_idx] = value_states
-        return self._keys[layer_idx], self._values[layer_idx]
+            for new, buf in ((key_states, keys), (value_states, values)):
+                # copy_ would broadcast a one-row append into every row of a forked cache: refuse it as cat did
+                if new.shape[:2] != buf.shape[:2] or new.shape[-1] != buf.shape[-1]:
+                    raise ValueError(f"cannot append {tuple(new.shape)} to a cache of {tuple(buf.shape)}")
+            if end > keys.shape[-2]:
+                keys, values = self._grown(keys, used, end), self._grown(values, used, end)
+        _write(keys[:, :, used:end], key_states)
+        _write(values[:, :, used:end], value_states)
+        # the layer counts as appended only once both writes are done: a failure above leaves it as it was
+        self._keys[layer_idx], self._values[layer_idx], self._used[layer_idx] = keys, values, end
+        return keys[:, :, :end], values[:, :, :end]
+
+    def _capacity(self, needed: int, current: int = 0) -> int:
+        grown = max(needed, int(current * self.GROWTH), self.MIN_CAPACITY)
+        return max(needed, min(grown, self.max_positions)) if self.max_positions is not None else grown
+
+    def _alloc(self, like: torch.Tensor, needed: int, current: int = 0) -> torch.Tensor:
+        b, h, _, d = like.shape
+        return like.new_empty(b, h, self._capacity(needed, current), d)
+
+    def _grown(self, buf: torch.Tensor, used: int, needed: int) -> torch.Tensor:
+        out = self._alloc(buf, needed, buf.shape[-2])
+        _write(out[:, :, :used], buf[:, :, :used])
+        return out
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's cached keys and values ([batch, kv_heads, cached, head_dim] views)."""
+        used = self._used[layer_idx]
+        return self._keys[layer_idx][:, :, :used], self._values[layer_idx][:, :, :used]
 
     def __len__(self) -> int:
         return int(self.positions.numel())
@@ -88,10 +127,12 @@ class SplitKVCache:
         n = len(self)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n or bool((idx[1:] <= idx[:-1]).any())):
             raise ValueError(f"slots to keep must be strictly ascending indices below {n}")
+        kept = {i: tuple(t.index_select(-2, idx.to(t.device)) for t in self.layer(i)) for i in self._keys}
         self.positions = self.positions[idx].clone()
-        for i in list(self._keys):
-            self._keys[i] = self._keys[i].index_select(-2, idx)
-            self._values[i] = self._values[i].index_select(-2, idx)
+        for i, (k, v) in kept.items():
+            _write(self._keys[i][:, :, : k.shape[-2]], k)
+            _write(self._values[i][:, :, : v.shape[-2]], v)
+            self._used[i] = k.shape[-2]
 
     def restore(self, positions: torch.Tensor) -> None:
         """Return to an earlier state given its positions: undoes a partly applied append after a failed forward."""
@@ -101,35 +142,45 @@ class SplitKVCache:
     def fork(self, rows: int, keep: int) -> SplitKVCache:
         """A copy of the first `keep` positions with `rows` identical batch rows (sharing positions): one row per
         candidate continuation, all fed in one batched step."""
-        out = SplitKVCache(self.layer_indices)
-        for i, k in self._keys.items():
-            out._keys[i] = k[:1, :, :keep].expand(rows, -1, -1, -1).contiguous()
-            out._values[i] = self._values[i][:1, :, :keep].expand(rows, -1, -1, -1).contiguous()
+        out = SplitKVCache(self.layer_indices, self.max_positions)
+        for i in self._keys:
+            for mine, theirs in zip(self.layer(i), (out._keys, out._values), strict=True):
+                prefix = mine[:1, :, :keep]
+                buf = theirs[i] = out._alloc(prefix.expand(rows, -1, -1, -1), prefix.shape[-2])
+                _write(buf[:, :, : prefix.shape[-2]], prefix)
+                out._used[i] = prefix.shape[-2]
         out.positions = self.positions[:keep].clone()
         return out
 
     def row(self, row: int) -> SplitKVCache:
         """Batch row `row` of a forked cache, as a one-row cache."""
-        out = SplitKVCache(self.layer_indices)
-        for i, k in self._keys.items():
-            out._keys[i] = k[row : row + 1].contiguous()
-            out._values[i] = self._values[i][row : row + 1].contiguous()
+        out = SplitKVCache(self.layer_indices, self.max_positions)
+        for i in self._keys:
+            out._keys[i] = self._keys[i][row : row + 1].clone()
+            out._values[i] = self._values[i][row : row + 1].clone()
+            out._used[i] = self._used[i]
         out.positions = self.positions.clone()
         return out
 
     def _truncate_layers(self, n: int) -> None:
-        for i in list(self._keys):
-            if self._keys[i].shape[-2] > n:
-                self._keys[i] = self._keys[i][..., :n, :].contiguous()
-                self._values[i] = self._values[i][..., :n, :].contiguous()
+        for i, used in self._used.items():
+            self._used[i] = min(used, n)
 
     def reset(self) -> None:
         self._keys.clear()
         self._values.clear()
+        self._used.clear()
         self.positions = torch.empty(0, dtype=torch.long)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self._keys, self._values) for t in d.values())
+        """Bytes the cached positions take (not the buffers' spare capacity)."""
+        return sum(t.numel() * t.element_size() for i in self._keys for t in self.layer(i))
+
+
+def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
+    # a buffer allocated in a pass under inference_mode is written to outside it too (a token tree's keep)
+    with torch.inference_mode() if dst.is_inference() else contextlib.nullcontext():
+        dst.copy_(src)
 
 
 def _check_supported(model: nn.Module) -> None:
@@ -187,8 +238,8 @@ class LayerStack(nn.Module):
             cfg, model.model.rotary_emb, list(model.model.layers[start:end]), range(start, end), types[start:end]
         )
 
-    def new_cache(self) -> SplitKVCache:
-        return SplitKVCache(self.layer_range)
+    def new_cache(self, max_positions: int | None = None) -> SplitKVCache:
+        return SplitKVCache(self.layer_range, max_positions)
 
     def _positions(self, cache: SplitKVCache, n: int, positions: torch.Tensor | int | None) -> torch.Tensor:
         if positions is None:
@@ -322,8 +373,8 @@ class MiddleSubmodel(nn.Module):
         super().__init__()
         self.stack = LayerStack.from_model(model, m, model.config.num_hidden_layers)
 
-    def new_cache(self) -> SplitKVCache:
-        return self.stack.new_cache()
+    def new_cache(self, max_positions: int | None = None) -> SplitKVCache:
+        return self.stack.new_cache(max_positions)
 
     def forward(
         self,

@@ -228,8 +228,8 @@ def test_device_tree_drafting_keeps_its_caches_consistent(smol) -> None:
     drafter.prefill(chain, [*ids, draft.tokens[2], draft.tokens[4]], 0)
     for got, want in ((st.input_cache, chain.input_cache), (st.adapter_cache, chain.adapter_cache)):
         for layer in got._keys:
-            torch.testing.assert_close(got._keys[layer], want._keys[layer], rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(got._values[layer], want._values[layer], rtol=1e-4, atol=1e-4)
+            for a, b in zip(got.layer(layer), want.layer(layer), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bad", [[-1, 1], [0], [-1, 0, 0, 7]])

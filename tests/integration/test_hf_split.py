@@ -142,7 +142,7 @@ def test_kv_cache_basics() -> None:
     c.positions = torch.arange(5)
     assert len(c) == 5 and c.next_position == 5 and c.nbytes() == 4 * k.numel() * 4
     c.crop(2)
-    assert len(c) == 2 and c._keys[2].shape[-2] == 2
+    assert len(c) == 2 and c.layer(2)[0].shape[-2] == 2
     with pytest.raises(IndexError):
         c.update(k, k, 0)
     c.reset()
