@@ -207,7 +207,7 @@ def grouped_attention(
     kv_heads = k.shape[1]
     grouped = q.reshape(b, kv_heads, heads // kv_heads * n, d)
     out = torch.nn.functional.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scaling)
-    return out.view(b, heads, n, v.shape[-1]).transpose(1, 2)
+    return out.reshape(b, heads, n, v.shape[-1]).transpose(1, 2)
 
 
 ROWS_CHUNK = 4

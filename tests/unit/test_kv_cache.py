@@ -118,6 +118,23 @@ def test_grouped_attention_equals_the_expanded_reference(n: int, ctx: int, maske
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_grouped_attention_takes_a_kernel_output_in_any_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's fused SDPA kernels return [b, kv_heads, rows, d] as a transposed view of [b, rows, kv_heads, d] storage
+    (seen on an H100: the worker's start-up check failed on a `view` of it); the result must not depend on that."""
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 6, 4, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    want = grouped_attention(q, k, v, None, 0.3)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fused_layout(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, the fused kernels' strides
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fused_layout)
+    assert not fused_layout(q.reshape(1, 2, 12, 8), k, v).is_contiguous()
+    torch.testing.assert_close(grouped_attention(q, k, v, None, 0.3), want, rtol=0, atol=0)
+
+
 def test_ragged_forward_matches_the_models_layers_and_the_eager_path(tiny: LlamaForCausalLM) -> None:
     torch.manual_seed(2)
     middle = split_model(tiny, 2).middle
