@@ -42,6 +42,7 @@ class Pending:
     rows: int  # rows it still has to run
     splittable: bool  # whether it may run in pieces over several passes
     context: int = 0  # positions the session's cache holds before these rows: each row attends over them
+    bulk: bool = False  # a flood in progress: the frame is partly run already, or more of the session's wait behind it
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,9 @@ def fair_shares(
     quantum: float,
     min_piece: int = 1,
     cost: RowCost = ROW_COUNT,
+    *,
+    fixed: float = 0.0,
+    slowdown: float | None = None,
 ) -> tuple[list[int], list[float]]:
     """One pass of deficit round robin over `pending` (in round-robin order) with the credits (seconds under `cost`)
     each session kept from earlier passes. Returns the rows each runs in this pass (0: it waits) and the credit each
@@ -99,7 +103,12 @@ def fair_shares(
     splittable frame is at least `min_piece` rows (a smaller pass would be mostly fixed cost) and uses up what it
     costs; a frame whose credit covers neither it whole nor such a piece waits and keeps its credit. A pass is never
     empty: when every frame waits, the one with the most credit runs (whole, or a piece of `min_piece` rows) and keeps
-    what is left of its credit, if anything."""
+    what is left of its credit, if anything.
+
+    slowdown: with other sessions' frames running whole beside bulk ones (`Pending.bulk`), the bulk pieces together
+    add at most (slowdown − 1)× what the pass costs without them (`fixed`, the pass's own cost, plus the whole
+    frames'), shared equally, so another session's round is at most `slowdown` times its usual pass however much a
+    flood has queued (`bound_bulk`)."""
     if not quantum > 0 or min_piece < 1:
         raise ValueError(f"quantum must be > 0 and min_piece >= 1, got {quantum} and {min_piece}")
     if len(pending) != len(credits):
@@ -113,11 +122,49 @@ def fair_shares(
         run = _share(frame, credit, min_piece, cost)
         runs.append(run)
         kept.append(credit if run == 0 else (0.0 if run == frame.rows else credit - cost(run, frame.context)))
+    if slowdown is not None:
+        runs, kept = bound_bulk(pending, credits, runs, kept, quantum, cost, fixed, slowdown)
     if pending and not any(runs):
         first = max(range(len(pending)), key=lambda i: kept[i])
         frame = pending[first]
         runs[first] = min(frame.rows, min_piece) if frame.splittable else frame.rows
         kept[first] = 0.0 if runs[first] == frame.rows else max(0.0, kept[first] - cost(runs[first], frame.context))
+    return runs, kept
+
+
+def bound_bulk(
+    pending: Sequence[Pending],
+    credits: Sequence[float],
+    runs: list[int],
+    kept: list[float],
+    quantum: float,
+    cost: RowCost,
+    fixed: float,
+    slowdown: float,
+) -> tuple[list[int], list[float]]:
+    """Cut the bulk frames' pieces of a pass that also carries other sessions' frames running whole (their rounds), so
+    that together they add at most (slowdown − 1)·(fixed + those frames' cost) to it, an equal allowance each. Bulk
+    frames that may not be cut (token trees) keep their quantum; a frame not bulk but cut (a large first frame) is
+    neither: the quantum bounds it, and from its second piece on it is bulk.
+
+    Why: deficit round robin alone gives a flood a quantum a pass, and the quantum is sized for throughput (four of the
+    pass's fixed costs at the default sub-chunk overhead): another session's round in such a pass took 4-9× its
+    usual time (BENCHMARKS.md, fair share). Bounding by the other frames' own pass ties the flood's share to what it
+    delays. A bulk piece may then be smaller than `min_piece`, or nothing (it runs in the next pass without others);
+    its credit keeps at most a quantum, so what the bound held back is not spent in one piece when the others leave."""
+    if not slowdown > 1 or fixed < 0:
+        raise ValueError(f"slowdown must be > 1 and fixed >= 0, got {slowdown} and {fixed}")
+    whole = [i for i, frame in enumerate(pending) if not frame.bulk and runs[i] == frame.rows]
+    bulk = [i for i, frame in enumerate(pending) if frame.bulk and frame.splittable]
+    if not whole or not bulk:
+        return runs, kept
+    others = fixed + sum(cost(pending[i].rows, pending[i].context) for i in whole)
+    allowance = (slowdown - 1) * others / len(bulk)
+    runs, kept = list(runs), list(kept)
+    for i in bulk:
+        frame, credit = pending[i], credits[i] + quantum
+        runs[i] = cost.rows_within(min(credit, allowance), frame.context, frame.rows)
+        kept[i] = min(credit - cost(runs[i], frame.context), quantum)
     return runs, kept
 
 

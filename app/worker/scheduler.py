@@ -1,22 +1,22 @@
 """Which pending frames share the worker engine's next forward pass: frame collection and planning.
 
-Batching (continuous, "ragged"): every tick the engine thread asks for the next pass, and the scheduler takes the
-next tensor frame of every session that has one pending and chooses which of them (and how many of their rows) run
-together in ONE forward pass. `batching = "greedy"`: all of them, up to max_batch_tokens, whole frames. `batching =
-"planned"` (default): while more than one session is open, each session's share of a pass is bounded by deficit
-round robin in time (policies/fair_share.py): a piece is priced by the fitted τ(x | y) less its fixed cost, so by
-its rows and the context they attend over, and the quantum is what the sub-chunk budget costs after no context
-(`fair_price`; g's slope and budget, rows only, until τ is known). A prefill frame or a chain of drafts costing more
-than the session's credit is cut into consecutive pieces (exact with the KV cache), a token tree runs whole once the
-credit covers it, so one session flooding its backlog with large frames makes no other session's verification round
-wait behind more than a piece, however long the flood's context. The pending pieces are sorted shortest first and
-grouped by policies/worker_batching.plan_groups (least mean completion time under g), and only the first group runs;
-the rest are re-planned next tick with whatever arrived meanwhile. A frame left out `max_defer` passes in a row is
-forced into the next one — so at the default, max_defer = 0, every pending piece is forced into every pass and the
-DP has nothing to choose: the sub-chunks are what a waiting verification round gains (it waits behind one
-sub-chunk's pass). In a staged worker (app/worker/pipeline.py), each prefill frame is first cut at the ends of its
-Jupiter plan (the sequence partition of app/worker/prefill_cost.py over the stages' τ_s) so a lone long prompt keeps
-every stage busy.
+Batching (continuous, "ragged"): every tick the engine thread asks for the next pass, and the scheduler takes the next
+tensor frame of every session that has one pending and chooses which of them (and how many of their rows) run together
+in ONE forward pass. `batching = "greedy"`: all of them, up to max_batch_tokens, whole frames. `batching = "planned"`
+(default): while more than one session is open, each session's share of a pass is bounded by deficit round robin in time
+(policies/fair_share.py): a piece is priced by the fitted τ(x | y) less its fixed cost, so by its rows and the context
+they attend over, and the quantum is what the sub-chunk budget costs after no context (`fair_price`; g's slope and
+budget, rows only, until τ is known). A prefill frame or a chain of drafts costing more than the session's credit is cut
+into consecutive pieces (exact with the KV cache), a token tree runs whole once the credit covers it, so one session
+flooding its backlog with large frames makes no other session's verification round wait behind more than a piece,
+however long the flood's context; in a pass that also carries frames running whole, the bulk pieces add at most
+(fair_slowdown − 1)× what the pass costs without them. The pending pieces are sorted shortest first and grouped by
+policies/worker_batching.plan_groups (least mean completion time under g), and only the first group runs; the rest are
+re-planned next tick with whatever arrived meanwhile. A frame left out `max_defer` passes in a row is forced into the
+next one — so at the default, max_defer = 0, every pending piece is forced into every pass and the DP has nothing to
+choose: the sub-chunks are what a waiting verification round gains (it waits behind one sub-chunk's pass). In a staged
+worker (app/worker/pipeline.py), each prefill frame is first cut at the ends of its Jupiter plan (the sequence partition
+of app/worker/prefill_cost.py over the stages' τ_s) so a lone long prompt keeps every stage busy.
 
 On the way to a session's next tensor frame, the control frames queued before it (ROLLBACK, TREE, KEEP) are handed
 to the engine to apply, and a tensor frame whose positions do not follow the session's cache, or that breaks its
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from app.worker.sessions import EngineError, Item, Session, check_positions
 from app.worker.settings import EngineLimits
@@ -135,7 +135,7 @@ class Scheduler:
         # would pay their passes' fixed cost (up to `subchunk_overhead` of its TTFT).
         credits: dict[bytes, float] = {}  # what each session keeps of its fair share if its piece runs now
         if sessions > 1:
-            pieces = self._fair(pieces, budget, slope, tau, credits)
+            pieces = self._fair(pieces, budget, slope, intercept, tau, credits)
         if not pieces:
             return []
         forced = [i for i, (item, _) in enumerate(pieces) if item.deferred >= limits.max_defer]
@@ -164,22 +164,38 @@ class Scheduler:
         return batch
 
     def _fair(
-        self, pieces: list[Piece], budget: int, slope: float, tau: ChunkCost | None, credits: dict[bytes, float]
+        self,
+        pieces: list[Piece],
+        budget: int,
+        slope: float,
+        intercept: float,
+        tau: ChunkCost | None,
+        credits: dict[bytes, float],
     ) -> list[Piece]:
         """Deficit round robin over the sessions (policies/fair_share.py): what each session's credit covers of its
         piece, priced in seconds by the rows and the context they attend over; a prefill chunk or a chain of drafts
         may run in pieces, a token tree only whole. A session's credit changes only when its piece runs (the planner
         may defer it): the credit it would keep goes into `credits`; one whose frame waits for more credit keeps what
         it earned."""
-        priced = fair_price(budget, slope, tau, self.limits)
-        if priced is None:  # nothing to price by yet: the least pieces, and no credit kept in a unit to come
+        price = fair_price(budget, slope, intercept, tau, self.limits)
+        if price is None:  # nothing to price by yet: the least pieces, and no credit kept in a unit to come
             self.stats.fair_quantum = 0.0
             return [(item, min(rows, MIN_SUBCHUNK) if _splittable(item) else rows) for item, rows in pieces]
-        cost, quantum = priced
-        self.stats.fair_quantum = quantum
-        pending = [Pending(rows, _splittable(item), len(item.session.cache)) for item, rows in pieces]
+        self.stats.fair_quantum = price.quantum
+        pending = [
+            Pending(rows, _splittable(item), len(item.session.cache), item.done > 0 or _backlog(item.session))
+            for item, rows in pieces
+        ]
         credits_now = [item.session.credit for item, _ in pieces]
-        runs, kept = fair_shares(pending, credits_now, quantum, MIN_SUBCHUNK, cost)
+        runs, kept = fair_shares(
+            pending,
+            credits_now,
+            price.quantum,
+            MIN_SUBCHUNK,
+            price.cost,
+            fixed=price.fixed,
+            slowdown=self.limits.fair_slowdown,
+        )
         fair: list[Piece] = []
         for (item, _), run, credit in zip(pieces, runs, kept, strict=True):
             if run:
@@ -260,30 +276,43 @@ class Scheduler:
                 self._ready.move_to_end(item.session.id)
 
 
-def fair_price(budget: int, slope: float, tau: ChunkCost | None, limits: EngineLimits) -> tuple[RowCost, float] | None:
-    """The fair share's cost model and quantum (seconds of work each session may add to a pass), or None with
-    nothing to price by.
+class FairPrice(NamedTuple):
+    """What the fair share prices a pass with: a piece's cost beside others, the quantum a session earns a pass, and
+    the pass's own fixed cost (what it costs with no rows: the bound on bulk pieces is relative to it)."""
 
-    With τ known: a piece is priced by τ(x | y) less its fixed cost, and the quantum is what the sub-chunk budget
+    cost: RowCost
+    quantum: float
+    fixed: float
+
+
+def fair_price(
+    budget: int, slope: float, intercept: float, tau: ChunkCost | None, limits: EngineLimits
+) -> FairPrice | None:
+    """The fair share's cost model, quantum (seconds of work each session may add to a pass) and fixed cost, or None
+    with nothing to price by.
+
+    With τ known: a piece is priced by τ(x | y) less its fixed cost a, and the quantum is what the sub-chunk budget
     computed on τ's own fixed cost and per-row cost costs after no context, a·(1 − ε) / ε (a short-context piece gets
     the rows it always got, one late in a long context what the same time buys: fewer), within what 16 rows and
     max_batch_tokens rows cost. Not on g: g has no context term, so a
     long-context flood inflates its slope and drives its intercept below 0 (measured in `bench fair-share`: the
-    budget fell to its 16-row floor), which would shrink everyone's quantum. Before τ is known: g's slope per row
-    and g's budget (rows, no context term). With neither (g's slope not positive: it has seen passes of one size
-    only, e.g. a session's rounds, and measured: a slightly negative slope), None: the scheduler then runs the least
-    pieces rather than a whole-frame quantum of max_batch_tokens (which let a flood's first 1 MiB draft run whole,
-    1.5 s, beside a 0.07 s round)."""
+    budget fell to its 16-row floor), which would shrink everyone's quantum. Before τ is known: g's slope per row,
+    g's budget (rows, no context term) and g's intercept (0 if below). With neither (g's slope not positive: it has
+    seen passes of one size only, e.g. a session's rounds, and measured: a slightly negative slope), None: the
+    scheduler then runs the least pieces rather than a whole-frame quantum of max_batch_tokens (which let a flood's
+    first 1 MiB draft run whole, 1.5 s, beside a 0.07 s round)."""
     if tau is not None and tau.b > 0:
         cost = RowCost(tau.b, tau.c, tau.d)
         # b·X for the budget X = a·(1 − ε) / (ε·b): the fixed cost's multiple itself, so a small fitted b (a loaded
         # host's noise) cannot blow the budget up to max_batch_tokens, whose x² term alone made a 20 s quantum
         overhead = limits.subchunk_overhead
         quantum = tau.a * (1 - overhead) / overhead
-        return cost, min(max(quantum, cost(MIN_SUBCHUNK, 0)), cost(limits.max_batch_tokens, 0))
+        return FairPrice(
+            cost, min(max(quantum, cost(MIN_SUBCHUNK, 0)), cost(limits.max_batch_tokens, 0)), max(tau.a, 0)
+        )
     if slope > 0:
         cost = RowCost(slope)
-        return cost, cost(budget, 0)
+        return FairPrice(cost, cost(budget, 0), max(intercept, 0.0))
     return None
 
 
@@ -296,6 +325,11 @@ def _tensor_frames(session: Session, most: int) -> list[Item]:
             if len(frames) == most:
                 break
     return frames
+
+
+def _backlog(session: Session) -> bool:
+    """More than one tensor frame of the session is queued: a flood, or a prompt's chunks sent at once."""
+    return len(_tensor_frames(session, 2)) > 1
 
 
 def has_tensor_frame(session: Session) -> bool:

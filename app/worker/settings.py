@@ -55,6 +55,12 @@ class EngineLimits(BaseModel):
     # nothing and the sub-chunks are the whole effect; 1 lets the DP run short rounds first, which left the
     # prefiller's TTFT at 1.58× greedy's against 1.18× (BENCHMARKS.md, worker batching).
     max_defer: Annotated[int, Field(ge=0)] = 0
+    # planned, several sessions: pieces of bulk frames (a flood's drafts, a long prefill the fair share cuts) make a
+    # pass they share with frames running whole (other sessions' rounds) at most this many times what it costs
+    # without them.
+    # None: only the fair quantum bounds them (four fixed costs at the default subchunk_overhead: rounds 4-9× their
+    # usual time during a flood). The price: a prefill beside decoding sessions gets about half the worker.
+    fair_slowdown: Annotated[float, Field(gt=1)] | None = 2.0
     # A STATUS frame (mu, g) goes with a VERIFY_RESULT when mu, or g's prediction for that round, moved by more than
     # this share since the session was last told (OPEN or an earlier STATUS). 0: with every change.
     status_tolerance: Annotated[float, Field(ge=0)] = 0.1

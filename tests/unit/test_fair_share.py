@@ -161,3 +161,45 @@ def test_a_flood_only_pass_is_held_for_a_session_answered_a_moment_ago_until_it_
     # never past the cap after the reply: a slow device is not waited for longer than a flood piece takes
     assert anticipation([(0.05, 1.0)], cap=0.3) == pytest.approx(0.25)
     assert anticipation([(0.3, 1.0)], cap=0.3) == 0.0
+
+
+def test_bound_bulk_gives_the_bulk_frames_what_the_others_pass_costs_shared_equally() -> None:
+    """Beside a 3-row round (3 ms) in a pass of fixed cost 50 ms, two floods share (2 − 1)·53 ms: 26.5 ms each, 26
+    rows at 1 ms a row; the quantum (96 rows) would have given each 96."""
+    cost = RowCost(per_row=1e-3)
+    pending = [Pending(455, True, bulk=True), Pending(3, True), Pending(455, True, bulk=True)]
+    assert fair_shares(pending, [0.0] * 3, quantum=0.096, cost=cost)[0] == [91, 3, 91]
+    runs, kept = fair_shares(pending, [0.0] * 3, quantum=0.096, cost=cost, fixed=0.05, slowdown=2.0)
+    assert runs == [26, 3, 26]
+    assert kept == pytest.approx([0.07, 0.0, 0.07])  # credit less the piece, never above a quantum
+    shared = 0.05 + cost(3, 0) + 2 * cost(26, 0)
+    assert shared <= 2 * (0.05 + cost(3, 0)) < shared + 2 * cost(1, 0)
+
+
+def test_bound_bulk_leaves_a_pass_without_other_frames_and_frames_that_are_not_bulk_to_the_quantum() -> None:
+    cost = RowCost(per_row=1e-3)
+    alone = fair_shares([Pending(455, True, bulk=True)], [0.0], quantum=0.096, cost=cost, fixed=0.05, slowdown=2.0)
+    assert alone == ([91], [0.096 - cost(91, 0)])
+    # a large first frame (not bulk: nothing behind it, nothing run yet) is cut by the quantum alone, and is not a
+    # round the bulk frames are bounded by
+    first = [Pending(455, True), Pending(455, True, bulk=True)]
+    assert fair_shares(first, [0.0, 0.0], quantum=0.096, cost=cost, fixed=0.05, slowdown=2.0)[0] == [91, 91]
+    # a bulk token tree may not be cut: its quantum and credit decide, as without the bound
+    tree = [Pending(150, False, bulk=True), Pending(3, True)]
+    assert fair_shares(tree, [0.1, 0.0], quantum=0.096, cost=cost, fixed=0.05, slowdown=2.0)[0] == [150, 3]
+
+
+def test_bound_bulk_late_in_a_long_context_a_flood_may_wait_for_a_pass_without_the_others() -> None:
+    """5 ms a row after 4000 positions and an allowance of 4 ms: not one row fits, so the flood waits beside the
+    round (keeping at most a quantum of credit) and runs its quantum's worth in a pass of its own."""
+    cost = RowCost(per_row=1e-3, per_context=1e-6)
+    pending = [Pending(455, True, context=4000, bulk=True), Pending(3, True)]
+    runs, kept = fair_shares(pending, [0.0, 0.0], quantum=0.096, cost=cost, fixed=0.001, slowdown=2.0)
+    assert runs == [0, 3] and kept == [0.096, 0.0]
+    runs, _ = fair_shares(pending[:1], kept[:1], quantum=0.096, cost=cost, fixed=0.001, slowdown=2.0)
+    assert runs == [38]  # 0.192 s of credit at 5 ms a row
+
+
+def test_bound_bulk_refuses_a_slowdown_that_bounds_nothing() -> None:
+    with pytest.raises(ValueError, match="slowdown"):
+        fair_shares([Pending(3, True), Pending(9, True, bulk=True)], [0.0, 0.0], quantum=8, fixed=1.0, slowdown=1.0)

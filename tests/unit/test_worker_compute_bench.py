@@ -69,6 +69,7 @@ def _run(name: str, ms: dict[int, float], tau: dict[str, float]) -> dict:
 HAT = {
     "setup": {"link_parsed": {"latency": 0.01, "up_bandwidth": 7.5e6}},
     "components": {
+        "worker_ms": {"middle_1_tokens": 170.0, "middle_2_tokens": 170.0, "middle_4_tokens": 170.0},
         "token_bytes": 3584,
         "link_ms": {"1_tokens": {"download": 10.0}},
         "device_ms": {"lm_head_1_rows": 40.0},
@@ -92,9 +93,9 @@ def test_rows_ms_interpolates_at_the_nearest_measured_context() -> None:
 
 
 def test_tbt_projection_swaps_only_the_workers_pass_for_the_rounds_rows() -> None:
-    cpu = _run("cpu", {1: 170.0, 2: 170.0, 4: 170.0}, {})
+    """Out: the pass the hat run's own components measured for the round's rows; in: the other worker's."""
     gpu = _run("gpu", {1: 10.0, 2: 12.0, 4: 14.0}, {})
-    rows = {r["method"]: r for r in wc.project_tbt(HAT, cpu, gpu, context=128)}
+    rows = {r["method"]: r for r in wc.project_tbt(HAT, gpu, context=128)}
     assert set(rows) == {"U-shape", "SD"}
     assert rows["U-shape"]["model_tbt_ms_cpu_worker"] == 250.0
     assert rows["U-shape"]["model_tbt_ms_other_worker"] == pytest.approx(250 - 170 + 10)

@@ -135,7 +135,7 @@ def test_planned_with_max_defer_0_puts_every_sessions_next_piece_in_every_pass()
     """What the default does (docs/hat.md, "Batching on the worker"): no piece is ever left out, the shortest-first DP
     reorders nothing (it does with max_defer 1: the test above), and the prefill's sub-chunks are the whole effect."""
     assert EngineLimits().max_defer == 0 and EngineLimits().batching == "planned"
-    s = Script(batching="planned")  # the default: max_defer 0
+    s = Script(batching="planned", fair_slowdown=None)  # the default's max_defer 0; the quantum alone cuts pieces
     s.session("verifier", cached=20)
     s.session("prefiller")
     s.send("prefiller", Kind.PREFILL_CHUNK, 200)
@@ -264,8 +264,9 @@ def _error(fn) -> EngineError:
 def test_a_session_flooding_its_backlog_gets_its_fair_share_of_each_pass_and_no_more() -> None:
     """Forty 455-row drafts (1 MiB each at SmolLM2's width) sent at once by one session, beside another's 3-row
     rounds: every pass carries at most the quantum (96 rows) of the flood, so the other's round never waits behind
-    more than a piece of it (the engine replies to a draft run in pieces once, with all its rows: test_hat.py)."""
-    s = Script(batching="planned")
+    more than a piece of it (the engine replies to a draft run in pieces once, with all its rows: test_hat.py). The
+    quantum alone here (fair_slowdown off); the default bounds the flood more tightly: the test below."""
+    s = Script(batching="planned", fair_slowdown=None)
     s.session("victim", cached=20)
     s.session("flood")
     for _ in range(40):
@@ -277,6 +278,30 @@ def test_a_session_flooding_its_backlog_gets_its_fair_share_of_each_pass_and_no_
         assert pass_["victim"] == 3 and pass_["flood"] <= 96, pass_
         flooded += pass_["flood"]
     assert flooded >= 12 * 91  # and the flood is not starved: it gets its share of every pass
+
+
+def test_by_default_a_flood_makes_the_other_sessions_pass_at_most_twice_its_own() -> None:
+    """The default fair_slowdown (2): beside the victim's 3-row round, a flood 3000 positions into its context runs
+    what (2 − 1)·(a + the round's cost) buys, priced by τ, in every pass; so the victim's pass costs at most twice
+    what it costs alone, and the flood still runs in every pass (not starved)."""
+    assert EngineLimits().fair_slowdown == 2.0
+    tau = ChunkCost(0.048, 0.002, 2e-6, 0.0)
+    s = Script(batching="planned")
+    s.session("victim", cached=20)
+    s.session("flood", cached=3000)
+    for _ in range(3):
+        s.send("flood", Kind.DRAFT, 455)
+    alone = tau(3, 20)
+    for _ in range(12):
+        s.send("victim", Kind.DRAFT, 3)
+        context = len(s.sessions["flood"].cache)
+        pass_ = dict(s.next_pass(tau))
+        assert pass_["victim"] == 3 and pass_["flood"] >= 1, pass_
+        shared = alone + pass_["flood"] * (0.002 + 2e-6 * context)
+        assert shared <= 2 * alone + 1e-9 < shared + (0.002 + 2e-6 * context)  # the most rows within the bound
+        assert s.sessions["flood"].credit <= s.stats.fair_quantum  # what the bound held back is not banked
+    s.send("flood", Kind.DRAFT, 455)
+    assert dict(s.next_pass(tau))["flood"] > 16  # alone again: its quantum, not the bound
 
 
 def test_a_token_tree_larger_than_the_quantum_waits_for_its_credit_then_runs_whole() -> None:
@@ -296,9 +321,9 @@ def test_a_long_context_flood_gets_its_share_of_each_pass_in_time_not_rows() -> 
     """With τ known (τ(x | y) = 0.048 + 0.002·x + 2e-6·x·y s), the quantum is what the sub-chunk budget's 96 rows
     cost after no context (0.192 s) and a piece is priced by the context it attends over: the flood, 3000 positions
     in, runs ~21 rows a pass (9 ms each), not 96, so the pass beside the other session's round costs what a
-    96-row piece after no context does, not 4× that."""
+    96-row piece after no context does, not 4× that. The quantum alone (fair_slowdown off)."""
     tau = ChunkCost(0.048, 0.002, 2e-6, 0.0)
-    s = Script(batching="planned")
+    s = Script(batching="planned", fair_slowdown=None)
     s.session("victim", cached=20)
     s.session("flood", cached=3000)
     for _ in range(2):
@@ -321,7 +346,7 @@ def test_a_long_context_flood_gets_its_share_of_each_pass_in_time_not_rows() -> 
 def test_only_bulk_when_every_session_with_a_tensor_frame_queued_is_a_flood_in_progress() -> None:
     """What the engine holds a pass for a returning session on (policies/fair_share.anticipation): a pass of only a
     flood's pieces; a session's single next round, or a first frame not yet cut, is not bulk."""
-    s = Script(batching="planned")
+    s = Script(batching="planned", fair_slowdown=None)
     s.session("victim", cached=20)
     s.session("flood")
     assert not s.scheduler.only_bulk()  # nothing queued
@@ -343,14 +368,15 @@ def test_the_fair_quantum_comes_from_tau_not_from_a_g_that_a_long_context_flood_
     budget's cost: 0.048·0.8 / (0.2·0.002) = 96 rows, 0.192 s."""
     limits = EngineLimits()
     tau = ChunkCost(0.048, 0.002, 2e-6, 0.0)
-    cost, quantum = fair_price(16, 0.02, tau, limits)  # g's budget floored at 16 rows by a distorted g
-    assert cost == RowCost(0.002, 2e-6, 0.0) and quantum == pytest.approx(0.192)
-    cost, quantum = fair_price(96, SLOPE, None, limits)  # before τ: g's slope per row, no context term
-    assert cost == RowCost(SLOPE) and quantum == pytest.approx(SLOPE * 96)
-    assert fair_price(4096, -1e-4, None, limits) is None  # nothing to price by: see the test below
+    price = fair_price(16, 0.02, -0.3, tau, limits)  # g's budget floored at 16 rows by a distorted g
+    assert price.cost == RowCost(0.002, 2e-6, 0.0) and price.quantum == pytest.approx(0.192) and price.fixed == 0.048
+    price = fair_price(96, SLOPE, INTERCEPT, None, limits)  # before τ: g's slope per row, no context term
+    assert price.cost == RowCost(SLOPE) and price.quantum == pytest.approx(SLOPE * 96) and price.fixed == INTERCEPT
+    assert fair_price(96, SLOPE, -0.01, None, limits).fixed == 0.0  # a fixed cost below 0 is g's noise
+    assert fair_price(4096, -1e-4, INTERCEPT, None, limits) is None  # nothing to price by: see the test below
     # a loaded host's fit with a tiny per-row cost: still four fixed costs, not max_batch_tokens rows' x² term
-    cost, quantum = fair_price(16, 0.02, ChunkCost(0.08, 1e-7, 2e-6, 1e-6), limits)
-    assert quantum == pytest.approx(0.32)
+    price = fair_price(16, 0.02, 0.0, ChunkCost(0.08, 1e-7, 2e-6, 1e-6), limits)
+    assert price.quantum == pytest.approx(0.32)
 
 
 def test_with_nothing_to_price_by_a_flood_runs_in_the_least_pieces_not_whole() -> None:

@@ -37,7 +37,13 @@ def run_mode(middle, batching: str, args: argparse.Namespace) -> dict[str, float
 
     engine = Engine(
         middle,
-        EngineLimits(max_sessions=8, batching=batching, subchunk_overhead=args.overhead, max_defer=args.max_defer),
+        EngineLimits(
+            max_sessions=8,
+            batching=batching,
+            subchunk_overhead=args.overhead,
+            max_defer=args.max_defer,
+            fair_slowdown=args.fair_slowdown or None,
+        ),
         model_name=args.model,
     )
     engine.start()
@@ -144,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         help="planned: the worker's subchunk_overhead ε",
     )
     p.add_argument("--max-defer", type=int, default=knobs["max_defer"].default, help="planned: the worker's max_defer")
+    p.add_argument("--fair-slowdown", type=float, default=knobs["fair_slowdown"].default,
+                   help="planned: the worker's fair_slowdown (0: off)")  # fmt: skip
     p.add_argument("--decode-only", type=float, default=0.0, help="seconds of decoders alone (throughput); 0 = off")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
@@ -203,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{pl['ttft_p50'] / g['ttft_p50']:.2f}× | ≤ 1.3× |",
         f"| rounds measured | {g['rounds']} | {pl['rounds']} | | |",
         "",
-        f"Planned (subchunk_overhead {args.overhead}, max_defer {args.max_defer}): "
+        f"Planned (subchunk_overhead {args.overhead}, max_defer {args.max_defer}, fair_slowdown "
+        f"{args.fair_slowdown or 'off'}): "
         f"sub-chunk budget from g {pl['budget']} tokens, "
         f"{pl['split']} frames split into "
         f"{pl['subchunks']} sub-chunks, {pl['deferred']} deferrals.",

@@ -16,12 +16,12 @@ Measured (`measure`):
 - with --device-half (on the CPU the device half runs on): the same τ profile of the input submodel (the first m
   layers), which Table 5's chunked prefill pipelines against the upload and the worker.
 
-`--project DEVICE_JSON WORKER_JSON --hat HAT_JSON`: Tables 4 and 5 with the worker's compute swapped. TBT: each
-method's measured rounds (HAT_JSON's table4 stats: ms per round, drafted per round, accept length) with the CPU
-worker's pass for that round's rows replaced by WORKER_JSON's. TTFT: the device -> link -> worker flow-shop
-(policies.sequence_partition.compare_device_prefill) for one frame, HAT's Eq. 3 chunks and the planned chunks, with the
-device's τ and each worker's τ, plus the reply's tail (download one token, LM head one row) from HAT_JSON. The same
-model on the CPU worker is printed beside the measured Table 5, so the model's error is in view.
+`--project DEVICE_JSON WORKER_JSON --hat HAT_JSON`: Tables 4 and 5 with the worker's compute swapped. TBT: each method's
+measured rounds (HAT_JSON's table4 stats: ms per round, drafted per round, accept length) with the worker's pass for
+that round's rows as the same run measured it (HAT_JSON's components) replaced by WORKER_JSON's. TTFT: the device ->
+link -> worker flow-shop (policies.sequence_partition.compare_device_prefill) for one frame, HAT's Eq. 3 chunks and the
+planned chunks, with the device's τ and each worker's τ, plus the reply's tail (download one token, LM head one row)
+from HAT_JSON. The same model on the CPU worker is printed beside the measured Table 5, so the model's error is in view.
 """
 
 from __future__ import annotations
@@ -222,15 +222,25 @@ def rows_ms(run: dict[str, Any], rows: float, context: int) -> float:
     raise ValueError(f"{rows} rows is outside the measured rows {[r for r, _ in grid]}")
 
 
-def project_tbt(hat: dict[str, Any], cpu: dict[str, Any], other: dict[str, Any], context: int) -> list[dict]:
-    """Table 4's methods with the worker's pass for each round's rows swapped from `cpu`'s to `other`'s."""
+def components_run(hat: dict[str, Any]) -> dict[str, Any]:
+    """The worker's pass times a `bench hat` run measured beside its rounds (components: a fresh session, so context
+    0), in this module's `middle_ms` form: what its rounds' worker time was, on that machine that hour."""
+    worker = hat["components"]["worker_ms"]
+    rows = {key.split("_")[1]: ms for key, ms in worker.items() if key.startswith("middle_")}
+    return {"middle_ms": {"0": rows}}
+
+
+def project_tbt(hat: dict[str, Any], other: dict[str, Any], context: int) -> list[dict]:
+    """Table 4's methods with the worker's pass for each round's rows swapped: the pass `hat`'s own run measured
+    (its components) out, `other`'s at `context` in."""
+    cpu = components_run(hat)
     out = []
     for method, row in hat["table4"].items():
         if not isinstance(row, dict) or "stats" not in row:
             continue
         stats = row["stats"]
         rows = 1 + stats["drafted_per_round"]
-        swapped = stats["ms_per_round"] - rows_ms(cpu, rows, context) + rows_ms(other, rows, context)
+        swapped = stats["ms_per_round"] - rows_ms(cpu, rows, 0) + rows_ms(other, rows, context)
         out.append({
             "method": method, "rows_per_round": round(rows, 2), "accept_length": round(stats["accept_length"], 3),
             "measured_tbt_ms": round(row["tbt_ms_median"], 1),
@@ -282,7 +292,7 @@ def project(args: argparse.Namespace) -> dict[str, Any]:
             if variant == "PC" and (n, "U-shape") in ttft:
                 measured[str(n)] = round(ms / ttft[n, "U-shape"], 3)
     return {
-        "tbt": project_tbt(hat, device, worker, args.tbt_context),
+        "tbt": project_tbt(hat, worker, args.tbt_context),
         "ttft": project_ttft(hat, device, {"cpu": device, "other": worker}, args.lengths),
         "measured_table5": measured,
         "workers": {"cpu": device["setup"], "other": worker["setup"]},
