@@ -58,9 +58,9 @@ class EngineLimits(BaseModel):
     # planned, several sessions: pieces of bulk frames (a flood's drafts, a long prefill the fair share cuts) make a
     # pass they share with frames running whole (other sessions' rounds) at most this many times what it costs
     # without them. None (or a large value, 1000): only the fair quantum bounds them, four fixed costs at the default
-    # subchunk_overhead (a flood's rounds 1.5-5.4× their usual time at the median, 9-16× at worst, against 1.1-1.4× and
-    # 2.1-2.2× bounded). The price shows on a GPU worker, whose passes cost about the same whatever their rows: a
-    # prompt beside decoders took 1.64× greedy's TTFT bounded, 1.08× not (one run; BENCHMARKS.md, fair share).
+    # subchunk_overhead (a flood's rounds 1.5-5.4× their usual time at the median, 9-16× at worst, against 1.0-1.6× and
+    # 2.1-10× bounded). A prompt beside decoding sessions may take more passes; measured, its TTFT moved no more than
+    # the runs' spread, on a CPU worker or an H100 (BENCHMARKS.md, fair share).
     fair_slowdown: Annotated[float, Field(gt=1)] | None = 2.0
     # A STATUS frame (mu, g) goes with a VERIFY_RESULT when mu, or g's prediction for that round, moved by more than
     # this share since the session was last told (OPEN or an earlier STATUS). 0: with every change.
