@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Batch invariance (bit-identical rows) holds with one intra-op thread; with more, BLAS may split rows. A module
+    that compares rows bit for bit marks itself `pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

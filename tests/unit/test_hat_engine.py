@@ -22,13 +22,7 @@ from clients.hat.split import split_model
 H = 32  # the hidden size of conftest's `tiny` model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Batch invariance (bit-identical rows) holds with one intra-op thread; with more, BLAS may split rows."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 Kind = wire.Kind

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,12 +16,7 @@ from clients.hat.split import SplitKVCache, split_model
 H = 32  # the hidden size of conftest's `tiny` model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def append(cache: SplitKVCache, n: int, layers: range, batch: int = 1) -> list[torch.Tensor]:

@@ -49,7 +49,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,7 +66,7 @@ from app.tools.bench.hat_sections import (
 )
 from app.tools.bench.hat_setup import TABLE5, U_SHAPE, Bench, RawDevice, add_bench_options
 from app.tools.bench.hat_spec import defaults, eq7, report_defaults, report_eq7, report_widths, widths
-from app.tools.bench.output import cpu_name
+from app.tools.bench.output import cpu_name, write_json
 
 
 def report(results: dict[str, Any]) -> str:
@@ -249,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in results.get("table5", []):
         row.pop("ids", None)
     print(report(results))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    write_json(results, args.out)
     return 0
 
 

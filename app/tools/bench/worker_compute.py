@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from app.tools.bench.output import cpu_name
+from app.tools.bench.output import cpu_name, write_json
 
 Points = list[tuple[int, int, float]]
 
@@ -380,9 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     results = project(args) if args.project else measure(args)
     print(report_project(results) if args.project else report_measure(results))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    write_json(results, args.out)
     return 0
 
 
