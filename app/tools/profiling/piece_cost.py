@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,46 +29,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from app.tools.bench.worker_compute import StackBench
     from app.worker.prefill_cost import fit_stage_costs
-    from clients.hat.ragged import RaggedMiddle
-    from clients.hat.split import SplitKVCache, split_model
+    from clients.hat.split import split_model
     from clients.hf_model import load_hf_model
     from deploy.models import model_path
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _ = load_hf_model(model_path(args.model))
-    middle = split_model(model, args.m).middle
-    ragged = RaggedMiddle(middle.stack)
-    hidden = int(model.config.hidden_size)
-    gen = torch.Generator().manual_seed(0)
-
-    def session(y: int) -> SplitKVCache:
-        cache = middle.new_cache()
-        for s in range(0, y, 512):  # appended in pieces, as a flood or a chunked prefill fills it
-            ragged.forward([(torch.randn(min(512, y - s), hidden, generator=gen), cache)])
-        return cache
-
-    points = []
+    bench = StackBench(split_model(model, args.m).middle.stack, int(model.config.hidden_size), 4, seed=0)
     with torch.inference_mode():
-        for y in args.contexts:
-            cache = session(y)
-            for x in args.rows:
-                piece, best = torch.randn(x, hidden, generator=gen), float("inf")
-                for _ in range(args.reps):
-                    t0 = time.perf_counter()
-                    ragged.forward([(piece, cache)])
-                    best = min(best, time.perf_counter() - t0)
-                    cache.crop(y)
-                points.append((x, y, best))
+        points = bench.tau_points(args.rows, args.contexts, args.reps)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
-            cache, piece = session(args.contexts[-1]), torch.randn(16, hidden, generator=gen)
+            cache = bench.session(args.contexts[-1])
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(args.reps):
-                    ragged.forward([(piece, cache)])
-                    cache.crop(args.contexts[-1])
+                bench.piece(cache, 16, args.reps)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     fit = fit_stage_costs([(x, y, [t]) for x, y, t in points if x >= 16], 1)
     tau = fit[0] if fit else None
