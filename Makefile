@@ -28,9 +28,17 @@ $(BIN)/python:
 # environment says (PYTHONDONTWRITEBYTECODE=1 would recompile them in every process the suite starts).
 $(SERVE_STAMP): EXTRAS :=
 $(DEV_STAMP): EXTRAS := [dev]
-$(SERVE_STAMP) $(DEV_STAMP): $(BIN)/python pyproject.toml deploy/constraints.txt
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --no-compile --progress-bar on \
+# llama-cpp-python compiles llama.cpp for this CPU (GGML_NATIVE), less what the CPU advertises and cannot run
+# (deploy/cpu_features.py: AMX on some virtual machines kills every process on its first matrix product). pip reuses
+# a wheel it cached from an older build whatever CMAKE_ARGS say, so a wheel with AMX compiled in that this machine
+# cannot run is dropped from pip's cache and built again (once: the new wheel is cached).
+LLAMA_CMAKE = -DLLAVA_BUILD=OFF $(shell $(PYTHON) -m deploy.cpu_features cmake-args)
+$(SERVE_STAMP) $(DEV_STAMP): $(BIN)/python pyproject.toml deploy/constraints.txt deploy/cpu_features.py
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/python -m pip install --no-compile --progress-bar on \
 		-c deploy/constraints.txt -e ".$(EXTRAS)"
+	$(BIN)/python -m deploy.cpu_features check-llama || { $(BIN)/python -m pip cache remove llama_cpp_python || true; \
+		CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/python -m pip install --no-compile --force-reinstall --no-deps \
+		-c deploy/constraints.txt llama-cpp-python && $(BIN)/python -m deploy.cpu_features check-llama; }
 	touch $@ $(SERVE_STAMP)
 
 RUN_PY := env -u PYTHONDONTWRITEBYTECODE

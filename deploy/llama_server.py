@@ -5,8 +5,9 @@ tokenizer, the server most users would pick). No binary is downloaded: the set-u
 llama-cpp-python sdist from PyPI with pip (MIT; its `vendor/llama.cpp` is llama.cpp at the commit the Python
 package was built from), verifies its sha256 against the table below, and builds only the server target
 (Release, no examples, tests, web UI or network features). The binary is cached outside the repository, like the
-models, in a folder whose name carries the version and a hash of the build flags, so a changed flag builds a new
-one and clones share it.
+models, in a folder whose name carries the version and a hash of the build flags (and, for a linked build, of the
+libraries it links), so a changed flag or a rebuilt package builds a new one and clones share it. Like the package,
+it is built for this CPU less what the CPU advertises and cannot run (deploy/cpu_features.py).
 
 The cold set-up has minutes, not tens of minutes, to spare: when the installed llama-cpp-python is the pinned
 version (the set-up installs it first), the server links the libllama and libggml that package already built from
@@ -33,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from deploy.cpu_features import llama_cmake_args
 from deploy.models import sha256_of
 
 _CONSTRAINTS = Path(__file__).with_name("constraints.txt")
@@ -90,17 +92,29 @@ def bin_dir() -> Path:
     return Path(root)
 
 
-def _folder(version: str, flags: tuple[str, ...]) -> Path:
-    return bin_dir() / f"llama-server-{version}-{hashlib.sha256(' '.join(flags).encode()).hexdigest()[:12]}"
+def _folder(version: str, identity: tuple[str, ...]) -> Path:
+    return bin_dir() / f"llama-server-{version}-{hashlib.sha256(' '.join(identity).encode()).hexdigest()[:12]}"
+
+
+def _whole_flags() -> tuple[str, ...]:
+    return (*CMAKE_FLAGS, *llama_cmake_args())
+
+
+def _linked_identity(libraries: Path) -> tuple[str, ...]:
+    """A linked build's flags and the bytes of the libraries it copies: a package rebuilt with other flags (the
+    same version) gets a server of its own."""
+    return (*LINKED_FLAGS, *(sha256_of(libraries / name) for name in LIBRARIES))
 
 
 def binary_path() -> Path:
     """Where the llama-server binary is (the linked build's, else the whole one's), or would be built."""
     version = pinned_version()
-    linked, whole = (_folder(version, flags) / TARGET for flags in (LINKED_FLAGS, CMAKE_FLAGS))
-    if whole.is_file() and not linked.is_file():
+    whole = _folder(version, _whole_flags()) / TARGET
+    libraries = installed_libraries()
+    if libraries is None:
         return whole
-    return linked if installed_libraries() is not None or linked.is_file() else whole
+    linked = _folder(version, _linked_identity(libraries)) / TARGET
+    return whole if whole.is_file() and not linked.is_file() else linked
 
 
 def installed_libraries() -> Path | None:
@@ -195,8 +209,8 @@ def build(jobs: int | None = None, whole: bool = False) -> Path:
             raise BuildError(f"{tool} is not installed (the llama-cpp-python install needs it too)")
     version = pinned_version()
     libraries = None if whole else installed_libraries()
-    flags = LINKED_FLAGS if libraries is not None else CMAKE_FLAGS
-    out = _folder(version, flags) / TARGET
+    flags = LINKED_FLAGS if libraries is not None else _whole_flags()
+    out = _folder(version, _linked_identity(libraries) if libraries is not None else flags) / TARGET
     jobs = jobs or os.cpu_count() or 2
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tandem-llama-server-") as tmp:

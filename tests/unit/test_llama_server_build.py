@@ -38,3 +38,26 @@ def test_the_installed_package_is_linked_only_when_it_is_the_pinned_version(monk
     assert libraries is not None and (libraries / "libllama.so.0").is_file()  # the set-up installed it
     monkeypatch.setattr(llama_server, "pinned_version", lambda: "0.0.1")
     assert llama_server.installed_libraries() is None
+
+
+def test_a_package_rebuilt_with_other_flags_gets_a_server_of_its_own(monkeypatch, tmp_path):
+    """The linked server carries copies of the package's libraries: a package of the same version built again
+    (deploy/cpu_features.py's flags) must not reuse a server holding the old ones."""
+    monkeypatch.setenv("TANDEM_BIN_DIR", str(tmp_path / "bin"))
+    libraries = tmp_path / "lib"
+    libraries.mkdir()
+    for name in llama_server.LIBRARIES:
+        (libraries / name).write_bytes(b"built once")
+    monkeypatch.setattr(llama_server, "installed_libraries", lambda: libraries)
+    before = llama_server.binary_path()
+    (libraries / "libggml-cpu.so.0").write_bytes(b"built again, without AMX")
+    assert llama_server.binary_path() != before
+
+
+def test_the_whole_build_takes_the_cpu_probes_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_BIN_DIR", str(tmp_path))
+    monkeypatch.setattr(llama_server, "installed_libraries", lambda: None)
+    monkeypatch.setattr(llama_server, "llama_cmake_args", lambda: [])
+    native = llama_server.binary_path()
+    monkeypatch.setattr(llama_server, "llama_cmake_args", lambda: ["-DCMAKE_C_FLAGS=-mno-amx-tile"])
+    assert llama_server.binary_path() != native
