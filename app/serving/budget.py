@@ -185,7 +185,8 @@ class BudgetSettings:
         low, high = CONSUMPTION_RATE_RANGE
         if not low <= r_c <= high:
             raise BudgetValidationError(
-                "consumption_rate", f"consumption_rate must be > 0 tokens/s, from {low:g} to {high:g}, got {r_c!r}"
+                "consumption_rate",
+                f"consumption_rate must be > 0 tokens/s, at least {low:g} and at most {high:g}, got {r_c!r}",
             )
         if not isinstance(self.migration, bool):
             raise BudgetValidationError("migration", f"migration must be true or false, got {self.migration!r}")
