@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import calendar
 
+import pytest
+
 from app.serving.budget import BudgetSettings, Price
 from app.serving.ledger import Booking, Ledger, Tally
 from app.serving.limits import ADMITTED, HOLD_SECONDS, UNLIMITED, Admission, KeyLimits, LocalCounters, to_micro
@@ -108,3 +110,15 @@ def test_a_lapsed_hold_is_not_brought_back_by_a_late_renewal():
     counters.progress(key, "late", NOW, NOW + HOLD_SECONDS + 1, 0, 0)  # its replica stalled past the lease
     assert counters.usage(key, NOW + HOLD_SECONDS + 1)["streams"] == 0
     assert counters.admit(key, "other", NOW + HOLD_SECONDS + 1, 0).status == ADMITTED
+
+
+def test_the_settle_interval_and_the_lease_are_validated_where_they_are_set():
+    from app.config import StateSettings
+
+    state = StateSettings()
+    assert (state.settle_seconds, state.hold_seconds) == (2.0, HOLD_SECONDS)
+    with pytest.raises(ValueError, match=r"hold_seconds \(5\) must be at least 3 × state\.settle_seconds \(2\)"):
+        StateSettings(hold_seconds=5)
+    for bad in ({"settle_seconds": 0}, {"settle_seconds": 61, "hold_seconds": 600}, {"hold_seconds": 3601}):
+        with pytest.raises(ValueError, match=r"settle_seconds|hold_seconds"):
+            StateSettings(**bad)
