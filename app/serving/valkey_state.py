@@ -2,7 +2,7 @@
 "valkey"` (app/serving/state.py says what is shared and what stays local).
 
 On the server, one function library (`tandem`, loaded with FUNCTION LOAD at every (re)connection, so a store
-that restarted empty gets it back) does every step that must be atomic:
+that restarted empty gets it back; `tandem_leases` beside it) does every step that must be atomic:
 
 - `tandem_admit` / `tandem_progress` / `tandem_settle`: a key's admission (app/serving/limits.py's rule: the
   period's spend, the reservations in flight, this minute's requests and tokens, the streams in flight), a running
@@ -111,27 +111,6 @@ local function settle(keys, args)
   return spent
 end
 
-local function progress(keys, args)
-  -- a running request's partial settlement, its hold's lease renewed unless it lapsed already
-  -- keys: spend of the period, holds, tokens of the minute
-  -- args: id, micro-dollars, tokens, the spend's TTL, now, the lease's new end, the holds' TTL
-  if args[2] ~= '0' then
-    redis.call('INCRBY', keys[1], args[2])
-    redis.call('EXPIRE', keys[1], args[4])
-  end
-  if args[3] ~= '0' then
-    redis.call('INCRBY', keys[3], args[3])
-    redis.call('EXPIRE', keys[3], 120)
-  end
-  local hold = redis.call('HGET', keys[2], args[1])
-  if not hold then return 0 end
-  local micro, expiry = string.match(hold, '^(%d+):([%d.]+)$')
-  if tonumber(expiry) < tonumber(args[5]) then return 0 end
-  redis.call('HSET', keys[2], args[1], micro .. ':' .. args[6])
-  redis.call('EXPIRE', keys[2], args[7])
-  return 1
-end
-
 local function book(keys, args)
   -- keys: spend hash, window entries, window order, window sums
   -- args: request, endpoint, new request, new for endpoint, prefill, decode, micro-dollars, input, constrained, N
@@ -178,9 +157,36 @@ end
 
 redis.register_function('tandem_admit', admit)
 redis.register_function('tandem_settle', settle)
-redis.register_function('tandem_progress', progress)
 redis.register_function('tandem_book', book)
 redis.register_function('tandem_budget_swap', budget_swap)
+"""
+
+# A library of its own: a replica of an older release loads `tandem` again at every (re)connection, which during a
+# rolling upgrade would take away a function the newer replicas call if it lived there.
+LEASES = r"""#!lua name=tandem_leases
+
+local function progress(keys, args)
+  -- a running request's partial settlement, its hold's lease renewed unless it lapsed already
+  -- keys: spend of the period, holds, tokens of the minute
+  -- args: id, micro-dollars, tokens, the spend's TTL, now, the lease's new end, the holds' TTL
+  if args[2] ~= '0' then
+    redis.call('INCRBY', keys[1], args[2])
+    redis.call('EXPIRE', keys[1], args[4])
+  end
+  if args[3] ~= '0' then
+    redis.call('INCRBY', keys[3], args[3])
+    redis.call('EXPIRE', keys[3], 120)
+  end
+  local hold = redis.call('HGET', keys[2], args[1])
+  if not hold then return 0 end
+  local micro, expiry = string.match(hold, '^(%d+):([%d.]+)$')
+  if tonumber(expiry) < tonumber(args[5]) then return 0 end
+  redis.call('HSET', keys[2], args[1], micro .. ':' .. args[6])
+  redis.call('EXPIRE', keys[2], args[7])
+  return 1
+end
+
+redis.register_function('tandem_progress', progress)
 """
 
 _DOWN = (RedisError, OSError)
@@ -265,7 +271,8 @@ class ValkeyStore:
 
     async def _connect(self) -> None:
         await self._redis.ping()
-        await self._redis.function_load(LIBRARY, replace=True)
+        for library in (LIBRARY, LEASES):
+            await self._redis.function_load(library, replace=True)
         if not self._up:
             log.info("shared store %s: connected (%d bookings to replay)", _no_secret(self.url), len(self._pending))
         self._up = True
