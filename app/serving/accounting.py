@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 
 class Accounting:
-    """Books finished, failed and abandoned answers into DiSCo's runtime, the ledger and the metrics."""
+    """Books running answers as they go, and finished, failed and abandoned ones, into DiSCo's runtime, the ledger and
+    the metrics."""
 
     def __init__(
         self, disco: DiscoRuntime, ledger: Ledger, metrics: Metrics, settle_seconds: float = SETTLE_SECONDS
