@@ -108,6 +108,20 @@ class StateSettings(_Strict):
     trace_ttl: Annotated[float, Field(gt=0)] = 600.0  # seconds a trace stays readable from every replica
     poll_seconds: Annotated[float, Field(gt=0)] = 1.0  # how often a replica checks the budget's version
     timeout: Annotated[float, Field(gt=0)] = 1.0  # a store call's socket timeout: how soon a loss is noticed
+    # A running request books what it did so far, settles it into its key's books and renews its hold this often: a
+    # replica that dies mid-stream loses at most this long's booking.
+    settle_seconds: Annotated[float, Field(ge=0.1, le=60)] = 2.0
+    # A hold's lease: a hold its replica stops renewing (the replica died) lapses this long after the last renewal.
+    hold_seconds: Annotated[float, Field(le=3600)] = 20.0
+
+    @model_validator(mode="after")
+    def _lease_outlasts_renewals(self) -> StateSettings:
+        if self.hold_seconds < 3 * self.settle_seconds:
+            raise ValueError(
+                f"state.hold_seconds ({self.hold_seconds:g}) must be at least 3 × state.settle_seconds "
+                f"({self.settle_seconds:g}): a hold must outlast a late renewal or two"
+            )
+        return self
 
 
 class GatewaySettings(_Strict):

@@ -10,12 +10,18 @@ model works per token (`Price.token_prices`).
 * budget b ∈ [0, 1] — share of input tokens the constrained endpoint may process;
 * alpha α ∈ (0, 1) — tail ratio. Open interval because that is what policies.dispatch accepts: α = 0 or 1 would
   pass here and then make every recompute raise, turning a bad PUT into broken dispatch;
-* exchange_rate λ ≥ 0 — USD per 10^15 device FLOPs (see policies.cost.usd_per_pflop);
-* consumption_rate r_c > 0 — client reading speed, tokens/s (Eq. 6's buffer);
+* exchange_rate λ ∈ [0, 1e7] — USD per 10^15 device FLOPs (see policies.cost.usd_per_pflop);
+* consumption_rate r_c ∈ [0.01, 1e4] — client reading speed, tokens/s (Eq. 6's buffer);
 * migration — whether DiSCo may migrate generation mid-answer;
-* prices — per cloud backend, USD per million prompt (prefill) / generated (decode) tokens, and where a provider
-  bills them apart, per million prompt tokens read from its prompt cache (cached; absent: the prefill price) and
-  reasoning tokens (reasoning; absent: the decode price).
+* prices ∈ [0, 1e4] — per cloud backend, USD per million prompt (prefill) / generated (decode) tokens, and where a
+  provider bills them apart, per million prompt tokens read from its prompt cache (cached; absent: the prefill price)
+  and reasoning tokens (reasoning; absent: the decode price).
+
+Why upper bounds: a price or rate of 1e308 is finite, yet what it prices overflows (a booking in micro-dollars is
+an integer), so such a value is refused here, at PUT and at start-up, naming the field. The bounds sit far above
+any real value (the dearest list price is under $1,000 per million tokens; λ = 1e6 is what makes the device
+"prohibitively dear" in the tests); what is booked also saturates (app/serving/limits.py's `to_micro`), so nothing
+on the token path raises over a cost whatever the settings.
 """
 
 from __future__ import annotations
@@ -40,14 +46,18 @@ DEFAULT_EXCHANGE_RATE = 0.3  # USD per PFLOP: App. E's server-constrained λ (po
 # policies.migration.READING_RATE (4.5), the simulator's default.
 DEFAULT_CONSUMPTION_RATE = 4.8
 DEFAULT_BUDGET = 0.5
+# The ranges a setting may take (the module doc says why there are upper bounds).
+MAX_PRICE = 1e4  # USD per 1M tokens
+MAX_EXCHANGE_RATE = 1e7  # USD per 1e15 device FLOPs
+CONSUMPTION_RATE_RANGE = (0.01, 1e4)  # tokens per second
 
 UNITS = {
     "budget": "share of input tokens the constrained endpoint may process, [0, 1]",
     "alpha": "tail ratio, (0, 1)",
-    "exchange_rate": "USD per 1e15 device FLOPs",
-    "consumption_rate": "tokens per second",
+    "exchange_rate": f"USD per 1e15 device FLOPs, [0, {MAX_EXCHANGE_RATE:g}]",
+    "consumption_rate": "tokens per second, [{:g}, {:g}]".format(*CONSUMPTION_RATE_RANGE),
     "migration": "whether DiSCo may move generation between endpoints mid-answer",
-    "prices": "USD per 1M tokens",
+    "prices": f"USD per 1M tokens, [0, {MAX_PRICE:g}]",
     "cost_usd": "USD",
 }
 
@@ -119,8 +129,10 @@ def _price(backend: str, value: Any, base: Price | None = None) -> Price:
         name = f"{where}.{key}"
         if key in value and (value[key] is not None or key in _PRICE_KEYS):
             out[key] = _number(name, value[key])
-            if out[key] < 0:
-                raise BudgetValidationError(name, f"{name} must be ≥ 0 (USD per 1M tokens), got {out[key]!r}")
+            if not 0 <= out[key] <= MAX_PRICE:
+                raise BudgetValidationError(
+                    name, f"{name} must be ≥ 0 and at most {MAX_PRICE:g} (USD per 1M tokens), got {out[key]!r}"
+                )
         elif key in value or (key in _OPTIONAL_PRICE_KEYS and base is None):
             out[key] = None  # an optional price set to null, or not given at all
         elif base is not None:
@@ -164,11 +176,18 @@ class BudgetSettings:
         if not 0.0 < alpha < 1.0:
             raise BudgetValidationError("alpha", f"alpha must be in (0, 1) (exclusive), got {alpha!r}")
         lam = _number("exchange_rate", self.exchange_rate)
-        if lam < 0:
-            raise BudgetValidationError("exchange_rate", f"exchange_rate must be ≥ 0 (USD per PFLOP), got {lam!r}")
+        if not 0 <= lam <= MAX_EXCHANGE_RATE:
+            raise BudgetValidationError(
+                "exchange_rate",
+                f"exchange_rate must be ≥ 0 and at most {MAX_EXCHANGE_RATE:g} (USD per PFLOP), got {lam!r}",
+            )
         r_c = _number("consumption_rate", self.consumption_rate)
-        if r_c <= 0:
-            raise BudgetValidationError("consumption_rate", f"consumption_rate must be > 0 tokens/s, got {r_c!r}")
+        low, high = CONSUMPTION_RATE_RANGE
+        if not low <= r_c <= high:
+            raise BudgetValidationError(
+                "consumption_rate",
+                f"consumption_rate must be > 0 tokens/s, at least {low:g} and at most {high:g}, got {r_c!r}",
+            )
         if not isinstance(self.migration, bool):
             raise BudgetValidationError("migration", f"migration must be true or false, got {self.migration!r}")
         if not isinstance(self.prices, Mapping):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -40,6 +41,8 @@ from deploy.models import resolve_model
 from policies.dispatch import canonical_name
 from policies.outline import gate
 from policies.privacy import allows, effective_level
+
+log = logging.getLogger(__name__)
 
 # Prompts longer than this (in characters) are tokenised off the event loop (~1 ms of tokenising at most here).
 _INLINE_TOKENIZE_CHARS = 16_384
@@ -241,16 +244,34 @@ class ServingCore:
         return device + max(clouds, default=0.0)
 
     async def _settled(self, job: Job, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-        """The answer, then its key's admission settled with what the ledger booked for it (on a cancel too)."""
+        """The answer, its key's admission settled as it runs (`_keep_hold`) and, with the remainder, at its end with
+        what the ledger booked for it (on a cancel too)."""
+        keeper = asyncio.create_task(self._keep_hold(job))
         try:
             async for delta in deltas:
                 yield delta
         finally:
+            keeper.cancel()
             with anyio.CancelScope(shield=True):
+                await asyncio.gather(keeper, return_exceptions=True)
                 await deltas.aclose()
                 admission = job.admission
-                if admission.add(job.cost, job.usage.total_tokens):
+                if admission.add(job.cost, job.usage.total_tokens, job.id):
                     await self.state.settle(admission)
+
+    async def _keep_hold(self, job: Job) -> None:
+        """Every settle interval while the answer runs: what it did so far booked (app/serving/accounting.py) and
+        settled into its key's books as a partial settlement, its hold's lease renewed. A replica that dies stops
+        renewing: its holds lapse within a lease, and its books miss at most the last interval."""
+        admission = job.admission
+        while True:
+            await asyncio.sleep(self.state.settle_seconds)
+            spent_micro = tokens = 0
+            try:
+                spent_micro, tokens = admission.progress(job.id, *self.orchestrator.accounting.book_so_far(job))
+            except Exception:  # a booking the ledger refused: the answer goes on, its hold is still renewed
+                log.exception("request %s: booking what it did so far failed", job.id)
+            self.state.progress(admission, spent_micro, tokens, time.time())
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()

@@ -98,7 +98,7 @@ def _own_stall_timeouts(settings: Settings, device: str) -> dict[str, float]:
 def _state_store(settings: Settings, ledger: Ledger) -> StateStore:
     state = settings.state
     if state.backend == "memory":
-        return MemoryStore(ledger)
+        return MemoryStore(ledger, state.hold_seconds, state.settle_seconds)
     from app.serving.valkey_state import ValkeyStore  # the client library only where a store is configured
 
     return ValkeyStore(
@@ -110,6 +110,8 @@ def _state_store(settings: Settings, ledger: Ledger) -> StateStore:
         poll_seconds=state.poll_seconds,
         timeout=state.timeout,
         ttft_samples=settings.disco.window,
+        hold_seconds=state.hold_seconds,
+        settle_seconds=state.settle_seconds,
     )
 
 
@@ -171,6 +173,7 @@ class Gateway:
         )
         self.state = _state_store(settings, self.ledger)
         self.orchestrator.keep_trace = self.state.keep_trace
+        self.orchestrator.accounting.settle_seconds = self.state.settle_seconds
         emb = settings.embeddings
         self.embedder = SentenceEmbedder(emb.model, model_path(emb.model), emb.max_tokens) if emb.enabled else None
         gw = settings.gateway

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from app.serving.ledger import Tally
 from app.serving.seam import Seam
 from clients.base import GenerationRequest, TokenEvent, Usage
 from policies.dispatch import DispatchPlan
@@ -37,6 +38,7 @@ class Attempt:
     # The backend is at the end of its answer too (it said so, or it hit the same token limit):
     # reading its last events lets an HTTP upstream's connection go back to the pool.
     ended: bool = False
+    booked: Tally = field(default_factory=Tally)  # what the ledger booked for it so far (booked as it goes)
 
     def billed(self) -> tuple[int, int, int, int]:
         """(prompt, cached, completion, reasoning) tokens its work is booked for, cached and reasoning being parts
@@ -82,7 +84,10 @@ class Job:
     attempts: list[Attempt] = field(default_factory=list)
     migrations: list[dict] = field(default_factory=list)
     delayed_tokens: int = 0
-    cost: float = 0.0
+    cost: float = 0.0  # what its attempts cost: booked so far while it runs, the whole once it ended
+    booked_at: float = field(
+        default_factory=time.monotonic
+    )  # when its work was last booked (app/serving/accounting.py)
     # (the device's evaluation count, its cached prefix then): Eq. 5 asks after every token, and the answer
     # only changes when the device has run something since.
     cache_probe: tuple[int, int] | None = None

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from app.serving.budget import UNITS, BudgetSettings, BudgetValidationError, apply_patch, from_config
-from app.serving.limits import to_micro
+from app.serving.limits import MAX_USD, to_micro
 from policies.dispatch import POLICY_NAMES
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ DEFAULT_WINDOW = 1000
 
 @dataclass(frozen=True)
 class Booking:
-    """What one endpoint did for one request as the ledger booked it (`Ledger.record`): what a shared store is told."""
+    """What one endpoint did for one request as the ledger booked it (`Ledger.record`): what a shared store is told.
+    A running request's later bookings carry what changed since its last (`Tally`): a correction may be negative."""
 
     request_id: str
     endpoint: str
@@ -62,6 +63,20 @@ class Booking:
     cost_micro: int
     input_tokens: int  # the request's window entry after this booking: l ...
     constrained_input: int  # ... and the constrained endpoint's share of it
+
+
+@dataclass
+class Tally:
+    """What the ledger booked so far for one endpoint's work on one request (running totals): booked as it goes, the
+    work is booked as deltas against it, so the bookings add up to exactly what one booking at the end would be."""
+
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    decode_tokens: int = 0
+    reasoning_tokens: int = 0
+    cost_usd: float = 0.0
+    cost_micro: int = 0
+    booked: bool = False  # booked at least once
 
 
 class LedgerStateError(RuntimeError):
@@ -306,10 +321,16 @@ class Ledger:
         prompt_tokens: int | None = None,
         cached_tokens: int = 0,
         reasoning_tokens: int = 0,
+        tally: Tally | None = None,
     ) -> None:
         """Book what one endpoint did for one request; call once per endpoint that ran
         (a cancelled race loser too: its prefill was done and paid for). Calls with the
         same request_id add up while the request is still in the window.
+
+        tally: the work's running totals so far, for work booked as it goes (app/serving/accounting.py): the
+          counts and cost given are then the work's totals until now, what is booked is their change since the
+          tally (a correction, e.g. a cloud's usage report below our counts, books a negative change), and the
+          tally is brought up to date. Nothing changed: nothing booked (after the first booking).
 
         prefill_tokens: what the endpoint prefilled (prompt, plus the delivered prefix for a
           migration target). cost_usd: its Eq. 8 term. constrained: whether this endpoint
@@ -320,6 +341,9 @@ class Ledger:
           denominator by its delivered prefix.
         cached_tokens / reasoning_tokens: the parts of prefill_tokens / decode_tokens a provider billed at its
           cached-input / reasoning price (its usage report; cost_usd already prices them).
+
+        A cost past `limits.MAX_USD` (an infinite one too) is booked as that much: nothing on the token path raises
+        over a cost (NaN and negative costs are still refused: no caller makes them).
         """
         _count("prefill_tokens", prefill_tokens)
         _count("decode_tokens", decode_tokens)
@@ -329,10 +353,32 @@ class Ledger:
             raise ValueError(f"reasoning_tokens ({reasoning_tokens}) are part of decode_tokens ({decode_tokens})")
         if prompt_tokens is not None:
             _count("prompt_tokens", prompt_tokens)
-        if isinstance(cost_usd, bool) or not isinstance(cost_usd, int | float) or not math.isfinite(cost_usd):
-            raise ValueError(f"cost_usd must be a finite number, got {cost_usd!r}")
+        if isinstance(cost_usd, bool) or not isinstance(cost_usd, int | float) or math.isnan(cost_usd):
+            raise ValueError(f"cost_usd must be a number, got {cost_usd!r}")
         if cost_usd < 0:
             raise ValueError(f"cost_usd must be ≥ 0, got {cost_usd!r}")
+        if cost_usd > MAX_USD:
+            log.warning(
+                "request %s: a cost of %r USD booked as %g USD, the most one booking counts",
+                request_id,
+                cost_usd,
+                MAX_USD,
+            )
+            cost_usd = MAX_USD
+        done = tally if tally is not None else Tally()
+        cost_micro = to_micro(cost_usd)
+        prefill_change = prefill_tokens - done.prefill_tokens
+        decode_change = decode_tokens - done.decode_tokens
+        cached_change = cached_tokens - done.cached_tokens
+        reasoning_change = reasoning_tokens - done.reasoning_tokens
+        cost_change, micro_change = float(cost_usd) - done.cost_usd, cost_micro - done.cost_micro
+        changes = (prefill_change, decode_change, cached_change, reasoning_change, micro_change)
+        if done.booked and not any(changes) and cost_change == 0:
+            return
+        if tally is not None:
+            tally.prefill_tokens, tally.cached_tokens = prefill_tokens, cached_tokens
+            tally.decode_tokens, tally.reasoning_tokens = decode_tokens, reasoning_tokens
+            tally.cost_usd, tally.cost_micro, tally.booked = float(cost_usd), cost_micro, True
         with self._lock:
             entry = self._recent.get(request_id)
             new_request = entry is None
@@ -346,8 +392,8 @@ class Ledger:
             if prompt_tokens is not None:
                 entry.prompt_tokens = max(entry.prompt_tokens or 0, prompt_tokens)
             entry.max_prefill = max(entry.max_prefill, prefill_tokens)
-            if constrained:
-                entry.constrained_prefill += prefill_tokens
+            if constrained:  # (at least 0: a request that left the window while it ran is back without its share)
+                entry.constrained_prefill = max(0, entry.constrained_prefill + prefill_change)
             self._remember(entry)
             totals = self._totals.get(endpoint)
             if totals is None:
@@ -356,22 +402,22 @@ class Ledger:
             if new_for_endpoint:
                 entry.endpoints.add(endpoint)
                 totals.requests += 1
-            totals.prefill_tokens += prefill_tokens
-            totals.decode_tokens += decode_tokens
-            totals.cached_tokens += cached_tokens
-            totals.reasoning_tokens += reasoning_tokens
-            totals.cost_usd += float(cost_usd)
-            totals.cost_micro += to_micro(cost_usd)
-            self._cost += float(cost_usd)
-            self._cost_micro += to_micro(cost_usd)
+            totals.prefill_tokens += prefill_change
+            totals.decode_tokens += decode_change
+            totals.cached_tokens += cached_change
+            totals.reasoning_tokens += reasoning_change
+            totals.cost_usd += cost_change
+            totals.cost_micro += micro_change
+            self._cost += cost_change
+            self._cost_micro += micro_change
             booking = Booking(
                 request_id,
                 endpoint,
                 new_request,
                 new_for_endpoint,
-                prefill_tokens,
-                decode_tokens,
-                to_micro(cost_usd),
+                prefill_change,
+                decode_change,
+                micro_change,
                 entry.input_tokens,
                 entry.constrained_input,
             )

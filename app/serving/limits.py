@@ -12,7 +12,11 @@ A request is admitted before any endpoint runs and settled after its last token 
   flight against `max_streams`. At the cap, `at_cap = "device"` admits it on the device only (nothing is
   reserved: the device costs no dollars), `"reject"` refuses it.
 - **Settle** with what the ledger booked for it (every attempt, race loser, migration and failed attempt), in
-  integer micro-dollars, and free its reservation.
+  integer micro-dollars, and free its reservation. A running request settles as it goes: every `settle_seconds`
+  what it booked since its last settlement is added to the key's spend and tokens (a partial settlement, deltas
+  only, so the final one adds just the remainder and the sum is what one settlement at the end would add), and its
+  hold's lease is renewed. A hold is a lease: one its replica stops renewing (the replica died) lapses
+  `hold_seconds` after the last renewal, so a crash frees the key's streams within a lease, not at the period's end.
 
 A key without limits is not admitted (nothing to check: no round trip to a shared store before its first token), but
 its requests are settled all the same, so every key's spend is booked: `usage` is what the dashboard's budget panel
@@ -32,8 +36,15 @@ from dataclasses import dataclass, field
 
 PERIODS = {"minute": 60, "hour": 3600, "day": 86400, "month": None}  # month: calendar month (UTC)
 MICRO = 1_000_000
-# A reservation nobody settles (its replica died) stops counting after this long.
-HOLD_SECONDS = 900
+# The most one booking counts, in micro-dollars (a billion dollars): a cost past it, or one that is not a number,
+# is booked as this much instead of overflowing the integer the store adds up (a cap then stops the key).
+MAX_MICRO = 10**15
+MAX_USD = MAX_MICRO / MICRO
+# A hold's lease ([state] hold_seconds): a hold its replica stops renewing (the replica died) lapses this long after
+# its last renewal. A running request renews it, and settles what it booked so far, every SETTLE_SECONDS
+# ([state] settle_seconds).
+HOLD_SECONDS = 20.0
+SETTLE_SECONDS = 2.0
 # Admission outcomes: admitted, admitted on the device only (at the cap), or refused by which limit.
 ADMITTED, DEVICE_ONLY = "ok", "device"
 REFUSALS = ("cap", "rpm", "tpm", "streams")
@@ -62,9 +73,18 @@ class KeyLimits:
         return None if self.cap_usd is None else to_micro(self.cap_usd)
 
 
+def saturated(usd: float) -> float:
+    """A cost within ±MAX_USD: one past it is booked as the most a booking counts, and a cost that is not a number
+    as the most too (nothing on the token path raises over a cost; the bounds on prices keep real ones far below)."""
+    if math.isnan(usd):
+        return MAX_USD
+    return max(-MAX_USD, min(MAX_USD, usd))
+
+
 def to_micro(usd: float) -> int:
-    """Dollars as integer micro-dollars (rounded half up): what the store adds up, so no float drift."""
-    return math.floor(usd * MICRO + 0.5)
+    """Dollars as integer micro-dollars (rounded half up): what the store adds up, so no float drift. Saturates at
+    ±MAX_MICRO (`saturated`): an infinite or absurd cost never overflows the conversion or the store's integers."""
+    return max(-MAX_MICRO, min(MAX_MICRO, math.floor(saturated(usd) * MICRO + 0.5)))
 
 
 def period_window(period: str, now: float) -> tuple[str, float, int]:
@@ -105,7 +125,8 @@ UNLIMITED = Verdict(ADMITTED, 0, 0, 0, 0, 0)
 
 @dataclass
 class Admission:
-    """One admitted request's hold on its key: settled once, when its last choice ends."""
+    """One admitted request's hold on its key: settled as its choices run (`progress`: partial settlements that keep
+    the hold) and once more, with the remainder, when its last choice ends."""
 
     id: str
     key: KeyLimits
@@ -114,16 +135,38 @@ class Admission:
     now: float
     shared: bool  # admitted by the shared store (else by this process's count)
     choices: int = 1
-    spent_micro: int = 0
+    spent_micro: int = 0  # the finished choices' cost
     tokens: int = 0
     done: int = 0
+    settled_micro: int = 0  # what partial settlements already added to the key's spend ...
+    settled_tokens: int = 0  # ... and to its tokens
+    running: dict[str, tuple[int, int]] = field(default_factory=dict)  # a running choice: (micro, tokens) so far
 
-    def add(self, cost_usd: float, tokens: int) -> bool:
-        """One choice's booking; True when it was the last, and the admission is due to settle."""
+    def add(self, cost_usd: float, tokens: int, choice: str | None = None) -> bool:
+        """One choice's booking, whole; True when it was the last, and the admission is due to settle."""
+        self.running.pop(choice or self.id, None)
         self.spent_micro += to_micro(cost_usd)
         self.tokens += tokens
         self.done += 1
         return self.done >= self.choices
+
+    def progress(self, choice: str, cost_usd: float, tokens: int) -> tuple[int, int]:
+        """A running choice's booking so far; returns what the key's books have not been told yet (micro-dollars,
+        tokens: may be negative where a cloud's usage report corrected our counts), now counted as told."""
+        self.running[choice] = (to_micro(cost_usd), tokens)
+        return self._untold()
+
+    def remainder(self) -> tuple[int, int]:
+        """What the final settlement adds: everything booked less what partial settlements added (exact: partial +
+        final = what one settlement at the end would have added)."""
+        return self._untold()
+
+    def _untold(self) -> tuple[int, int]:
+        micro = self.spent_micro + sum(m for m, _ in self.running.values())
+        tokens = self.tokens + sum(t for _, t in self.running.values())
+        untold = (micro - self.settled_micro, tokens - self.settled_tokens)
+        self.settled_micro, self.settled_tokens = micro, tokens
+        return untold
 
 
 def rate_headers(key: KeyLimits, verdict: Verdict, now: float) -> dict[str, str]:
@@ -184,8 +227,9 @@ def usage(key: KeyLimits, spent_micro: int, reserved_micro: int, streams: int, r
 class LocalCounters:
     """The admission arithmetic on this process's own counts (the store's function does the same, atomically)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_seconds: float = HOLD_SECONDS) -> None:
         self._keys: dict[str, _KeyState] = {}
+        self.hold_seconds = hold_seconds  # a hold's lease
 
     def seed(self, key: KeyLimits, now: float, spent_micro: int) -> None:
         """Start the period's spend from what the shared store last said (so an outage does not forget it)."""
@@ -207,7 +251,7 @@ class LocalCounters:
         status = decide(key, spent, reserved, reserve_micro, requests, tokens, streams)
         if status in (ADMITTED, DEVICE_ONLY):
             reserve = reserve_micro if status == ADMITTED else 0
-            state.holds[admission_id] = (reserve, now + HOLD_SECONDS)
+            state.holds[admission_id] = (reserve, now + self.hold_seconds)
             state.requests[minute] = requests = requests + 1
             reserved += reserve
             streams += 1
@@ -222,8 +266,24 @@ class LocalCounters:
         return usage(key, spent, sum(holds), len(holds), state.requests.get(minute, 0), state.tokens.get(minute, 0))
 
     def settle(self, key: KeyLimits, admission_id: str, now: float, spent_micro: int, tokens: int) -> None:
+        """The request's last settlement (or its remainder after partial ones): its spend and tokens, its hold freed.
+        `now`: its admission's time (the period and minute it counts in)."""
+        self._keys.setdefault(key.name, _KeyState()).holds.pop(admission_id, None)
+        self._count(key, now, spent_micro, tokens)
+
+    def progress(
+        self, key: KeyLimits, admission_id: str, admitted: float, now: float, spent_micro: int, tokens: int
+    ) -> None:
+        """A running request's partial settlement: what it booked since the last one, counted in its admission's
+        period and minute (`admitted`), and its hold's lease renewed from `now` (a hold that lapsed stays gone)."""
         state = self._keys.setdefault(key.name, _KeyState())
-        state.holds.pop(admission_id, None)
+        hold = state.holds.get(admission_id)
+        if hold is not None and hold[1] >= now:
+            state.holds[admission_id] = (hold[0], now + self.hold_seconds)
+        self._count(key, admitted, spent_micro, tokens)
+
+    def _count(self, key: KeyLimits, now: float, spent_micro: int, tokens: int) -> None:
+        state = self._keys.setdefault(key.name, _KeyState())
         label = period_window(key.period, now)[0]
         state.spent[label] = state.spent.get(label, 0) + spent_micro
         minute = minute_of(now)

@@ -14,8 +14,8 @@
   text, in the target's continuation dialect, joined at a seam: app/serving/seam.py).
   A source that errors or stalls mid-stream is migrated the same way, so a fault
   becomes a migration, not a broken answer.
-- Account: when the answer ends, its usage and every attempt's cost go into the ledger and the metrics
-  (app/serving/accounting.py), and its trace is kept (`remember`).
+- Account: as the answer streams (every settle interval) and when it ends, every attempt's cost goes into the
+  ledger, and at the end its usage into the metrics (app/serving/accounting.py); its trace is kept (`remember`).
 
 Each step is published on the event bus (app/serving/events.py) as it happens: the plan, every endpoint's start,
 win, loss, failure and finish, every migration's start and end, and the request's end with its trace. The live
@@ -409,6 +409,7 @@ class Orchestrator:
                     self._finished(job, attempt, relay, delta.finish_reason, event.usage)
                     yield delta
                     return
+                self.accounting.progress(job, time.monotonic())  # booked as it goes, every settle interval
                 yield delta
                 # Cost-driven migration (Eqs. 4-6): only at a clean text boundary, once per answer. The source
                 # keeps its stream until the target's first token: if the target fails, the answer goes on here.

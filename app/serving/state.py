@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from app.serving.ledger import Booking, Ledger
-from app.serving.limits import Admission, KeyLimits, LocalCounters, Verdict
+from app.serving.limits import HOLD_SECONDS, SETTLE_SECONDS, Admission, KeyLimits, LocalCounters, Verdict
 
 
 class StoreUnavailable(RuntimeError):
@@ -30,6 +30,7 @@ class StoreUnavailable(RuntimeError):
 
 class StateStore(Protocol):
     backend: str  # "memory" | "valkey"
+    settle_seconds: float  # how often a running request settles what it booked so far and renews its hold
 
     async def start(self) -> None: ...
 
@@ -42,7 +43,11 @@ class StateStore(Protocol):
         """The key's verdict on a request reserving `reserve_micro`, and whether the shared store gave it."""
 
     async def settle(self, admission: Admission) -> None:
-        """Book what an admitted request spent and free its reservation."""
+        """Book what an admitted request spent (less what partial settlements booked) and free its reservation."""
+
+    def progress(self, admission: Admission, spent_micro: int, tokens: int, now: float) -> None:
+        """A running request's partial settlement (what it booked since the last one) and its hold's lease renewed
+        from `now` (must not block)."""
 
     async def key_usage(self, keys: Sequence[KeyLimits], now: float) -> list[dict]:
         """Each key's line on the budget panel (app/serving/limits.py's `usage`), every replica's when shared."""
@@ -79,8 +84,9 @@ class MemoryStore:
 
     backend = "memory"
 
-    def __init__(self, ledger: Ledger) -> None:
-        self.counters = LocalCounters()
+    def __init__(self, ledger: Ledger, hold_seconds: float = HOLD_SECONDS, settle_seconds: float = SETTLE_SECONDS):
+        self.counters = LocalCounters(hold_seconds)
+        self.settle_seconds = settle_seconds
         self._ledger = ledger
 
     async def start(self) -> None:
@@ -96,7 +102,10 @@ class MemoryStore:
         return self.counters.admit(key, admission_id, now, reserve_micro), False
 
     async def settle(self, admission: Admission) -> None:
-        self.counters.settle(admission.key, admission.id, admission.now, admission.spent_micro, admission.tokens)
+        self.counters.settle(admission.key, admission.id, admission.now, *admission.remainder())
+
+    def progress(self, admission: Admission, spent_micro: int, tokens: int, now: float) -> None:
+        self.counters.progress(admission.key, admission.id, admission.now, now, spent_micro, tokens)
 
     async def key_usage(self, keys: Sequence[KeyLimits], now: float) -> list[dict]:
         return [self.counters.usage(key, now) for key in keys]

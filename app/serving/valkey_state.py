@@ -2,10 +2,11 @@
 "valkey"` (app/serving/state.py says what is shared and what stays local).
 
 On the server, one function library (`tandem`, loaded with FUNCTION LOAD at every (re)connection, so a store
-that restarted empty gets it back) does every step that must be atomic:
+that restarted empty gets it back; `tandem_leases` beside it) does every step that must be atomic:
 
-- `tandem_admit` / `tandem_settle`: a key's admission (app/serving/limits.py's rule: the period's spend, the
-  reservations in flight, this minute's requests and tokens, the streams in flight) and its settlement. The
+- `tandem_admit` / `tandem_progress` / `tandem_settle`: a key's admission (app/serving/limits.py's rule: the
+  period's spend, the reservations in flight, this minute's requests and tokens, the streams in flight), a running
+  request's partial settlement with its hold's lease renewed, and its last settlement. The
   key's counters share one hash tag, `{<prefix>key:<name>}`, so a cluster keeps them on one node. Only the
   store admits; a replica never admits on its own count while the store answers.
 - `tandem_book`: one ledger booking: spend per endpoint in integer micro-dollars (HINCRBY: no float drift), and
@@ -30,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -46,6 +48,7 @@ from app.serving.ledger import Booking, Ledger
 from app.serving.limits import (
     HOLD_SECONDS,
     MICRO,
+    SETTLE_SECONDS,
     Admission,
     KeyLimits,
     LocalCounters,
@@ -158,6 +161,34 @@ redis.register_function('tandem_book', book)
 redis.register_function('tandem_budget_swap', budget_swap)
 """
 
+# A library of its own: a replica of an older release loads `tandem` again at every (re)connection, which during a
+# rolling upgrade would take away a function the newer replicas call if it lived there.
+LEASES = r"""#!lua name=tandem_leases
+
+local function progress(keys, args)
+  -- a running request's partial settlement, its hold's lease renewed unless it lapsed already
+  -- keys: spend of the period, holds, tokens of the minute
+  -- args: id, micro-dollars, tokens, the spend's TTL, now, the lease's new end, the holds' TTL
+  if args[2] ~= '0' then
+    redis.call('INCRBY', keys[1], args[2])
+    redis.call('EXPIRE', keys[1], args[4])
+  end
+  if args[3] ~= '0' then
+    redis.call('INCRBY', keys[3], args[3])
+    redis.call('EXPIRE', keys[3], 120)
+  end
+  local hold = redis.call('HGET', keys[2], args[1])
+  if not hold then return 0 end
+  local micro, expiry = string.match(hold, '^(%d+):([%d.]+)$')
+  if tonumber(expiry) < tonumber(args[5]) then return 0 end
+  redis.call('HSET', keys[2], args[1], micro .. ':' .. args[6])
+  redis.call('EXPIRE', keys[2], args[7])
+  return 1
+end
+
+redis.register_function('tandem_progress', progress)
+"""
+
 _DOWN = (RedisError, OSError)
 _SOURCE = "the shared store"
 Op = Callable[[Pipeline], Any]  # queues its commands on a pipeline (a MULTI/EXEC batch)
@@ -185,6 +216,8 @@ class ValkeyStore:
         poll_seconds: float = 1.0,
         timeout: float = 1.0,
         ttft_samples: int = 2000,
+        hold_seconds: float = HOLD_SECONDS,
+        settle_seconds: float = SETTLE_SECONDS,
     ):
         self.url = url
         self.prefix = prefix
@@ -200,7 +233,9 @@ class ValkeyStore:
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),
         )
-        self.counters = LocalCounters()  # the fallback while the store is away
+        self.hold_seconds = hold_seconds  # a hold's lease
+        self.settle_seconds = settle_seconds
+        self.counters = LocalCounters(hold_seconds)  # the fallback while the store is away
         self._pending: deque[Op] = deque()  # bookings, settlements and traces not yet on the store, in order
         self._up = False
         self._budget_stale = True
@@ -236,7 +271,8 @@ class ValkeyStore:
 
     async def _connect(self) -> None:
         await self._redis.ping()
-        await self._redis.function_load(LIBRARY, replace=True)
+        for library in (LIBRARY, LEASES):
+            await self._redis.function_load(library, replace=True)
         if not self._up:
             log.info("shared store %s: connected (%d bookings to replay)", _no_secret(self.url), len(self._pending))
         self._up = True
@@ -393,11 +429,11 @@ class ValkeyStore:
                     tpm,
                     admission_id,
                     f"{now:.3f}",
-                    f"{now + HOLD_SECONDS:.3f}",
+                    f"{now + self.hold_seconds:.3f}",
                     reserve_micro,
                     *limits,
                     int(key.at_cap == "device"),
-                    2 * HOLD_SECONDS,
+                    math.ceil(2 * self.hold_seconds),
                 )
                 verdict = Verdict(reply[0], *(int(v) for v in reply[1:]))
                 self.counters.seed(key, now, verdict.spent_micro)
@@ -411,13 +447,14 @@ class ValkeyStore:
         key, now = admission.key, admission.now
         spend, holds, _, _, keep = self._key_names(key, now)
         tpm = f"{self.prefix}{{key:{key.name}}}:tpm:{minute_of(now)}"
-        args = (admission.id, admission.spent_micro, admission.tokens, keep)
+        spent_micro, tokens = admission.remainder()
+        args = (admission.id, spent_micro, tokens, keep)
 
         def op(pipe: Pipeline) -> None:
             pipe.fcall("tandem_settle", 3, spend, holds, tpm, *args)
 
         if not admission.shared:
-            self.counters.settle(key, admission.id, now, admission.spent_micro, admission.tokens)
+            self.counters.settle(key, admission.id, now, spent_micro, tokens)
         if self._up and not self._pending:
             try:
                 await self._redis.fcall("tandem_settle", 3, spend, holds, tpm, *args)
@@ -425,6 +462,16 @@ class ValkeyStore:
             except _DOWN as exc:
                 self._lost(exc)
         self._later(op)  # replayed, in order, when the store is back
+
+    def progress(self, admission: Admission, spent_micro: int, tokens: int, now: float) -> None:
+        """Through the queue, like a booking (replayed after a loss; a lease renewed late finds its hold lapsed)."""
+        key = admission.key
+        spend, holds, _, tpm, keep = self._key_names(key, admission.now)
+        lease = (f"{now:.3f}", f"{now + self.hold_seconds:.3f}", math.ceil(2 * self.hold_seconds))
+        args = (admission.id, spent_micro, tokens, keep, *lease)
+        if not admission.shared:
+            self.counters.progress(key, admission.id, admission.now, now, spent_micro, tokens)
+        self._later(lambda pipe: pipe.fcall("tandem_progress", 3, spend, holds, tpm, *args))
 
     async def key_usage(self, keys: Sequence[KeyLimits], now: float) -> list[dict]:
         """Each key's counts as the store holds them (every replica's), in one round trip; this replica's own while
