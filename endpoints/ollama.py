@@ -32,7 +32,7 @@ from app.serving.requests import ChatInput, CompletionInput
 from app.serving.tool_calls import ToolCall
 from clients.base import TokenLogprob, Usage
 from endpoints.answer import Collected, answer_headers, begin, collect, while_connected
-from endpoints.api_options import ApiOptionsDep
+from endpoints.api_options import ApiOptions, ApiOptionsDep
 from endpoints.auth import require_api_key
 from endpoints.errors import ApiError
 from endpoints.logprobs import chat_logprobs
@@ -55,6 +55,7 @@ KEYED = [Depends(require_api_key)]  # every route but the probes ("/", /api/vers
 OLLAMA_VERSION = "0.13.0"
 IGNORED_HEADER = "x-tandem-ignored"
 _LATEST = ":latest"  # Ollama's default tag: `name` and `name:latest` are one model
+_FUNCTION_FIELDS = {"name", "description", "parameters"}  # a tool's, as chat takes it (fields it does not define: not)
 _DONE_REASONS = {"length": "length"}  # every other finish (a stop, tool calls, a content filter) is Ollama's "stop"
 
 
@@ -153,7 +154,10 @@ def chat_input(body: ChatRequest, model: str, key: KeyAccess | None) -> ChatInpu
     return ChatInput(
         **_sampling(body, model, key),
         messages=chat_messages(body.messages),
-        tools=tuple(t.model_dump(exclude_none=True, include={"type", "function"}) for t in body.tools or ()),
+        tools=tuple(
+            {"type": "function", "function": t.function.model_dump(exclude_none=True, include=_FUNCTION_FIELDS)}
+            for t in body.tools or ()
+        ),
         response_format=body.response_format,
         continue_final=last.role == "assistant" and not last.tool_calls,
     )
@@ -275,7 +279,17 @@ class NDJSONResponse(SSEResponse):
         self.raw_headers[0] = (b"content-type", b"application/x-ndjson")  # SSEResponse puts its own first
 
 
-async def _answer(request: Request, serving: Serving, api, body, job: Job, chat: bool, received: float, ignored):
+async def _answer(
+    request: Request,
+    serving: Serving,
+    api: ApiOptions,
+    body: ChatRequest | GenerateRequest,
+    job: Job,
+    chat: bool,
+    received: float,
+    ignored: list[str],
+):
+    """Stream or collect one answer; the first token decides between an HTTP error and a 200."""
     first, stream = await begin(request, serving, job)
     lines = Lines(body.model, chat, received, time.monotonic(), body.think is not False, body.logprobs_top is not None)
     headers = {**answer_headers(job), **_ignored(ignored)}
