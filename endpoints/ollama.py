@@ -10,8 +10,8 @@ response_format and so its grammar), tool calls with their arguments as objects 
 names, or the earliest unanswered call of its tool), a trailing assistant message continued, the answer as NDJSON
 lines, streamed unless `stream: false` (Ollama's default), its last line carrying `done`, `done_reason` and the
 timings in nanoseconds, and the errors as `{"error": "..."}` (endpoints/errors.py, by path). A field Tandem does not
-apply is named in the `x-tandem-ignored` header (docs/ollama.md says why for each). As on every door the HTTP status
-waits for the first token; a failure after it is an `{"error": ...}` line, which Ollama's clients raise.
+apply is named in the `x-tandem-ignored-fields` header (docs/ollama.md says why for each). As on every door the HTTP
+status waits for the first token; a failure after it is an `{"error": ...}` line, which Ollama's clients raise.
 
 Model names are the gateway's own (its routed name, each endpoint's name and model id, the embedding model's); a
 name with Ollama's default tag (`device:latest`) is that model. The request's trace id is the `x-request-id` header.
@@ -53,7 +53,7 @@ KEYED = [Depends(require_api_key)]  # every route but the probes ("/", /api/vers
 
 # The Ollama release whose API this door follows (the pinned `ollama` client's): clients gate features on it.
 OLLAMA_VERSION = "0.13.0"
-IGNORED_HEADER = "x-tandem-ignored"
+IGNORED_HEADER = "x-tandem-ignored-fields"
 _LATEST = ":latest"  # Ollama's default tag: `name` and `name:latest` are one model
 _FUNCTION_FIELDS = {"name", "description", "parameters"}  # a tool's, as chat takes it (fields it does not define: not)
 _DONE_REASONS = {"length": "length"}  # every other finish (a stop, tool calls, a content filter) is Ollama's "stop"
@@ -176,8 +176,13 @@ def generate_input(body: GenerateRequest, model: str, key: KeyAccess | None) -> 
     )
 
 
-def _ignored(names: list[str]) -> dict[str, str]:
-    return {IGNORED_HEADER: ", ".join(dict.fromkeys(names))} if names else {}
+def _ignored(names: list[str], headers: dict[str, str] | None = None) -> dict[str, str]:
+    """`headers` with the fields this door did not apply named, after any the serving endpoint did not apply."""
+    headers = dict(headers or {})
+    named = [*filter(None, headers.get(IGNORED_HEADER, "").split(", ")), *names]
+    if named:
+        headers[IGNORED_HEADER] = ", ".join(dict.fromkeys(named))
+    return headers
 
 
 # -- the answer, on this API's wire ----------------------------------------------------------------------------------
@@ -292,7 +297,7 @@ async def _answer(
     """Stream or collect one answer; the first token decides between an HTTP error and a 200."""
     first, stream = await begin(request, serving, job)
     lines = Lines(body.model, chat, received, time.monotonic(), body.think is not False, body.logprobs_top is not None)
-    headers = {**answer_headers(job), **_ignored(ignored)}
+    headers = _ignored(ignored, answer_headers(job))
     if body.stream:
         deltas = stream_answer(job, first, stream, lines)
         return NDJSONResponse(

@@ -2,10 +2,10 @@
 
 Ollama itself ignores fields it does not know (its server decodes JSON into Go structs, and its `options` warns and
 goes on), and clients of every Ollama version send fields of their own: so here too a field this API defines and
-Tandem cannot apply, or one it does not define, is accepted and named in the answer's `x-tandem-ignored` header
-(`not_applied`), never a 400. What would change what the client gets back is refused naming the field, as on the other
-front doors: images (Tandem serves text models), a Go `template` of its own, fill-in-the-middle `suffix`, and
-generate's old `context` token memory. Values are checked where they enter (numbers within their bounds, no lone
+Tandem cannot apply, or one it does not define, is accepted and named in the answer's `x-tandem-ignored-fields`
+header (`not_applied`), never a 400. What would change what the client gets back is refused naming the field, as on
+the other front doors: images (Tandem serves text models), a Go `template` of its own, fill-in-the-middle `suffix`,
+and generate's old `context` token memory. Values are checked where they enter (numbers within their bounds, no lone
 surrogates), as on the OpenAI surface, whose strict base these share. Empty strings are absent values: Ollama's Go
 client sends `"template": ""`, `"system": ""` and `"format": ""` with every request.
 """

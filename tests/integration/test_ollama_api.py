@@ -295,14 +295,14 @@ def test_options_not_applied_are_named(gw):
     }
     r = httpx.post(gw.url + "/api/chat", headers=AUTH, json=body, timeout=120)
     assert r.status_code == 200 and r.json()["eval_count"] == 2
-    ignored = r.headers["x-tandem-ignored"].split(", ")
+    ignored = r.headers["x-tandem-ignored-fields"].split(", ")
     assert ignored == ["some_new_field", "options.num_ctx", "options.num_gpu", "options.mirostat", "think"]
     applied = {**body, "options": {**GREEDY, "num_predict": 2}, "think": False}
     r = httpx.post(gw.url + "/api/chat", headers=AUTH, json=applied, timeout=120)
-    assert r.status_code == 200 and r.headers["x-tandem-ignored"] == "some_new_field"
+    assert r.status_code == 200 and r.headers["x-tandem-ignored-fields"] == "some_new_field"
     client = Client(gw)
     client.chat(model="device", messages=ASK, options={"num_predict": 1, "seed": 1, "stop": ["x"], "top_p": 0.9})
-    assert "x-tandem-ignored" not in client.headers
+    assert "x-tandem-ignored-fields" not in client.headers
 
 
 def test_format_json_and_a_json_schema(gw):

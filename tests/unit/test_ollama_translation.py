@@ -13,7 +13,7 @@ from app.serving.requests import ChatInput, CompletionInput
 from app.serving.tool_calls import ToolCall
 from clients.base import TokenLogprob, Usage
 from endpoints.answer import Collected
-from endpoints.ollama import Lines, chat_input, generate_input
+from endpoints.ollama import Lines, _ignored, chat_input, generate_input
 from endpoints.ollama_schemas import ChatRequest, EmbedRequest, GenerateRequest
 from endpoints.serving import KeyAccess
 
@@ -201,3 +201,12 @@ def test_a_whole_answer_with_logprobs_and_calls() -> None:
     assert parsed.message.content == "Hi" and parsed.message.thinking == "thought" and parsed.done
     assert parsed.message.tool_calls[0].function.name == "get_time" and parsed.done_reason == "stop"
     assert parsed.logprobs[0].token == "Hi" and parsed.logprobs[0].top_logprobs[0].logprob == -0.1
+
+
+def test_the_door_adds_its_fields_to_those_the_endpoint_did_not_apply() -> None:
+    header = "x-tandem-ignored-fields"
+    assert _ignored(["think", "top_k"], {header: "top_k", "x-request-id": "r"}) == {
+        header: "top_k, think",
+        "x-request-id": "r",
+    }
+    assert _ignored([], {"x-request-id": "r"}) == {"x-request-id": "r"}
