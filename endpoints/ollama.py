@@ -55,7 +55,7 @@ KEYED = [Depends(require_api_key)]  # every route but the probes ("/", /api/vers
 OLLAMA_VERSION = "0.13.0"
 IGNORED_HEADER = "x-tandem-ignored-fields"
 _LATEST = ":latest"  # Ollama's default tag: `name` and `name:latest` are one model
-_FUNCTION_FIELDS = {"name", "description", "parameters"}  # a tool's, as chat takes it (fields it does not define: not)
+_FUNCTION_FIELDS = {"name", "description", "parameters"}  # a tool function's fields that chat takes (and an upstream)
 _DONE_REASONS = {"length": "length"}  # every other finish (a stop, tool calls, a content filter) is Ollama's "stop"
 
 
@@ -307,7 +307,7 @@ async def _answer(
     return JSONResponse(lines.whole(answer, job.usage), headers=headers)
 
 
-def _loaded(serving: Serving, body, model: str, chat: bool) -> JSONResponse:
+def _loaded(serving: Serving, body: ChatRequest | GenerateRequest, model: str, chat: bool) -> JSONResponse:
     """Ollama's answer to a request with nothing to answer: the model loaded (or, with keep_alive 0, unloaded).
     Tandem's models are loaded from the start and stay so."""
     if model not in serving.models():

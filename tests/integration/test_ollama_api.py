@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from collections.abc import Iterator
 
 import httpx
@@ -18,7 +19,7 @@ import ollama
 import pytest
 
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
-from tests.integration.disco_helpers import evict_cache, independent_continuation
+from tests.integration.disco_helpers import embedded_server_pid, evict_cache, independent_continuation, signal_at
 
 KEY = "ollama-test-key"
 DEVICE_KEY = "device-only-key"
@@ -513,3 +514,30 @@ def test_errors_anywhere_under_api_are_ollamas(gw):
     assert unknown.status_code == 404 and unknown.json() == {"error": "Unknown route: GET /api/nothing-here"}
     # The gateway keeps serving.
     assert Client(gw).chat(model="device", messages=ASK, options={"num_predict": 2}).eval_count == 2
+
+
+def test_a_streamed_answer_whose_endpoint_dies_arrives_whole(gw):
+    """Last: the cloud is killed."""
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    assert httpx.put(gw.v1 + "/budget", headers=admin, json={"policy": "cloud"}, timeout=10).status_code == 200
+    kill_after_three, killed = signal_at(embedded_server_pid(gw), signal.SIGKILL, 3)
+    client, pieces = Client(gw), []
+    try:
+        for part in client.chat(model="tandem", messages=ASK, stream=True, options={**GREEDY, "num_predict": 16}):
+            if part.message.content:
+                pieces.append(part.message.content)
+                kill_after_three(len(pieces))
+            last = part
+    finally:
+        httpx.delete(gw.v1 + "/budget", headers=admin, timeout=10)
+    assert killed.is_set() and last.done and last.done_reason in ("length", "stop")
+    t = trace(gw, client.request_id)
+    assert [m["reason"] for m in t["migrations"]] == ["error"]
+    assert backends(t) == [("cloud", "failed"), ("device", "finished")]
+    assert last.eval_count == t["completion_tokens"]
+    # The device's part is exactly what it says after the prompt and the cloud's delivered part: no token repeated,
+    # skipped or lost at the seam.
+    k = t["migrations"][0]["at_token"]
+    assert 0 < k < len(pieces)
+    prefix, rest = "".join(pieces[:k]), "".join(pieces[k:])
+    assert independent_continuation(gw, "device", ASK, prefix, len(pieces) - k, AUTH) == rest
