@@ -74,10 +74,34 @@ def _ns(seconds: float) -> int:
 # -- the request, as the core takes it -------------------------------------------------------------------------------
 
 
+def models(serving: Serving) -> dict[str, dict]:
+    """Every model a request may name, by id, with what it is: its `locality` (`routed` for the gateway's own name,
+    which DiSCo places), the `endpoints` that may serve it, and its `capabilities` in Ollama's words. `models()` lists
+    the routed name first, then each endpoint's name and model id, then the embedding model, the one id no endpoint
+    has."""
+    endpoints = serving.endpoints()
+    by_id: dict[str, dict] = {}
+    for endpoint in endpoints:
+        for name in (endpoint["name"], endpoint["model"]):
+            by_id.setdefault(name, endpoint)
+    chat = ["completion", "tools"]
+    out = {}
+    for position, model in enumerate(serving.models()):
+        endpoint = by_id.get(model)
+        if endpoint is not None:
+            out[model] = {"locality": endpoint["locality"], "endpoints": [endpoint["name"]], "capabilities": chat}
+        elif position == 0:
+            out[model] = {"locality": "routed", "endpoints": [e["name"] for e in endpoints], "capabilities": chat}
+        else:
+            out[model] = {"locality": "device", "endpoints": [], "capabilities": ["embedding"]}
+    return out
+
+
 def _model(serving: Serving, name: str) -> str:
     """The gateway's model a name means (`device:latest` is `device`); an unknown name as it is (the core refuses
     it, naming the models there are)."""
-    if name.endswith(_LATEST) and name not in serving.models() and name[: -len(_LATEST)] in serving.models():
+    known = models(serving)
+    if name.endswith(_LATEST) and name not in known and name[: -len(_LATEST)] in known:
         return name[: -len(_LATEST)]
     return name
 
@@ -310,7 +334,7 @@ async def _answer(
 def _loaded(serving: Serving, body: ChatRequest | GenerateRequest, model: str, chat: bool) -> JSONResponse:
     """Ollama's answer to a request with nothing to answer: the model loaded (or, with keep_alive 0, unloaded).
     Tandem's models are loaded from the start and stay so."""
-    if model not in serving.models():
+    if model not in models(serving):
         raise ApiError(404, f"model '{body.model}' not found", param="model", code="model_not_found")
     unload = body.keep_alive in (0, "0", "0s", "0m")
     piece = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
@@ -373,45 +397,27 @@ async def embeddings(body: EmbeddingsRequest, serving: ServingDep):
 # -- the models ------------------------------------------------------------------------------------------------------
 
 
-def _catalogue(serving: Serving) -> dict[str, dict]:
-    """Every model a request may name, with what it is: an endpoint's (by its name or its model id), the gateway's
-    routed name (the first of `models()`: DiSCo picks the endpoints), or the embedding model (the one other)."""
-    by_id: dict[str, dict] = {}
-    for endpoint in serving.endpoints():
-        for name in (endpoint["name"], endpoint["model"]):
-            by_id.setdefault(name, endpoint)
-    chat = ["completion", "tools"]
-    out = {}
-    for position, model in enumerate(serving.models()):
-        endpoint = by_id.get(model)
-        if endpoint is not None:
-            about = {"endpoint": endpoint["name"], "role": endpoint["role"], "locality": endpoint["locality"]}
-            out[model] = {"capabilities": chat, "tandem": about}
-        elif position == 0:
-            out[model] = {"capabilities": chat, "tandem": {"routed": True}}
-        else:
-            out[model] = {"capabilities": ["embedding"], "tandem": {"embedding": True}}
-    return out
-
-
 @router.get("/api/tags", dependencies=KEYED)
 async def tags(serving: ServingDep):
     modified = _iso(serving.created)
     return {
         "models": [
-            {"name": m, "model": m, "modified_at": modified, "tandem": about["tandem"]}
-            for m, about in _catalogue(serving).items()
+            {"name": m, "model": m, "modified_at": modified, "tandem": _about(card)}
+            for m, card in models(serving).items()
         ]
     }
 
 
+def _about(card: dict) -> dict:
+    """Tandem's own facts of a model, beside Ollama's fields: where it runs and which endpoints serve it."""
+    return {"locality": card["locality"], "endpoints": card["endpoints"]}
+
+
 @router.post("/api/show", dependencies=KEYED)
 async def show(body: ShowRequest, serving: ServingDep):
-    catalogue = _catalogue(serving)
-    model = _model(serving, body.model_name)
-    if model not in catalogue:
+    card = models(serving).get(_model(serving, body.model_name))
+    if card is None:
         raise ApiError(404, f"model '{body.model_name}' not found", param="model", code="model_not_found")
-    about = catalogue[model]
     return JSONResponse(
         {
             "modelfile": "",
@@ -419,9 +425,9 @@ async def show(body: ShowRequest, serving: ServingDep):
             "template": "",
             "details": {},
             "model_info": {},
-            "capabilities": about["capabilities"],
+            "capabilities": card["capabilities"],
             "modified_at": _iso(serving.created),
-            "tandem": about["tandem"],
+            "tandem": _about(card),
         },
         headers=_ignored(body.unknown()),
     )

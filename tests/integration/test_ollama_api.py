@@ -141,7 +141,11 @@ def test_list_show_and_ps(gw):
     device = client.show("device")
     assert device.capabilities == ["completion", "tools"] and device.modelinfo == {}
     raw = httpx.post(gw.url + "/api/show", headers=AUTH, json={"model": "cloud:latest"}, timeout=10).json()
-    assert raw["tandem"] == {"endpoint": "cloud", "role": "cloud", "locality": "cloud"}
+    assert raw["tandem"] == {"locality": "cloud", "endpoints": ["cloud"]}
+    tags = httpx.get(gw.url + "/api/tags", headers=AUTH, timeout=10).json()["models"]
+    about = {m["name"]: m["tandem"] for m in tags}
+    assert about["tandem"] == {"locality": "routed", "endpoints": ["device", "cloud"]}
+    assert about["qwen2.5-coder-0.5b-instruct"] == {"locality": "device", "endpoints": ["device"]}
     assert client.show("tandem").capabilities == ["completion", "tools"]
     assert client.show(EMBEDDER).capabilities == ["embedding"]
     with pytest.raises(ollama.ResponseError) as missing:
