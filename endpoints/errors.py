@@ -3,11 +3,15 @@
 Clients parse `{"error": {"message", "type", "param", "code"}}`; FastAPI's own
 `{"detail": ...}` would surface in the SDK as an unhelpful generic error, so
 validation errors, unknown routes, the serving core's refusals (app/serving/errors.py)
-and our own failures all go through here. Under the Anthropic Messages API's paths (/v1/messages...) the same
-errors go out in that API's envelope, `{"type": "error", "error": {"type", "message"}}`, with its error types.
+and our own failures all go through here. Another API's paths answer in that API's envelope (`ENVELOPES`): the
+Anthropic Messages API's (/v1/messages...) `{"type": "error", "error": {"type", "message"}}` with its error types,
+the Ollama API's (/api/...) `{"error": "<message>"}`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +28,7 @@ _TYPES = {
     429: "rate_limit_error",
 }
 ANTHROPIC_PATH = "/v1/messages"  # the Anthropic Messages API's routes: its envelope for their errors
+OLLAMA_PATH = "/api/"  # the Ollama API's routes (endpoints/ollama.py)
 _ANTHROPIC_TYPES = {
     **_TYPES,
     413: "request_too_large",
@@ -63,13 +68,31 @@ class ApiError(Exception):
 
     def body(self, path: str = "") -> dict:
         """The envelope of the API `path` belongs to."""
-        if path.startswith(ANTHROPIC_PATH):  # no `param` there: the message names the field
-            named = self.param and self.param not in self.message
-            return anthropic_error(self.status, f"{self.param}: {self.message}" if named else self.message)
+        for envelope in ENVELOPES:
+            if path.startswith(envelope.prefix):
+                return envelope.body(self)
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def named_message(self) -> str:
+        """The message, naming the field it is about: for the envelopes that have no `param`."""
+        named = self.param and self.param not in self.message
+        return f"{self.param}: {self.message}" if named else self.message
 
     def response(self, path: str = "") -> JSONResponse:
         return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
+
+
+class Envelope(NamedTuple):
+    """An API's error body for the errors under its paths (OpenAI's is the default)."""
+
+    prefix: str
+    body: Callable[[ApiError], dict]
+
+
+ENVELOPES = (
+    Envelope(ANTHROPIC_PATH, lambda error: anthropic_error(error.status, error.named_message())),
+    Envelope(OLLAMA_PATH, lambda error: {"error": error.named_message()}),
+)
 
 
 def refusal(exc: Refused) -> ApiError:

@@ -32,7 +32,7 @@ from clients.gguf_meta import read_arch
 from clients.openai_compat import OpenAICompatBackend, UpstreamOptions
 from deploy import models as bundled
 from deploy.models import model_path, resolve_model
-from endpoints import anthropic, budget, dashboard, embeddings, events, openai, ops, responses
+from endpoints import anthropic, budget, dashboard, embeddings, events, ollama, openai, ops, responses
 from endpoints.api_options import ApiOptions
 from endpoints.errors import install_error_handlers
 from endpoints.guard import RequestGuard
@@ -281,6 +281,7 @@ def create_gateway(settings: Settings) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(anthropic.router)
+    app.include_router(ollama.router)
     app.include_router(embeddings.router)
     app.include_router(budget.router)
     app.include_router(ops.router)
