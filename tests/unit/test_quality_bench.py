@@ -302,5 +302,31 @@ def test_the_report_pairs_each_configuration_with_the_endpoints(problems, tmp_pa
     assert summaries[1]["pass_at_1"] == 1.0 and "cloud" not in summaries[1]["paired"]
     lines = quality_bench.table(summaries)
     assert lines[2].startswith("| device | 0.0 (0/4)") and lines[3].startswith("| cloud | 100.0 (4/4)")
+    assert quality_bench.model_time(summaries) == (
+        "Model time, as the answers were asked: device 12 s (3.0 s an answer); cloud 12 s (3.0 s an answer)."
+    )
     quality_bench.plot_frontier(summaries, tmp_path / "quality.png")
     assert Path(tmp_path / "quality.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_appendix_d_checks_the_bound_and_names_the_problems_outside_it(problems):
+    ids = [p.task_id for p in problems[:4]]
+
+    def rows(passes: str, migrated: bool = False) -> list:
+        return [
+            quality_bench.Scored(t, c == "1", "passed" if c == "1" else "AssertionError", 0.0, 0.0, 0.5, 1.0,
+                                 {}, {}, [(16, "device", "cloud", "forced")] if migrated else [], "stop")
+            for t, c in zip(ids, passes, strict=True)
+        ]  # fmt: skip
+
+    table = {"device": rows("1100"), "cloud": rows("1010")}  # device 2/4, cloud 2/4: both pass 0, neither 3
+    table["device>cloud@16"] = rows("1001", migrated=True)  # 2/4: within; problem 3 passes where both fail
+    table["cloud>device@16"] = rows("0110", migrated=True)  # 2/4: within; problem 0 fails where both pass
+    lines, data = quality_bench.appendix_d(table, (16,))
+    assert [r["bound_holds"] for r in data["rows"]] == [True, True]
+    assert data["rows"][0]["above_both"] == ["HumanEval/3"] and data["rows"][1]["below_both"] == ["HumanEval/0"]
+    assert "bound check device>cloud@16: 2 <= 2 <= 2: holds" in lines
+    table["device>cloud@16"] = rows("1111", migrated=True)
+    lines, data = quality_bench.appendix_d(table, (16,))
+    assert not data["rows"][0]["bound_holds"]
+    assert "bound check device>cloud@16: 2 <= 4 <= 2: does not hold" in lines

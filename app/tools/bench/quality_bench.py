@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -451,6 +452,17 @@ def table(summaries: list[dict]) -> list[str]:
     return lines
 
 
+def model_time(summaries: list[dict]) -> str:
+    """How long the models took over each asked configuration's answers (as measured when they were asked, maybe
+    in an earlier run: the cache keeps it); a random router's answers are the endpoints' own and took none."""
+    parts = [
+        f"{s['config']} {s['answer_seconds_total']:.0f} s ({s['answer_seconds_total'] / s['problems']:.1f} s an answer)"
+        for s in summaries
+        if s["problems"] and not s["config"].startswith("random")
+    ]
+    return "Model time, as the answers were asked: " + "; ".join(parts) + "."
+
+
 def plot_frontier(summaries: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
@@ -469,7 +481,6 @@ def plot_frontier(summaries: list[dict], path: Path) -> None:
     axes[0].set_ylabel("HumanEval pass@1 (%) [Wilson 95 %]")
     fig.suptitle("tandem bench quality: pass@1 against cost")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
@@ -487,8 +498,8 @@ def appendix_d(rows: dict[str, list[Scored]], cuts: tuple[int, ...]) -> tuple[li
         f"({_pct(c_pass / n)} %).",
         "",
         "| k | direction | pass@1 % | answers moved at k | bound min ≤ x ≤ max | above both (problems) | below both "
-        "(problems) |",
-        "|---|---|---|---|---|---|---|",
+        "(problems) | model s/answer |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     checks, data = [], {"device": d_pass, "cloud": c_pass, "problems": n, "rows": []}
     for k in cuts:
@@ -510,8 +521,8 @@ def appendix_d(rows: dict[str, list[Scored]], cuts: tuple[int, ...]) -> tuple[li
             holds = lo <= passed <= hi
             lines.append(
                 f"| {k} | {name.split('@')[0].replace('>', ' → ')} | {_pct(passed / n)} ({passed}/{n}) | "
-                f"{migrated}/{n} | {'holds' if holds else 'OUTSIDE'} | {len(above)} {_ids(above)} | "
-                f"{len(below)} {_ids(below)} |"
+                f"{migrated}/{n} | {'holds' if holds else 'OUTSIDE'} | {len(above)}{_ids(above)} | "
+                f"{len(below)}{_ids(below)} | {statistics.fmean(r.seconds for r in moved):.1f} |"
             )
             checks.append(f"bound check {name}: {lo} <= {passed} <= {hi}: {'holds' if holds else 'does not hold'}")
             data["rows"].append(
@@ -522,7 +533,7 @@ def appendix_d(rows: dict[str, list[Scored]], cuts: tuple[int, ...]) -> tuple[li
 
 
 def _ids(task_ids: list[str]) -> str:
-    return f"({', '.join(t.split('/')[1] for t in task_ids)})" if task_ids else ""
+    return f" ({', '.join(t.split('/')[1] for t in task_ids)})" if task_ids else ""
 
 
 def plot_appendix_d(data: dict, path: Path) -> None:
@@ -564,7 +575,9 @@ def _rows(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem bench quality", description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated (default: {DEFAULT_CONFIGS})")
+    parser.add_argument(
+        "--configs", default=DEFAULT_CONFIGS, help=f'comma-separated (default: {DEFAULT_CONFIGS}; "": none)'
+    )
     parser.add_argument("--sample", type=int, default=None, help="a fixed, seeded sample of N problems")
     parser.add_argument("--seed", type=int, default=0, help="the sample's and the random router's seed")
     parser.add_argument("--half", choices=humaneval.HALVES, default="all", help="the held-out split's half")
@@ -586,20 +599,24 @@ def main(argv: list[str] | None = None) -> int:
     gateway = None if args.offline else Gateway(gateway_config(args.device_model, args.cloud_model))
     limits = Limits()
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     scored: dict[tuple[str, int], list[Scored]] = {}
     started = time.perf_counter()
     try:
         summaries = _frontier(configs, chosen, cache, gateway, limits, scored, args.seed)
         header = (
-            f"tandem bench quality {' '.join(argv or [])}  ({time.strftime('%Y-%m-%d')}; {cpu_name()}; "
-            f"{len(chosen)} HumanEval problems, half {args.half}; device {args.device_model}, cloud "
-            f"{args.cloud_model}; greedy, max_tokens {MAX_TOKENS}, EvalPlus instruct prompt with its response prefix; "
-            f"sandbox network isolation: {network_isolation()})"
+            f"tandem bench quality {shlex.join(argv or [])}  ({time.strftime('%Y-%m-%d')}; {cpu_name()}; device "
+            f"{args.device_model}, cloud {args.cloud_model}; greedy, max_tokens {MAX_TOKENS}, EvalPlus's instruct "
+            f"prompt with its response prefix; sandbox network isolation: {network_isolation()})"
         )
-        report = [header, "", *table(summaries)]
+        report = [header]
         results = {"setup": setup_of(args.device_model, args.cloud_model), "problems": [p.task_id for p in chosen]}
         results["summaries"] = summaries
-        if summaries:
+        if summaries:  # none with --configs "" (Appendix D alone)
+            title = f"{len(chosen)} HumanEval problems (half: {args.half}" + (
+                f"; a sample of {args.sample}, seed {args.seed})" if args.sample else ")"
+            )
+            report += ["", title, "", *table(summaries), "", model_time(summaries)]
             plot_frontier(summaries, out / "quality.png")
         if args.appendix_d:
             sample = humaneval.sample(problems, args.appendix_d_sample, args.seed)

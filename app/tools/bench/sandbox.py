@@ -17,6 +17,7 @@ exits early with status 0 (sys.exit(0), os._exit(0)) does not pass.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
@@ -154,7 +155,8 @@ def run(source: str, limits: Limits = Limits(), scratch_root: str | None = None)
             process.wait(timeout=limits.wall_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may have ended just now
+                os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         seconds = time.monotonic() - started
         status = _read_all(read_fd)
