@@ -22,8 +22,8 @@ def test_bench_quality_answers_scores_and_rescores_from_its_cache(tmp_path: Path
 
     results = json.loads((out / "quality.json").read_text())
     rows = {s["config"]: s for s in results["summaries"]}
-    assert list(rows) == ["device", "cloud>device"] and len(results["problems"]) == 1
-    device, moved = rows["device"], rows["cloud>device"]
+    assert list(rows) == ["device", "cloud>device@8"] and len(results["problems"]) == 1
+    device, moved = rows["device"], rows["cloud>device@8"]
     assert device["problems"] == moved["problems"] == 1
     assert device["decode_tokens"]["cloud"] == 0 and device["decode_tokens"]["device"] > 0
     assert device["cloud_cost_usd_per_answer"] == 0 and device["unified_cost_usd_per_answer"] > 0  # the ledger's

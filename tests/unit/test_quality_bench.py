@@ -265,7 +265,7 @@ def test_a_second_scoring_run_never_asks_the_gateway(problems, tmp_path):
     assert {c: collect(c, chosen, cache, never) for c in configs} == first
     assert {c: collect(c, chosen, cache, None) for c in configs} == first  # --offline
     # Another cut point, or another set-up (models, prompt, limits), is another answer.
-    with pytest.raises(SystemExit, match="no cached answer for device>cloud on HumanEval/0"):
+    with pytest.raises(SystemExit, match="no cached answer for device>cloud@32 on HumanEval/0"):
         collect(quality_bench.forced("device", 32), chosen, cache, None)
     with pytest.raises(SystemExit, match="no cached answer"):
         collect(configs[0], chosen, AnswerCache(tmp_path, {**setup, "max_tokens": 256}), None)
@@ -275,7 +275,7 @@ def test_configurations_parse_and_refuse_what_they_do_not_know():
     names = [c.name for c in parse_configs("device,cloud,disco:0.25,random:0.5,random:matched,cloud>device@64")]
     assert names == ["device", "cloud", "disco-b0.25", "random-s0.50", "random-matched", "cloud>device"]
     assert parse_configs("device>cloud@16")[0].cut == 16
-    for bad in ("disco:1.5", "gpu", "device>device@16", "cloud>device@0"):
+    for bad in ("disco:1.5", "disco:half", "random:-0.1", "gpu", "device>device@16", "cloud>device@0"):
         with pytest.raises(SystemExit, match="--configs"):
             parse_configs(bad)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import random
 import shlex
 import statistics
@@ -71,6 +72,11 @@ class Config:
     cut: int = 0  # forced: the answer token after which it moves (0: none)
 
     @property
+    def label(self) -> str:
+        """Its row in the reports: the name, and the cut point where it has one."""
+        return f"{self.name}@{self.cut}" if self.cut else self.name
+
+    @property
     def asks(self) -> bool:
         """Whether its answers come from the gateway (a random router's come from the endpoints' rows)."""
         return self.kind != "random"
@@ -85,11 +91,12 @@ def parse_configs(text: str) -> list[Config]:
         if token in ENDPOINTS:
             configs.append(Config(token, "endpoint", endpoint=token))
         elif kind == "disco" and value:
-            configs.append(Config(f"disco-b{float(value):g}", "disco", budget=_unit(float(value), token)))
+            budget = _unit(value, token)
+            configs.append(Config(f"disco-b{budget:g}", "disco", budget=budget))
         elif kind == "random" and value == "matched":
             configs.append(Config("random-matched", "random"))
         elif kind == "random" and value:
-            share = _unit(float(value), token)
+            share = _unit(value, token)
             configs.append(Config(f"random-s{share:.2f}", "random", share=share))
         elif ">" in token and "@" in token:
             route, _, cut = token.partition("@")
@@ -110,9 +117,13 @@ def forced(source: str, cut: int) -> Config:
     return Config(f"{source}>{target}", "forced", endpoint=source, cut=cut)
 
 
-def _unit(value: float, token: str) -> float:
+def _unit(text: str, token: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not 0 <= value <= 1:
-        raise SystemExit(f"error: --configs: {token!r}: the value must lie in [0, 1]")
+        raise SystemExit(f"error: --configs: {token!r}: the value must be a number in [0, 1]")
     return value
 
 
@@ -302,12 +313,11 @@ def collect(
         record = cache.get(config, problem.task_id)
         if record is None:
             if ask is None:
-                raise SystemExit(f"error: --offline: no cached answer for {config.name} on {problem.task_id}")
+                raise SystemExit(f"error: --offline: no cached answer for {config.label} on {problem.task_id}")
             record = ask(config, problem)
             cache.put(config, record)
             print(
-                f"[{config.name}{'@' + str(config.cut) if config.cut else ''} {i + 1}/{len(problems)}] "
-                f"{problem.task_id}: {record['seconds']:.1f} s",
+                f"[{config.label} {i + 1}/{len(problems)}] {problem.task_id}: {record['seconds']:.1f} s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -628,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
             for k in cuts:
                 for source in ENDPOINTS:
                     config = forced(source, k)
-                    rows[f"{config.name}@{k}"] = _rows(config, sample, cache, gateway, limits, on_sample)
+                    rows[config.label] = _rows(config, sample, cache, gateway, limits, on_sample)
             lines, data = appendix_d(rows, cuts)
             report += [
                 "",
@@ -654,7 +664,7 @@ def _frontier(
     rows: dict[str, list[Scored]] = {}
     for config in configs:
         if config.asks:
-            rows[config.name] = _rows(config, problems, cache, gateway, limits, scored)
+            rows[config.label] = _rows(config, problems, cache, gateway, limits, scored)
     randoms = [c for c in configs if not c.asks]
     if randoms:
         for endpoint in ENDPOINTS:
