@@ -13,7 +13,9 @@ Configurations (`--configs`):
   it is read from the `device` and `cloud` rows, never asked again. `random:matched` adds one at each DiSCo row's
   measured cloud token share;
 - `device>cloud@K`, `cloud>device@K`: the answer starts on one endpoint and is moved to the other after K answer
-  tokens (`"tandem": {"migrate_after_tokens": K}`, migration reason `forced`): DiSCo's Appendix D (`--appendix-d`).
+  tokens (`"tandem": {"migrate_after_tokens": K}`, migration reason `forced`): DiSCo's Appendix D (`--appendix-d`);
+- `policy:NAME+KEY=VALUE...`: any policy with its per-request knobs (the request's `tandem` options), e.g. a
+  quality-aware policy at several settings.
 
 Per configuration: pass@1 with its Wilson 95 % interval; the paired difference against the cloud alone and the
 device alone on the same problems (a paired bootstrap 95 % interval, McNemar's exact p); the cloud bill and the
@@ -65,11 +67,12 @@ class Config:
     """One way of answering: its name is its row and its folder in the cache."""
 
     name: str
-    kind: str  # "endpoint" | "disco" | "random" | "forced"
+    kind: str  # "endpoint" | "disco" | "random" | "forced" | "policy"
     endpoint: str | None = None  # endpoint: the one asked; forced: where the answer starts
     budget: float | None = None  # disco: b
     share: float | None = None  # random: the probability of the cloud
     cut: int = 0  # forced: the answer token after which it moves (0: none)
+    options: tuple = ()  # policy: the request's `tandem` options, as (key, value) pairs
 
     @property
     def label(self) -> str:
@@ -98,6 +101,8 @@ def parse_configs(text: str) -> list[Config]:
         elif kind == "random" and value:
             share = _unit(value, token)
             configs.append(Config(f"random-s{share:.2f}", "random", share=share))
+        elif kind == "policy" and value:
+            configs.append(Config(token, "policy", options=_policy_options(value, token)))
         elif ">" in token and "@" in token:
             route, _, cut = token.partition("@")
             source, _, target = route.partition(">")
@@ -107,7 +112,7 @@ def parse_configs(text: str) -> list[Config]:
         else:
             raise SystemExit(
                 f"error: --configs: unknown configuration {token!r} (device, cloud, disco:B, random:S, random:matched, "
-                "device>cloud@K, cloud>device@K)"
+                "device>cloud@K, cloud>device@K, policy:NAME[+KEY=VALUE...])"
             )
     return configs
 
@@ -115,6 +120,23 @@ def parse_configs(text: str) -> list[Config]:
 def forced(source: str, cut: int) -> Config:
     target = "cloud" if source == "device" else "device"
     return Config(f"{source}>{target}", "forced", endpoint=source, cut=cut)
+
+
+def _policy_options(value: str, token: str) -> tuple:
+    """`NAME+KEY=VALUE+...`: the request's `tandem` options, the policy and its knobs (a VALUE that reads as JSON is
+    that JSON, e.g. a number; otherwise the text), e.g. policy:quality+threshold=0.3 for a policy with a per-request
+    knob."""
+    name, *pairs = value.split("+")
+    options = {"policy": name}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not (key and sep and raw):
+            raise SystemExit(f"error: --configs: {token!r}: write policy:NAME+KEY=VALUE")
+        try:
+            options[key] = json.loads(raw)
+        except ValueError:
+            options[key] = raw
+    return tuple(options.items())
 
 
 def _unit(text: str, token: str) -> float:
@@ -222,6 +244,8 @@ class Gateway:
             options = {"policy": "disco"}
         elif config.kind == "forced":
             options = {"policy": config.endpoint, "migrate_after_tokens": config.cut}
+        elif config.kind == "policy":
+            options = dict(config.options)
         before = self._spend()
         started = time.perf_counter()
         raw = self.client.chat.completions.with_raw_response.create(
@@ -275,7 +299,7 @@ class AnswerCache:
         (self.dir / "setup.json").write_text(json.dumps(setup, indent=1, sort_keys=True) + "\n")
 
     def _path(self, config: Config, task_id: str) -> Path:
-        folder = config.name.replace(">", "-to-")
+        folder = config.name.replace(">", "-to-").replace("/", "-")
         return self.dir / folder / f"{task_id.replace('/', '-')}@{config.cut}.json"
 
     def get(self, config: Config, task_id: str) -> dict | None:
@@ -407,6 +431,7 @@ def summary(name: str, rows: list[Scored], references: dict[str, list[Scored]], 
         "answers_migrated": sum(bool(r.migrations) for r in rows),
         "migrations_by_reason": dict(reasons),
         "answer_seconds_total": sum(r.seconds for r in rows),
+        "decode_tokens_per_s_median": _median_rate(rows),
         "finish_reasons": dict(Counter(r.finish_reason for r in rows)),
         "verdicts": dict(Counter(r.verdict for r in rows)),
         "paired": {},
@@ -462,11 +487,23 @@ def table(summaries: list[dict]) -> list[str]:
     return lines
 
 
+def _median_rate(rows: list[Scored]) -> float | None:
+    """The median answer's decode rate as the client saw it: its tokens after the first over the time after it."""
+    rates = [
+        (sum(r.decode.values()) - 1) / (r.seconds - r.ttft_s)
+        for r in rows
+        if r.ttft_s is not None and r.seconds > r.ttft_s and sum(r.decode.values()) > 1
+    ]
+    return statistics.median(rates) if rates else None
+
+
 def model_time(summaries: list[dict]) -> str:
     """How long the models took over each asked configuration's answers (as measured when they were asked, maybe
     in an earlier run: the cache keeps it); a random router's answers are the endpoints' own and took none."""
     parts = [
-        f"{s['config']} {s['answer_seconds_total']:.0f} s ({s['answer_seconds_total'] / s['problems']:.1f} s an answer)"
+        f"{s['config']} {s['answer_seconds_total']:.0f} s ({s['answer_seconds_total'] / s['problems']:.1f} s an answer"
+        + (f", {s['decode_tokens_per_s_median']:.1f} tokens/s" if s["decode_tokens_per_s_median"] else "")
+        + ")"
         for s in summaries
         if s["problems"] and not s["config"].startswith("random")
     ]
