@@ -157,6 +157,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.tools.bench.fleet_bench import main
     elif args.what == "events":
         from app.tools.bench.events_bench import main
+    elif args.what == "quality":
+        from app.tools.bench.quality_bench import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             "reproducible",
             "fleet",
             "events",
+            "quality",
         ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -59,6 +59,11 @@ class TandemOptions(_Request):
     decoding: Literal["outline", "auto", "sequential"] | None = Field(
         None, description="outline: expand an outline's points in parallel; auto: when the question suits it"
     )
+    migrate_after_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = Field(
+        None,
+        description="move the answer to the other endpoint of its device-cloud pair after this many answer tokens, "
+        "in place of any cost-driven migration (DiSCo's Appendix D: `tandem bench quality --appendix-d`)",
+    )
 
 
 class TextPart(_Request):

@@ -361,6 +361,28 @@ class ServingCore:
             )
         return pinned, chosen, cloud, privacy
 
+    def _forced_migration(self, request: RequestInput, route) -> int | None:
+        """The request's forced migration point (`tandem.migrate_after_tokens`), refused where its answer could not
+        move between the device and its cloud: a forced move silently not made would pass for one that was."""
+        after = request.migrate_after_tokens
+        if after is None:
+            return None
+        pinned, _, cloud, privacy = route
+        if pinned is not None:
+            why = f"the model '{request.model}' names one endpoint"
+        elif cloud is None:
+            why = "no cloud endpoint is configured"
+        elif not allows(privacy, self.backends[cloud].locality):
+            why = f"the privacy level '{privacy}' keeps it off {cloud}"
+        elif not self.backends[cloud].can_continue:
+            why = f"{cloud} cannot continue an answer from a prefix"
+        else:
+            return after
+        raise InvalidRequest(
+            f"migrate_after_tokens moves the answer between the device and its cloud, and here it cannot: {why}.",
+            param="tandem.migrate_after_tokens",
+        )
+
     def _require_loaded(self) -> None:
         if not self.loaded.is_set():
             detail = f" (start-up failed: {self.startup_error})" if self.startup_error else "; retry shortly"
@@ -475,6 +497,7 @@ class ServingCore:
         # A chat upstream gets the conversation as the client sent it (tool calls and results included).
         gen = self._generation(chat, prompt_text, prompt_ids, messages, structure)
         job = self._job(chat.id_prefix, replace(gen, prefill=prefill), len(prompt_ids), route)
+        job.migrate_after_tokens = self._forced_migration(chat, route)
         job.call_grammar, job.call_gbnf = structure.call_grammar, structure.call_gbnf
         job.prefill_held = held
         if not chat.continue_final:  # outline decoding writes an answer of its own, never the client's
@@ -517,7 +540,9 @@ class ServingCore:
                 )
             prompt_text = self.device.detokenize(prompt_ids)
         gen = self._generation(completion, prompt_text, prompt_ids)
-        return self._job("cmpl-", gen, len(prompt_ids), route)
+        job = self._job("cmpl-", gen, len(prompt_ids), route)
+        job.migrate_after_tokens = self._forced_migration(completion, route)
+        return job
 
 
 def _structured_fields(structure: Structure) -> dict:

@@ -66,6 +66,7 @@ class Job:
     call_grammar: str | None = None  # app/serving/structured.py: Structure.call_grammar
     call_gbnf: str | None = None  # the same in GBNF
     privacy: str = "any"  # where it may go (policies/privacy.py)
+    migrate_after_tokens: int | None = None  # move to the pair's other endpoint after this many tokens (forced)
     # The trailing whitespace of the client's prefill (gen.prefill goes without it): dropped from the answer's start
     # where the answer writes it again (app/serving/seam.py).
     prefill_held: str = ""
@@ -113,6 +114,7 @@ class Job:
             call_grammar=self.call_grammar,
             call_gbnf=self.call_gbnf,
             privacy=self.privacy,
+            migrate_after_tokens=self.migrate_after_tokens,
             admission=self.admission,
             limit_headers=self.limit_headers,
             prefill_held=self.prefill_held,

@@ -413,8 +413,12 @@ class Orchestrator:
                 yield delta
                 # Cost-driven migration (Eqs. 4-6): only at a clean text boundary, once per answer. The source
                 # keeps its stream until the target's first token: if the target fails, the answer goes on here.
-                target = None if relay.holding_call else self._migration_target(job, attempt, event, relay)
-                moved = await self._migrate(job, attempt, target, "cost", relay) if target else None
+                # A forced migration (`tandem.migrate_after_tokens`) takes the cost rule's place for its request.
+                forced = job.migrate_after_tokens is not None
+                check = self._forced_target if forced else self._migration_target
+                target = None if relay.holding_call else check(job, attempt, event, relay)
+                reason = "forced" if forced else "cost"
+                moved = await self._migrate(job, attempt, target, reason, relay) if target else None
                 if moved is not None:
                     attempt, event = moved
                     stall.close()
@@ -519,6 +523,16 @@ class Orchestrator:
     def _can_continue(self, name: str) -> bool:
         """Whether a backend can continue an answer from a delivered prefix (a chat-only upstream cannot)."""
         return self.backends[name].can_continue
+
+    def _forced_target(self, job: Job, attempt: Attempt, event: TokenEvent, relay: Relay) -> str | None:
+        """Where a forced migration goes: once, at the first clean text boundary after `migrate_after_tokens` answer
+        tokens, to the other endpoint of the request's device-cloud pair (the core refused the request where there
+        is none that could continue it)."""
+        produced = relay.produced
+        if job.migrations or not event.text or produced < job.migrate_after_tokens or produced >= job.gen.max_tokens:
+            return None
+        target = self._name_of(job, "cloud" if attempt.role == "device" else "device")
+        return target if self._serves(job, target, continuing=True) else None
 
     def _fault_targets(self, job: Job, source: Attempt) -> list[str]:
         """Where an answer may go on after `source` failed mid-answer: the other endpoint of the request's DiSCo

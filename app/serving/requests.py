@@ -23,6 +23,7 @@ class RequestInput:
     cloud: str | None = None
     privacy: str | None = None
     decoding: str | None = None
+    migrate_after_tokens: int | None = None  # a forced migration after this many answer tokens
     # Sampling:
     max_tokens: int | None = None
     temperature: float | None = None

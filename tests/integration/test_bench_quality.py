@@ -1,0 +1,53 @@
+"""`tandem bench quality` end to end on SmolLM2-135M (device and stand-in cloud alike: seconds an answer): a real
+gateway asked with the openai SDK, one HumanEval problem answered by the device alone and by the cloud moved to the
+device after 8 tokens, scored in the sandbox, written as JSON, markdown and PNG; a second run finds every answer in
+its cache and starts no gateway."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from app.cli import main as tandem
+from tests.integration.hf_fixtures import SMOL, gguf_or_skip
+
+
+def test_bench_quality_answers_scores_and_rescores_from_its_cache(tmp_path: Path, capsys) -> None:
+    gguf_or_skip(SMOL)
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    args = ["bench", "quality", "--sample", "1", "--configs", "device,cloud>device@8"]
+    args += ["--device-model", SMOL, "--cloud-model", SMOL, "--cache", str(cache)]
+    assert tandem([*args, "--out", str(out)]) == 0
+    assert "starting the gateway" in capsys.readouterr().err
+
+    results = json.loads((out / "quality.json").read_text())
+    rows = {s["config"]: s for s in results["summaries"]}
+    assert list(rows) == ["device", "cloud>device@8"] and len(results["problems"]) == 1
+    device, moved = rows["device"], rows["cloud>device@8"]
+    assert device["problems"] == moved["problems"] == 1
+    assert device["decode_tokens"]["cloud"] == 0 and device["decode_tokens"]["device"] > 0
+    assert device["cloud_cost_usd_per_answer"] == 0 and device["unified_cost_usd_per_answer"] > 0  # the ledger's
+    assert moved["answers_migrated"] == 1 and moved["migrations_by_reason"] == {"forced": 1}
+    assert moved["decode_tokens"]["cloud"] == 8 and moved["cloud_cost_usd_per_answer"] > 0
+    assert sum(device["verdicts"].values()) == 1 and device["ttft_s_median"] > 0
+    task = results["problems"][0].replace("/", "-")
+    [setup] = [p for p in cache.iterdir() if p.is_dir()]
+    record = json.loads((setup / "cloud-to-device" / f"{task}@8.json").read_text())
+    [migration] = record["trace"]["migrations"]
+    assert (migration["at_token"], migration["from"], migration["to"], migration["reason"]) == (
+        8,
+        "cloud",
+        "device",
+        "forced",
+    )
+    assert (setup / "device" / f"{task}@0.json").is_file()
+    assert "| device |" in (out / "quality.md").read_text()
+    assert (out / "quality.png").read_bytes()[:4] == b"\x89PNG"
+
+    again = tmp_path / "again"
+    assert tandem([*args, "--out", str(again)]) == 0  # everything cached: no gateway, the same rows
+    assert "starting the gateway" not in capsys.readouterr().err
+    rescored = json.loads((again / "quality.json").read_text())["summaries"]
+    assert [(s["passed"], s["verdicts"], s["decode_tokens"]) for s in rescored] == [
+        (s["passed"], s["verdicts"], s["decode_tokens"]) for s in results["summaries"]
+    ]
