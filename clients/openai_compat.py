@@ -35,7 +35,8 @@ from clients.base import (
     TokenLogprob,
     Usage,
 )
-from clients.continuation import CHAT_DIALECTS, chat_continuation, completions_prompt
+from clients.continuation import completions_prompt
+from clients.dialects import GENERIC, Dialect
 from clients.http_transport import AsyncioHTTPTransport
 from clients.tokencount import estimate_tokens
 
@@ -50,7 +51,8 @@ class UpstreamOptions:
     model: str
     api_key: str | None = None
     shares_device_tokenizer: bool = False  # exact usage and token-id continuation with the device's tokenizer
-    dialect: str = "chat"  # how it continues an answer (clients/continuation.py); "chat": fresh answers only
+    # How it continues an answer, the request fields it takes, how it reports usage (clients/dialects.py).
+    dialect: Dialect = GENERIC
     # "completions" to an upstream with a tokenizer of its own: its chat template, which continuations render
     chat_template: str | None = None
     token_id_prompts: bool = False  # the upstream takes prompts as token ids
@@ -59,7 +61,6 @@ class UpstreamOptions:
     # the schema in a system message, and the answer is checked against the schema before it is called finished.
     json_object_only: bool = False
     gbnf: bool = False  # a completions upstream enforces a GBNF `grammar` field (llama.cpp's servers)
-    stream_usage: bool = True  # ask for usage with `stream_options` (a server that rejects the field sends it anyway)
     connect_timeout: float = 3.0
     read_timeout: float = 60.0  # the longest silence between two streamed chunks
     write_timeout: float = 10.0
@@ -86,11 +87,11 @@ class OpenAICompatBackend(NoPrefixCache):
         # The device tokenizer when upstream shares it: exact usage without upstream help.
         self._count_exact = count_exact if options.shares_device_tokenizer else None
         self.dialect = options.dialect
-        self.can_continue = options.dialect != "chat"
+        self.can_continue = options.dialect.continuation.continues
         self.device_vocabulary = options.shares_device_tokenizer
         # Everything but requests with tools goes to /chat/completions, except to a completions upstream that shares
         # the device's template: that one gets the gateway's rendered prompt whenever there are tools or a prefix.
-        self._gateway_prompt = options.dialect == "completions" and options.chat_template is None
+        self._gateway_prompt = options.dialect.continuation.raw_prompt and options.chat_template is None
         # A chat request's upstream enforces tools and response_format itself; a raw prompt is only text, unless the
         # upstream takes a GBNF grammar.
         if self._gateway_prompt:
@@ -154,22 +155,22 @@ class OpenAICompatBackend(NoPrefixCache):
             "temperature": request.temperature,
             "top_p": request.top_p,
         }
-        if self.options.stream_usage:
+        if self.dialect.stream_usage:
             common["stream_options"] = {"include_usage": True}
         if request.stop:
             common["stop"] = list(request.stop)
         if request.seed is not None:
             common["seed"] = request.seed
-        if request.top_k:  # not OpenAI's own field: sent only when asked (vLLM, SGLang, llama.cpp take it)
-            common["top_k"] = request.top_k
+        # Fields beyond the core (reasoning_effort, llama.cpp's min_p, ...) go where the dialect takes them.
+        common.update(self.dialect.forwarded(request.extras))
         self._sampling_fields(request, common)
         continuing = bool(request.prefill or request.prefix_text or request.prefix_ids)
-        dialect = self.options.dialect
+        continuation = self.dialect.continuation
         constrained = self.structured_output == "gbnf" and request.gbnf is not None
         # Tools go in the prompt rendered by the gateway where the upstream takes raw prompts: the calls come back
         # as text in the one format the gateway reads (app/serving/structured.py).
         if request.messages is None or (self._gateway_prompt and (continuing or request.tools or constrained)):
-            if dialect != "completions":
+            if not continuation.raw_prompt:
                 raise BackendError(f"cloud backend {self.name!r} serves chat only", status=400, backend=self.name)
             if self.accepts_token_ids and request.prompt_ids is not None and (request.prefix_ids or not continuing):
                 prompt: str | list[int] = list(request.prompt_ids) + list(request.prefix_ids or ())
@@ -181,18 +182,18 @@ class OpenAICompatBackend(NoPrefixCache):
             return "/completions", {**common, **fields, "prompt": prompt}
         messages: list[dict] = list(request.messages)
         head = request.prefill + request.prefix_text  # the answer so far, as text
-        if continuing and dialect == "completions":
+        if continuing and continuation.raw_prompt:
             prompt = completions_prompt(self.options.chat_template, messages, head, request.tools)
             return "/completions", {**common, **self._completion_logprobs(request), "prompt": prompt}
         body = dict(common)
         if continuing:
-            if dialect not in CHAT_DIALECTS:
+            if not continuation.chat:
                 raise BackendError(
                     f"cloud backend {self.name!r} cannot continue an answer (continuation='chat')",
                     status=501,
                     backend=self.name,
                 )
-            messages, fields = chat_continuation(dialect, messages, head)
+            messages, fields = continuation.chat_request(messages, head)
             body.update(fields)
         if request.logprobs is not None:
             body["logprobs"] = True

@@ -60,7 +60,13 @@ async def while_connected(request: Request, work: Awaitable, what: str):
 
 
 def answer_headers(job: Job) -> dict[str, str]:
-    return {"x-request-id": job.id, "x-tandem-backend": job.backend or "", **job.limit_headers}
+    """An answer's headers once its first token is here: its trace's id, the endpoint that serves it, its key's
+    rate-limit headers, and the request's fields that endpoint did not apply (the trace says why)."""
+    headers = {"x-request-id": job.id, "x-tandem-backend": job.backend or "", **job.limit_headers}
+    ignored = job.ignored_fields()
+    if ignored:
+        headers["x-tandem-ignored-fields"] = ", ".join(ignored)
+    return headers
 
 
 def before_first_token(exc: BackendError, request_id: str) -> ApiError:

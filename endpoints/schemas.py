@@ -1,13 +1,17 @@
 """Pydantic models of the OpenAI surface Tandem serves.
 
-Requests forbid unknown fields: a parameter Tandem would silently ignore (tools,
-echo, best_of, ...) is answered with a 400 that names it, because a client
-that asked for it would otherwise get an answer that looks right and is not.
+Every field the pinned `openai` SDK's request types define is accepted (tests/integration/test_request_schema.py
+walks them), as OpenAI accepts them. Each is honoured, forwarded to an upstream whose dialect takes it
+(clients/dialects.py), or ignored visibly (the `x-tandem-ignored-fields` header and the trace say which and why):
+`extras()` hands the core those it does not apply itself. A field whose ignoring would hand back something other
+than what was asked (audio output, web search, moderation, echo, suffix, best_of > 1) is a 400 that says why. Fields
+OpenAI does not define are a 400 naming them, as OpenAI answers, except llama.cpp's sampling extras (top_k, min_p,
+typical_p, repeat_penalty, mirostat_*), which the device applies.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -46,6 +50,27 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # Tandem pads no chunks: false is what it does; true is ignored, visibly
+
+
+def _metadata_limits(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits on `metadata`: 16 pairs, keys of at most 64 characters, values of at most 512."""
+    if value is not None:
+        if len(value) > 16:
+            raise ValueError(f"at most 16 key-value pairs are allowed, got {len(value)}")
+        for key, item in value.items():
+            if len(key) > 64 or len(item) > 512:
+                raise ValueError(f"key {key[:64]!r}: keys are at most 64 characters and values at most 512")
+    return value
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
+
+
+class PromptCacheOptions(_Request):
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m", "12h"] | None = None
 
 
 class TandemOptions(_Request):
@@ -145,6 +170,13 @@ class ResponseFormat(_Request):
         return self
 
 
+class Prediction(_Request):
+    """A predicted output (OpenAI's latency optimisation: what is returned is the same without it)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 def _stop_list(value: str | list[str] | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -167,7 +199,40 @@ class _Sampling(_Request):
     logit_bias: (
         Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)] | None
     ) = None
+    # llama.cpp's sampling extras (llama-server's and llama-cpp-python's names): applied on the device, forwarded to
+    # upstreams whose dialect takes them (clients/dialects.py).
+    top_k: Annotated[int, Field(ge=0, le=_MAX_COUNT)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    typical_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    mirostat_mode: Literal[0, 1, 2] | None = None
+    mirostat_tau: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    mirostat_eta: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     tandem: TandemOptions | None = None
+
+    # The fields beyond the core (clients/dialects.py's PLATFORM_FIELDS and SAMPLING_EXTRAS, less top_k, which the
+    # core takes itself) this request type defines.
+    _EXTRAS: ClassVar[tuple[str, ...]] = (
+        "user",
+        "min_p",
+        "typical_p",
+        "repeat_penalty",
+        "mirostat_mode",
+        "mirostat_tau",
+        "mirostat_eta",
+    )
+
+    def extras(self) -> dict[str, object]:
+        """The fields beyond the core that the request sets, as plain JSON values: each endpoint applies or forwards
+        those its dialect takes, and the others are reported as ignored."""
+        out = {}
+        for name in self._EXTRAS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            out["stream_options.include_obfuscation"] = True
+        return out
 
     @field_validator("logit_bias")
     @classmethod
@@ -220,6 +285,112 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's and SGLang's way to continue the final assistant message (transformers' chat-template flags).
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
+    # OpenAI's platform fields: forwarded where the serving endpoint's dialect takes them, else ignored visibly.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    service_tier: ServiceTier | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: Annotated[str, Field(max_length=128)] | None = None
+    prediction: Prediction | None = None
+    # Text is what every endpoint writes: the rest would hand back something other than what was asked.
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    moderation: dict | None = None
+    # Deprecated, mapped onto tools and tool_choice (`functions_api`: the answer then speaks of function_call).
+    functions: Annotated[list[FunctionDefinition], Field(min_length=1, max_length=128)] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+
+    _EXTRAS: ClassVar[tuple[str, ...]] = (
+        *_Sampling._EXTRAS,
+        "metadata",
+        "store",
+        "reasoning_effort",
+        "verbosity",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "safety_identifier",
+        "prediction",
+    )
+
+    _metadata = field_validator("metadata")(_metadata_limits)
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value):
+        if value and "audio" in value:
+            raise ValueError("audio output is not available: Tandem's models write text only; ask for ['text']")
+        return value
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value):
+        if value is not None:
+            raise ValueError("audio output is not available: Tandem's models write text only")
+        return value
+
+    @field_validator("web_search_options")
+    @classmethod
+    def _no_web_search(cls, value):
+        if value is not None:
+            raise ValueError(
+                "web search is not available: no endpoint searches the web, and an answer without the search "
+                "would not be what was asked"
+            )
+        return value
+
+    @field_validator("moderation")
+    @classmethod
+    def _no_moderation(cls, value):
+        if value is not None:
+            raise ValueError(
+                "moderation is not available: Tandem runs no moderation model, and an unmoderated answer would not "
+                "be what was asked"
+            )
+        return value
+
+    @field_validator("functions")
+    @classmethod
+    def _functions_or_tools(cls, value, info):
+        if value is not None and (info.data.get("tools") is not None or info.data.get("tool_choice") is not None):
+            raise ValueError("send tools and tool_choice, or the deprecated functions and function_call, not both")
+        return value
+
+    @field_validator("function_call")
+    @classmethod
+    def _an_offered_function(cls, value, info):
+        functions = info.data.get("functions")
+        if value is not None and functions is None:
+            raise ValueError("function_call needs functions")
+        if isinstance(value, NamedFunction) and value.name not in {f.name for f in functions}:
+            raise ValueError(f"names {value.name!r}, which is not among functions")
+        return value
+
+    @model_validator(mode="after")
+    def _functions_as_tools(self):
+        """The deprecated `functions` / `function_call` as the tools and tool_choice they stand for."""
+        if self.functions is None:
+            return self
+        self.tools = [Tool(type="function", function=f) for f in self.functions]
+        choice = self.function_call
+        if isinstance(choice, NamedFunction):
+            self.tool_choice = NamedToolChoice(type="function", function=choice)
+        else:
+            self.tool_choice = choice
+        if self.parallel_tool_calls is None:
+            self.parallel_tool_calls = False  # the functions API answers with one call
+        return self
+
+    @property
+    def functions_api(self) -> bool:
+        """Whether the request used the deprecated functions API (its answer's call is a `function_call`)."""
+        return self.functions is not None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -262,10 +433,31 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | Annotated[list[Annotated[int, Field(ge=0, le=_MAX_COUNT)]], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = 16  # the OpenAI default for this endpoint
-    echo: Literal[False] | None = None
-    suffix: None = None
-    best_of: Literal[1] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=0, le=MAX_CHOICES)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value):
+        if value:
+            raise ValueError("echo is not available: the answer carries the completion only")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("suffix is not available: the models here complete text forwards only (no insertion)")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_of_one(cls, value):
+        if value is not None and value > 1:
+            raise ValueError("best_of > 1 is not available: each choice is one answer; ask for n choices instead")
+        return value
 
     @property
     def token_limit(self) -> int | None:
@@ -392,16 +584,7 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool | None = None
     tandem: TandemOptions | None = None
 
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_limits(cls, value: dict[str, str] | None):
-        if value is not None:
-            if len(value) > 16:
-                raise ValueError(f"at most 16 key-value pairs are allowed, got {len(value)}")
-            for key, item in value.items():
-                if len(key) > 64 or len(item) > 512:
-                    raise ValueError(f"key {key[:64]!r}: keys are at most 64 characters and values at most 512")
-        return value
+    _metadata = field_validator("metadata")(_metadata_limits)
 
     @field_validator("previous_response_id")
     @classmethod

@@ -39,7 +39,8 @@ class Serving(Protocol):
         """A recent request's trace (one per choice for n > 1), from any replica sharing the store; None when
         unknown or too old."""
 
-    def models(self) -> list[str]: ...
+    def models(self) -> list[dict]:
+        """Each model id a request may name, with its context window, capabilities, locality and price."""
 
     async def readiness(self) -> Readiness: ...
 
@@ -91,6 +92,8 @@ def _common(body: ChatCompletionRequest | CompletionRequest, key: KeyAccess | No
         "frequency_penalty": body.frequency_penalty,
         "logit_bias": body.logit_bias_pairs,
         "choices": body.choices,
+        "top_k": body.top_k,
+        "extras": body.extras(),
     }
 
 

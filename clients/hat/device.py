@@ -75,6 +75,7 @@ from typing import Any
 import torch
 
 from clients.base import BackendError, Concurrency, GenerationRequest, NoPrefixCache, TokenEvent
+from clients.dialects import TORCH
 from clients.grammar import HFTokenizerGrammars, TokenMask
 from clients.hat import wire
 from clients.hat.drafting import Drafter, DraftState
@@ -141,7 +142,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     locality = "split"
     structured_output = "grammar"  # clients/grammar.py: the head's logits masked before every pick, drafts included
     accepts_token_ids = False  # True when the worker's model shares the device's vocabulary (set by the gateway)
-    dialect = "tokens"
+    dialect = TORCH
 
     @property
     def device_vocabulary(self) -> bool:
