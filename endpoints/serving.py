@@ -33,6 +33,9 @@ class Serving(Protocol):
     async def prepare(self, request: ChatInput | CompletionInput) -> Job:
         """The request's job: routed, rendered, tokenised, checked. Raises app/serving/errors.py's refusals."""
 
+    async def count_tokens(self, request: ChatInput) -> int:
+        """The prompt `prepare` would render for it, in the device model's tokens; nothing admitted or run."""
+
     def answer(self, job: Job) -> AsyncIterator[Delta]: ...
 
     async def trace(self, request_id: str) -> dict | None:

@@ -103,6 +103,12 @@ class ServingCore:
         await self._admit(request, job)
         return job
 
+    async def count_tokens(self, request: ChatInput) -> int:
+        """The prompt the request's answer would prefill, in the device model's tokens: routed, rendered and counted
+        as `prepare` does, but never admitted (a count runs nothing, so it holds none of its key's limits)."""
+        job = await self._prepare_chat(request)
+        return job.prompt_tokens
+
     def answer(self, job: Job) -> AsyncIterator[Delta]:
         """The answer's deltas: by outline decoding when its gate said yes, else the orchestrator's."""
         deltas = OutlineDecoding(self).generate(job) if job.outline is not None else self.orchestrator.generate(job)
