@@ -323,7 +323,7 @@ class OpenAICompatBackend(NoPrefixCache):
                 raise BackendError(f"cloud backend {self.name!r} failed mid-stream: {message}", 502, self.name)
             if chunk.get("usage"):
                 usage = self._usage(chunk["usage"], data)
-            for text, reason, lps, pieces, reasoning in self._choices(chunk, data, request.logprobs is not None):
+            for text, reason, lps, pieces, reasoning in self._choices(chunk, data, request.logprobs):
                 if reasoning:
                     yield TokenEvent(text="", reasoning=reasoning)
                 if text:
@@ -368,9 +368,10 @@ class OpenAICompatBackend(NoPrefixCache):
         return BackendError(f"cloud backend {self.name!r} {what}", 502, self.name)
 
     def _choices(
-        self, chunk: dict, data: bytes, logprobs: bool = False
+        self, chunk: dict, data: bytes, logprobs: int | None = None
     ) -> list[tuple[str, str | None, tuple[TokenLogprob, ...] | None, list, str]]:
-        """(text, finish reason, logprobs if asked, tool call pieces, reasoning) of each choice of a chunk; a chunk
+        """(text, finish reason, logprobs if asked (`logprobs` alternatives a token), tool call pieces, reasoning) of
+        each choice of a chunk; a chunk
         of any other shape is an upstream fault. Reasoning is a chat delta's `reasoning_content` (DeepSeek, vLLM
         before 0.10, llama-server, SGLang) or `reasoning` (vLLM since, OpenRouter, Ollama)."""
         choices = chunk.get("choices")
@@ -404,7 +405,7 @@ class OpenAICompatBackend(NoPrefixCache):
                 raise self._malformed(
                     f"sent a choice whose text, reasoning or finish_reason is not a string: {data[:100]!r}"
                 )
-            lps = _logprobs(choice.get("logprobs")) if logprobs else None
+            lps = _logprobs(choice.get("logprobs"), logprobs) if logprobs is not None else None
             out.append((text or "", reason, lps, pieces, reasoning or ""))
         return out
 
@@ -443,10 +444,12 @@ def _call_text(call: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': call['name'], 'arguments': arguments})}\n</tool_call>"
 
 
-def _logprobs(obj) -> tuple[TokenLogprob, ...] | None:
+def _logprobs(obj, top: int) -> tuple[TokenLogprob, ...] | None:
     """An upstream choice's logprobs, chat shape (`content: [{token, logprob, bytes, top_logprobs}]`) or completions
-    shape (`tokens`, `token_logprobs`, `top_logprobs: [{token: logprob}]`); None when absent or not understood
-    (the relay then reports the text's logprob as null rather than failing a good answer)."""
+    shape (`tokens`, `token_logprobs`, `top_logprobs: [{token: logprob}]`), each token's alternatives the `top`
+    likeliest (as OpenAI returns them: llama-cpp-python's server adds the sampled token when it is not among them);
+    None when absent or not understood (the relay then reports the text's logprob as null rather than failing a good
+    answer)."""
     if not isinstance(obj, dict):
         return None
     try:
@@ -455,14 +458,14 @@ def _logprobs(obj) -> tuple[TokenLogprob, ...] | None:
                 TokenLogprob(
                     float(e["logprob"]),
                     bytes(e["bytes"]) if e.get("bytes") is not None else e["token"].encode("utf-8"),
-                    tuple(
+                    _likeliest(
                         (
                             str(t["token"]),
                             float(t["logprob"]),
                             bytes(t["bytes"]) if t.get("bytes") is not None else str(t["token"]).encode("utf-8"),
                         )
                         for t in e.get("top_logprobs") or ()
-                    ),
+                    )[:top],
                     str(e["token"]),
                 )
                 for e in obj["content"]
@@ -473,16 +476,18 @@ def _logprobs(obj) -> tuple[TokenLogprob, ...] | None:
             TokenLogprob(
                 None if lp is None else float(lp),
                 str(tok).encode("utf-8"),
-                tuple(
-                    (str(t), float(v), str(t).encode("utf-8"))
-                    for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1])
-                ),
+                _likeliest((str(t), float(v), str(t).encode("utf-8")) for t, v in (alternatives or {}).items())[:top],
                 str(tok),
             )
-            for tok, lp, top in zip(tokens, values, tops, strict=True)
+            for tok, lp, alternatives in zip(tokens, values, tops, strict=True)
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
+
+
+def _likeliest(alternatives) -> tuple[tuple[str, float, bytes], ...]:
+    """A token's alternatives, most likely first."""
+    return tuple(sorted(alternatives, key=lambda alt: -alt[1]))
 
 
 async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
