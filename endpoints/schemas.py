@@ -71,6 +71,9 @@ ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 class PromptCacheOptions(_Request):
     mode: Literal["implicit", "explicit"] | None = None
     ttl: Literal["30m", "12h"] | None = None
+    # The Responses API's own:
+    comparison_response_id: str | None = None
+    prewarm: bool | None = None
 
 
 class TandemOptions(_Request):
@@ -103,11 +106,14 @@ class ToolCall(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "function": the deprecated functions API's result turn (a tool turn answering the function_call before it).
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    function_call: FunctionCall | None = None  # an assistant turn of the functions API (mapped onto tool_calls)
+    refusal: str | None = None  # an earlier answer's refusal sent back: history, not for the model
     # Mistral's and DeepSeek's prefix completion: this final assistant message is the start of the answer.
     prefix: bool | None = None
 
@@ -119,6 +125,10 @@ class ChatMessage(_Request):
             raise ValueError("only an assistant message can be a prefix")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.function_call is not None and (self.role != "assistant" or self.tool_calls is not None):
+            raise ValueError("only an assistant message without tool_calls carries a function_call")
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message needs the name of the function it answers")
         return self
 
     def text(self) -> str:
@@ -373,6 +383,27 @@ class ChatCompletionRequest(_Sampling):
         return value
 
     @model_validator(mode="after")
+    def _function_turns_as_tool_turns(self):
+        """The functions API's history as the tools API's: an assistant function_call as a one-call tool_calls, a
+        function message as the tool message answering it."""
+        if not any(m.function_call is not None or m.role == "function" for m in self.messages):
+            return self
+        turns, last_call = [], None
+        for index, m in enumerate(self.messages):
+            if m.function_call is not None:
+                last_call = f"call_function_{index}"
+                m = m.model_copy(
+                    update={"function_call": None, "tool_calls": [ToolCall(id=last_call, function=m.function_call)]}
+                )
+            elif m.role == "function":
+                if last_call is None:
+                    raise ValueError(f"messages[{index}]: a function message must follow an assistant function_call")
+                m = m.model_copy(update={"role": "tool", "name": None, "tool_call_id": last_call})
+            turns.append(m)
+        self.messages = turns
+        return self
+
+    @model_validator(mode="after")
     def _functions_as_tools(self):
         """The deprecated `functions` / `function_call` as the tools and tool_choice they stand for."""
         if self.functions is None:
@@ -564,6 +595,18 @@ class TextFormat(_Request):
 
 class TextConfig(_Request):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesReasoning(_Request):
+    effort: ReasoningEffort | None = None  # chat's reasoning_effort
+    summary: Literal["auto", "concise", "detailed"] | None = None  # no reasoning items here: ignored visibly
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+
+
+class ResponsesStreamOptions(_Request):
+    include_obfuscation: bool | None = None
 
 
 class ResponsesRequest(_Request):
@@ -582,13 +625,78 @@ class ResponsesRequest(_Request):
     tools: Annotated[list[ResponsesFunctionTool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
     parallel_tool_calls: bool | None = None
+    # Chat's platform fields, forwarded on the chat leg where taken (text.verbosity and reasoning.effort too).
+    prompt_cache_key: str | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: Annotated[str, Field(max_length=128)] | None = None
+    service_tier: ServiceTier | None = None
+    reasoning: ResponsesReasoning | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    # This API's own, none of which changes the answer here: ignored visibly.
+    truncation: Literal["auto", "disabled"] | None = None  # "disabled" is what Tandem does (a 400 past the window)
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
+    context_management: list[dict] | None = None
+    access_programs: dict | None = None
+    image: dict | None = None
+    background_options: dict | None = None
+    # Stateful or built on what Tandem has not: a 400 saying why.
+    background: bool | None = None
+    conversation: str | dict | None = None
+    prompt: dict | None = None
+    moderation: dict | None = None
     tandem: TandemOptions | None = None
 
     _metadata = field_validator("metadata")(_metadata_limits)
 
-    @field_validator("previous_response_id")
+    @field_validator("previous_response_id", "conversation", "prompt")
     @classmethod
-    def _stateless(cls, value: str | None):
+    def _stateless(cls, value, info):
         if value is not None:
-            raise ValueError("Tandem is stateless and stores no responses; send the whole conversation as input")
+            what = {"prompt": "stored prompts", "conversation": "conversations"}.get(info.field_name, "responses")
+            raise ValueError(f"Tandem is stateless and stores no {what}; send the whole conversation as input")
         return value
+
+    @field_validator("background")
+    @classmethod
+    def _in_the_foreground(cls, value):
+        if value:
+            raise ValueError("background responses need a stored response to fetch later; Tandem stores none")
+        return value
+
+    @field_validator("moderation")
+    @classmethod
+    def _no_moderation(cls, value):
+        if value is not None:
+            raise ValueError("moderation is not available: Tandem runs no moderation model")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _no_output_logprobs(cls, value):
+        if value and "message.output_text.logprobs" in value:
+            raise ValueError("message.output_text.logprobs is not available: this API's answers carry no logprobs here")
+        return value
+
+    def ignored_extras(self) -> dict[str, object]:
+        """This API's own fields that no endpoint applies (each reported as ignored with the answer)."""
+        out = {
+            name: getattr(self, name)
+            for name in (
+                "include",
+                "top_logprobs",
+                "max_tool_calls",
+                "context_management",
+                "access_programs",
+                "image",
+                "background_options",
+            )
+            if getattr(self, name) is not None
+        }
+        if self.truncation == "auto":
+            out["truncation"] = "auto"
+        if self.reasoning is not None and (self.reasoning.summary or self.reasoning.generate_summary):
+            out["reasoning.summary"] = self.reasoning.summary or self.reasoning.generate_summary
+        return out

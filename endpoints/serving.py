@@ -115,7 +115,7 @@ def chat_input(body: ChatCompletionRequest, key: KeyAccess | None, id_prefix: st
         **_common(body, key),
         messages=tuple(
             {
-                **m.model_dump(exclude_none=True, exclude={"prefix"}),
+                **m.model_dump(exclude_none=True, exclude={"prefix", "refusal"}),
                 "role": "system" if m.role == "developer" else m.role,
             }
             for m in body.messages
