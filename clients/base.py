@@ -69,6 +69,11 @@ class GenerationRequest:
     request_id: str = ""
 
     @property
+    def min_p(self) -> float:
+        """llama.cpp's min_p when the request sent it (among its extras), else 0: no such cut."""
+        return float(self.extras.get("min_p", 0.0))
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether the logits are changed before sampling (penalties or logit_bias)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)

@@ -143,9 +143,9 @@ class Dialect:
 
 
 # The device's llama.cpp applies its sampling extras; the torch backends and HAT's device half sample with
-# clients/sampling.py, which cuts to the top k only.
+# clients/sampling.py, which cuts to the top k and by min_p.
 LLAMA_CPP = Dialect("llama.cpp", CONTINUATIONS["tokens"], forwards=LLAMA_SAMPLING)
-TORCH = Dialect("torch", CONTINUATIONS["tokens"], forwards=_frozen({"top_k": "top_k"}))
+TORCH = Dialect("torch", CONTINUATIONS["tokens"], forwards=_frozen({"top_k": "top_k", "min_p": "min_p"}))
 
 _VLLM_SAMPLING = {"top_k": "top_k", "min_p": "min_p", "repeat_penalty": "repetition_penalty"}
 

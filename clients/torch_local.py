@@ -334,7 +334,7 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
             scores = logits if adjust is None else adjust.apply(logits)
             if mask is not None:
                 scores = mask.apply(scores)
-            token = sample_next(scores, req.temperature, req.top_p, generator, req.top_k)
+            token = sample_next(scores, req.temperature, req.top_p, generator, req.top_k, req.min_p)
             if adjust is not None:
                 adjust.accept(token)
             if req.logprobs is not None:

@@ -502,7 +502,9 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         scores = logits if adjust is None else adjust.apply(logits)
         if mask is not None:  # after penalties / logit_bias: nothing may bring back a token the grammar forbids
             scores = await self.thread.run(mask.apply, scores)
-        pending = [await self.thread.run(sample_next, scores, req.temperature, req.top_p, generator, req.top_k)]
+        pending = [
+            await self.thread.run(sample_next, scores, req.temperature, req.top_p, generator, req.top_k, req.min_p)
+        ]
         pending_lps = None
         if req.logprobs is not None:
             pending_lps = [await self.thread.run(token_logprob, logits, pending[0], req.logprobs, self.token_bytes)]

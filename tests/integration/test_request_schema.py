@@ -110,6 +110,7 @@ cloud = "oai"
 fallback = false
 [device]
 model = "{SMOL}"
+reproducible = true   # greedy text is compared across requests: one evaluation path
 n_ctx = 2048
 [disco]
 migration = false
@@ -189,6 +190,18 @@ def test_the_device_applies_llamas_sampling_extras_and_ignores_the_platform_fiel
     assert trace["user"] == "alice" and trace["metadata"] == {"team": "qa"}
     assert set(trace["ignored_fields"]) == set(PLATFORM) - set(RECORDED_FIELDS)
     assert all("device" in why for why in trace["ignored_fields"].values())
+
+
+def test_the_device_samples_under_min_p(gw):
+    """min_p = 1 keeps only the likeliest token: a hot sampler then writes the greedy answer (on the reproducible
+    path, so the two requests evaluate alike); without it, the same seed writes another."""
+    c = client(gw)
+    ask = {"model": "device", "messages": MESSAGES, "max_tokens": 16}
+    greedy = c.chat.completions.create(**ask, temperature=0).choices[0].message.content
+    hot = {**ask, "temperature": 2.0, "seed": 3}
+    cut = c.chat.completions.create(**hot, extra_body={"min_p": 1.0}).choices[0].message.content
+    free = c.chat.completions.create(**hot).choices[0].message.content
+    assert cut == greedy != free
 
 
 def test_openais_dialect_gets_every_platform_field_as_sent_and_no_llama_extra(gw, upstream):
