@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 from fastapi import APIRouter, Depends, Request
@@ -48,7 +48,7 @@ def _choice(body, chat: bool, index: int, answer: Collected) -> dict:
         message = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
         if answer.reasoning:
             message["reasoning_content"] = answer.reasoning
-        if calls and getattr(body, "functions_api", False):  # the deprecated functions API: its one call
+        if calls and body.functions_api:  # the deprecated functions API: its one call
             message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
             finish = "function_call" if finish == "tool_calls" else finish
         elif calls:
@@ -62,7 +62,9 @@ def _choice(body, chat: bool, index: int, answer: Collected) -> dict:
     return {**choice, "logprobs": lp, "finish_reason": finish}
 
 
-def _completion(body, chat: bool, job: Job, choices: list[dict], usage: Usage, backends: str) -> JSONResponse:
+def _completion(
+    body, chat: bool, job: Job, choices: list[dict], usage: Usage, backends: str, jobs: Sequence[Job] = ()
+) -> JSONResponse:
     return JSONResponse(
         {
             "id": job.id,
@@ -73,7 +75,7 @@ def _completion(body, chat: bool, job: Job, choices: list[dict], usage: Usage, b
             "choices": choices,
             "usage": _usage(usage),
         },
-        headers={**answer_headers(job), "x-tandem-backend": backends},
+        headers={**answer_headers(job, jobs), "x-tandem-backend": backends},
     )
 
 
@@ -89,7 +91,7 @@ async def _answer(request: Request, serving: Serving, api: ApiOptions, body, job
             chat,
             body.include_usage,
             logprobs=body.logprobs_top is not None,
-            functions_api=getattr(body, "functions_api", False),
+            functions_api=body.functions_api,
         )
         return streamed(api, answer_headers(job), stream_answer(job, first, stream, chunks))
     answer = await while_connected(request, collect(job, first, stream), "mid-answer")
@@ -168,11 +170,11 @@ async def _answer_choices(request: Request, serving: Serving, api: ApiOptions, b
                 body.include_usage,
                 index=i,
                 logprobs=lp,
-                functions_api=getattr(body, "functions_api", False),
+                functions_api=body.functions_api,
             )
             for i in range(len(jobs))
         ]
-        headers = {**answer_headers(job), "x-tandem-backend": jobs[first[0]].backend or ""}
+        headers = {**answer_headers(job, jobs), "x-tandem-backend": jobs[first[0]].backend or ""}
         return streamed(api, headers, stream_choices(job.id, first, merged, chunks, lambda: _summed_usage(jobs)))
 
     async def one(j: Job):
@@ -201,7 +203,7 @@ async def _answer_choices(request: Request, serving: Serving, api: ApiOptions, b
         raise
     choices = [_choice(body, chat, i, r) for i, r in enumerate(results)]
     backends = ",".join(dict.fromkeys(j.backend or "" for j in jobs))
-    return _completion(body, chat, job, choices, _summed_usage(jobs), backends)
+    return _completion(body, chat, job, choices, _summed_usage(jobs), backends, jobs)
 
 
 @router.post("/chat/completions")

@@ -270,6 +270,11 @@ class _Sampling(_Request):
         return _stop_list(self.stop)
 
     @property
+    def functions_api(self) -> bool:
+        """Whether the request used the deprecated functions API (its answer's call is then a `function_call`)."""
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -420,7 +425,6 @@ class ChatCompletionRequest(_Sampling):
 
     @property
     def functions_api(self) -> bool:
-        """Whether the request used the deprecated functions API (its answer's call is a `function_call`)."""
         return self.functions is not None
 
     @field_validator("top_logprobs")

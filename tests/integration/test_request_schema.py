@@ -163,6 +163,11 @@ def test_the_sdk_chat_parameters_are_each_handled(gw):
         # On the device, a platform field it does not take is named in the header (user and metadata the trace keeps).
         expected = {name} if name in PLATFORM_FIELDS and name not in RECORDED_FIELDS else set()
         assert ignored(raw.headers) == expected, name
+    # n > 1: every choice's endpoint counts.
+    raw = c.chat.completions.with_raw_response.create(
+        model="device", messages=MESSAGES, max_tokens=3, n=2, reasoning_effort="low"
+    )
+    assert len(raw.parse().choices) == 2 and ignored(raw.headers) == {"reasoning_effort"}
 
 
 def test_modalities_with_audio_is_refused_saying_why(gw):
