@@ -65,23 +65,24 @@ async def check(cloud: CloudSettings, device_template: str | None) -> tuple[Outc
     """(the fresh answer, the continuation) of a cloud, asked through the backend a gateway builds for it."""
     backend = OpenAICompatBackend("check", upstream_options(cloud))
     try:
-        return await _check(backend, cloud.continuation, device_template)
+        return await _check(backend, device_template)
     finally:
         await backend.close()
 
 
-async def _check(backend: OpenAICompatBackend, dialect: str, device_template: str | None) -> tuple[Outcome, Outcome]:
+async def _check(backend: OpenAICompatBackend, device_template: str | None) -> tuple[Outcome, Outcome]:
+    continuation = backend.dialect.continuation
     try:
         pieces, seconds = await _ask(backend, _request(GREETING, "", device_template))
         fresh = Outcome("ok", "".join(pieces), seconds)
     except BackendError as exc:
         fresh = Outcome("refused", str(exc), 0.0)
-    if dialect == "chat":
+    if not continuation.continues:
         return fresh, Outcome("not asked", "continuation = 'chat': this cloud only starts answers", 0.0)
     try:
         pieces, seconds = await _ask(backend, _request(COUNTING, BEGUN, device_template))
         text = "".join(pieces)
-        if dialect == "prefill" and pieces and pieces[0].startswith(BEGUN):
+        if continuation.echoes_prefill and pieces and pieces[0].startswith(BEGUN):
             # llama-server sends the prefill back first, in one piece (an answer begun again spells it token by
             # token); a migration's seam drops it (app/serving/seam.py).
             text = f"[{BEGUN} sent back, dropped]" + text[len(BEGUN) :]

@@ -43,6 +43,7 @@ from app.serving.budget import (
 from app.serving.budget import from_config as budget_from_config
 from app.serving.limits import KeyLimits
 from app.worker.settings import WorkerSettings
+from clients.dialects import UPSTREAM_CONTINUATIONS
 from clients.hat.options import HATOptions
 from policies.dispatch import DEFAULT_ALPHA, canonical_name
 
@@ -235,14 +236,14 @@ class CloudSettings(_Strict):
     # Qwen pair does), so prompts and continuations go as token IDs and usage is exact.
     # "tiktoken": unknown tokenizer; text continuation, usage estimated with cl100k_base.
     tokenizer: Literal["device", "tiktoken"] = "tiktoken"
-    # How to continue an answer from a delivered prefix (clients/continuation.py):
+    # How to continue an answer from a delivered prefix (clients/dialects.py):
     # "prefill": a final assistant message (llama-server, Anthropic, OpenRouter, Ollama);
     # "prefix-flag": that message with "prefix": true (Mistral, DeepSeek's beta URL);
     # "continue-final-message": that message and continue_final_message = true (vLLM, SGLang);
     # "completions": raw /v1/completions with the chat template applied in the gateway (the device's; or the
     #   upstream's own, named by `template`, for an upstream whose tokenizer differs);
     # "chat": /v1/chat/completions only (no continuation; fresh answers only).
-    continuation: Literal["chat", "prefill", "prefix-flag", "continue-final-message", "completions"] = "chat"
+    continuation: Literal[UPSTREAM_CONTINUATIONS] = "chat"  # type: ignore[valid-type]
     # The upstream's chat template, for continuation = "completions" with a tokenizer of its own: a bundled model
     # name, or the path of its GGUF, its tokenizer_config.json or a Jinja template file.
     template: str = ""

@@ -8,9 +8,11 @@ the client), which is what failover and migration build on.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+from clients.dialects import Dialect
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class GenerationRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # sample from the k likeliest tokens only; 0: no such cut
+    # Fields beyond the core, as the client sent them (clients/dialects.py: OpenAI's platform fields, llama.cpp's
+    # sampling extras; top_k among them when asked): an endpoint applies or forwards those its dialect takes.
+    extras: Mapping[str, object] = field(default_factory=dict)
     stop: tuple[str, ...] = ()  # enforced by the gateway's relay, not by backends (why: clients/token_emitter.py)
     seed: int | None = None
     # Tools and structured output (app/serving/structured.py). The tools are in `prompt_text` already; a chat
@@ -62,6 +67,11 @@ class GenerationRequest:
     # The request this generation serves (its id, the client's x-request-id): a backend's own events name it (a HAT
     # session's, so its span events land on the request's trace). Never sent upstream.
     request_id: str = ""
+
+    @property
+    def min_p(self) -> float:
+        """llama.cpp's min_p when the request sent it (among its extras), else 0: no such cut."""
+        return float(self.extras.get("min_p", 0.0))
 
     @property
     def adjusts_logits(self) -> bool:
@@ -156,10 +166,8 @@ class Backend(Protocol):
     model_id: str  # the model this backend serves, as reported by /v1/models
     # What the orchestrator plans with:
     can_continue: bool  # continues an answer from a delivered prefix (GenerationRequest.prefix_*)
-    # How it continues one (clients/continuation.py): "tokens" (a backend on the device's side of the wire: it
-    # evaluates the prefix itself), or an upstream's dialect: "completions", "prefill", "prefix-flag",
-    # "continue-final-message"; "chat" cannot.
-    dialect: str
+    # How it continues one, which request fields beyond the core it takes, how it reports usage (clients/dialects.py)
+    dialect: Dialect
     device_vocabulary: bool  # its model has the device model's tokenizer (a text prefix re-tokenises as it was)
     accepts_token_ids: bool  # takes prompts as token ids of the device model's vocabulary
     evaluations: int  # generations started so far: its KV cache can only have changed when this moved

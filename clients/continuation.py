@@ -1,19 +1,10 @@
-"""Continuation dialects: how an OpenAI-compatible upstream is asked to go on with an answer that has already begun.
+"""Continuing an answer on an upstream that takes a raw prompt, and where its chat template comes from.
 
-Each server documents its own way, and each is sent exactly as documented:
-
-- "prefill": the answer so far as a final assistant message, which the server continues (llama.cpp's llama-server by
-  default since 2025, Anthropic's API, OpenRouter, Ollama).
-- "prefix-flag": the same message with `"prefix": true` on it (Mistral; DeepSeek on its beta base URL).
-- "continue-final-message": the same message, and `continue_final_message: true` with `add_generation_prompt:
-  false` at the top level (vLLM, SGLang, Aphrodite: transformers' chat templates).
-- "completions": raw `/v1/completions` with the chat template applied here: the device's rendered prompt when the
-  upstream shares the device's tokenizer, else the upstream's own template (from its GGUF, a template file or its
-  `tokenizer_config.json`, named in config) over the messages, the answer so far appended as text.
-- "chat": none; such an upstream only starts answers.
-
-What the answer so far is, and where its seam lies (trailing whitespace moved out of it), is the orchestrator's
-(app/serving/seam.py); here only the request each dialect sends.
+Which dialect an endpoint continues in, and how a chat dialect's request looks, is clients/dialects.py's. Here only
+what the "completions" dialect needs: the raw prompt that continues an answer (the upstream's own template over the
+messages, the answer so far appended as text), and reading that template from a GGUF, a `tokenizer_config.json` or
+a Jinja file. What the answer so far is, and where its seam lies (trailing whitespace moved out of it), is the
+orchestrator's (app/serving/seam.py).
 """
 
 from __future__ import annotations
@@ -24,23 +15,6 @@ from pathlib import Path
 
 from clients.chat_template import render_chat
 from clients.gguf_meta import read_chat_template
-
-DIALECTS = ("chat", "prefill", "prefix-flag", "continue-final-message", "completions")
-CHAT_DIALECTS = ("prefill", "prefix-flag", "continue-final-message")
-
-
-def chat_continuation(dialect: str, messages: Sequence[dict], head: str) -> tuple[list[dict], dict]:
-    """The messages, and the body's top-level fields, that ask a `dialect` server to continue an answer that begins
-    with `head`."""
-    final: dict = {"role": "assistant", "content": head}
-    fields: dict = {}
-    if dialect == "prefix-flag":
-        final["prefix"] = True
-    elif dialect == "continue-final-message":
-        fields = {"continue_final_message": True, "add_generation_prompt": False}
-    elif dialect != "prefill":
-        raise ValueError(f"{dialect!r} is not a chat continuation dialect")
-    return [*messages, final], fields
 
 
 def completions_prompt(template: str, messages: Sequence[dict], head: str, tools: Sequence[dict] = ()) -> str:

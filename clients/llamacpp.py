@@ -40,6 +40,7 @@ from pathlib import Path
 
 from clients.base import BackendError, Concurrency, GenerationRequest, TokenEvent
 from clients.chat_template import render_chat
+from clients.dialects import LLAMA_CPP
 from clients.grammar import LlamaVocabGrammars, TokenMask
 from clients.logprobs import NumpyLogitAdjuster, entry_from_logprobs, log_softmax
 from clients.prompt_tokens import PromptTokenizer
@@ -56,7 +57,7 @@ CANONICAL_CHUNK = 32
 
 class LlamaCppBackend:
     can_continue = True
-    dialect = "tokens"
+    dialect = LLAMA_CPP
     device_vocabulary = True  # it is the device model
     locality = "device"
     structured_output = "grammar"  # clients/grammar.py, in the sampling loop
@@ -321,6 +322,7 @@ class LlamaCppBackend:
         seed = request.seed if request.seed is not None else random.getrandbits(31)
         llm.set_seed(seed)
         greedy = request.temperature <= 0
+        extras = request.extras
         emitter = TokenEmitter(PieceDetokenizer(lambda tok: llm.detokenize([tok])), self._is_eog, max_tokens, mask)
         cached: int | None = self.cached_prefix(ids)
         self.evaluations += 1
@@ -333,8 +335,13 @@ class LlamaCppBackend:
             temp=0.0 if greedy else request.temperature,
             top_p=1.0 if greedy else request.top_p,
             top_k=0 if greedy else request.top_k,  # 0: no cut
-            min_p=0.0,
-            repeat_penalty=1.0,
+            # llama.cpp's own sampling extras, when the request sent them (clients/dialects.py); off otherwise.
+            min_p=float(extras.get("min_p", 0.0)),
+            typical_p=float(extras.get("typical_p", 1.0)),
+            repeat_penalty=float(extras.get("repeat_penalty", 1.0)),
+            mirostat_mode=int(extras.get("mirostat_mode", 0)),
+            mirostat_tau=float(extras.get("mirostat_tau", 5.0)),
+            mirostat_eta=float(extras.get("mirostat_eta", 0.1)),
             reset=not self.reproducible,
             logits_processor=processors,
         ):

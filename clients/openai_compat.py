@@ -35,7 +35,8 @@ from clients.base import (
     TokenLogprob,
     Usage,
 )
-from clients.continuation import CHAT_DIALECTS, chat_continuation, completions_prompt
+from clients.continuation import completions_prompt
+from clients.dialects import GENERIC, Dialect
 from clients.http_transport import AsyncioHTTPTransport
 from clients.tokencount import estimate_tokens
 
@@ -50,7 +51,8 @@ class UpstreamOptions:
     model: str
     api_key: str | None = None
     shares_device_tokenizer: bool = False  # exact usage and token-id continuation with the device's tokenizer
-    dialect: str = "chat"  # how it continues an answer (clients/continuation.py); "chat": fresh answers only
+    # How it continues an answer, the request fields it takes, how it reports usage (clients/dialects.py).
+    dialect: Dialect = GENERIC
     # "completions" to an upstream with a tokenizer of its own: its chat template, which continuations render
     chat_template: str | None = None
     token_id_prompts: bool = False  # the upstream takes prompts as token ids
@@ -59,7 +61,6 @@ class UpstreamOptions:
     # the schema in a system message, and the answer is checked against the schema before it is called finished.
     json_object_only: bool = False
     gbnf: bool = False  # a completions upstream enforces a GBNF `grammar` field (llama.cpp's servers)
-    stream_usage: bool = True  # ask for usage with `stream_options` (a server that rejects the field sends it anyway)
     connect_timeout: float = 3.0
     read_timeout: float = 60.0  # the longest silence between two streamed chunks
     write_timeout: float = 10.0
@@ -86,11 +87,11 @@ class OpenAICompatBackend(NoPrefixCache):
         # The device tokenizer when upstream shares it: exact usage without upstream help.
         self._count_exact = count_exact if options.shares_device_tokenizer else None
         self.dialect = options.dialect
-        self.can_continue = options.dialect != "chat"
+        self.can_continue = options.dialect.continuation.continues
         self.device_vocabulary = options.shares_device_tokenizer
         # Everything but requests with tools goes to /chat/completions, except to a completions upstream that shares
         # the device's template: that one gets the gateway's rendered prompt whenever there are tools or a prefix.
-        self._gateway_prompt = options.dialect == "completions" and options.chat_template is None
+        self._gateway_prompt = options.dialect.continuation.raw_prompt and options.chat_template is None
         # A chat request's upstream enforces tools and response_format itself; a raw prompt is only text, unless the
         # upstream takes a GBNF grammar.
         if self._gateway_prompt:
@@ -154,22 +155,22 @@ class OpenAICompatBackend(NoPrefixCache):
             "temperature": request.temperature,
             "top_p": request.top_p,
         }
-        if self.options.stream_usage:
+        if self.dialect.stream_usage:
             common["stream_options"] = {"include_usage": True}
         if request.stop:
             common["stop"] = list(request.stop)
         if request.seed is not None:
             common["seed"] = request.seed
-        if request.top_k:  # not OpenAI's own field: sent only when asked (vLLM, SGLang, llama.cpp take it)
-            common["top_k"] = request.top_k
+        # Fields beyond the core (reasoning_effort, llama.cpp's min_p, ...) go where the dialect takes them.
+        common.update(self.dialect.forwarded(request.extras))
         self._sampling_fields(request, common)
         continuing = bool(request.prefill or request.prefix_text or request.prefix_ids)
-        dialect = self.options.dialect
+        continuation = self.dialect.continuation
         constrained = self.structured_output == "gbnf" and request.gbnf is not None
         # Tools go in the prompt rendered by the gateway where the upstream takes raw prompts: the calls come back
         # as text in the one format the gateway reads (app/serving/structured.py).
         if request.messages is None or (self._gateway_prompt and (continuing or request.tools or constrained)):
-            if dialect != "completions":
+            if not continuation.raw_prompt:
                 raise BackendError(f"cloud backend {self.name!r} serves chat only", status=400, backend=self.name)
             if self.accepts_token_ids and request.prompt_ids is not None and (request.prefix_ids or not continuing):
                 prompt: str | list[int] = list(request.prompt_ids) + list(request.prefix_ids or ())
@@ -181,18 +182,18 @@ class OpenAICompatBackend(NoPrefixCache):
             return "/completions", {**common, **fields, "prompt": prompt}
         messages: list[dict] = list(request.messages)
         head = request.prefill + request.prefix_text  # the answer so far, as text
-        if continuing and dialect == "completions":
+        if continuing and continuation.raw_prompt:
             prompt = completions_prompt(self.options.chat_template, messages, head, request.tools)
             return "/completions", {**common, **self._completion_logprobs(request), "prompt": prompt}
         body = dict(common)
         if continuing:
-            if dialect not in CHAT_DIALECTS:
+            if not continuation.chat:
                 raise BackendError(
                     f"cloud backend {self.name!r} cannot continue an answer (continuation='chat')",
                     status=501,
                     backend=self.name,
                 )
-            messages, fields = chat_continuation(dialect, messages, head)
+            messages, fields = continuation.chat_request(messages, head)
             body.update(fields)
         if request.logprobs is not None:
             body["logprobs"] = True
@@ -322,7 +323,7 @@ class OpenAICompatBackend(NoPrefixCache):
                 raise BackendError(f"cloud backend {self.name!r} failed mid-stream: {message}", 502, self.name)
             if chunk.get("usage"):
                 usage = self._usage(chunk["usage"], data)
-            for text, reason, lps, pieces, reasoning in self._choices(chunk, data, request.logprobs is not None):
+            for text, reason, lps, pieces, reasoning in self._choices(chunk, data, request.logprobs):
                 if reasoning:
                     yield TokenEvent(text="", reasoning=reasoning)
                 if text:
@@ -367,9 +368,10 @@ class OpenAICompatBackend(NoPrefixCache):
         return BackendError(f"cloud backend {self.name!r} {what}", 502, self.name)
 
     def _choices(
-        self, chunk: dict, data: bytes, logprobs: bool = False
+        self, chunk: dict, data: bytes, logprobs: int | None = None
     ) -> list[tuple[str, str | None, tuple[TokenLogprob, ...] | None, list, str]]:
-        """(text, finish reason, logprobs if asked, tool call pieces, reasoning) of each choice of a chunk; a chunk
+        """(text, finish reason, logprobs if asked (`logprobs` alternatives a token), tool call pieces, reasoning) of
+        each choice of a chunk; a chunk
         of any other shape is an upstream fault. Reasoning is a chat delta's `reasoning_content` (DeepSeek, vLLM
         before 0.10, llama-server, SGLang) or `reasoning` (vLLM since, OpenRouter, Ollama)."""
         choices = chunk.get("choices")
@@ -403,7 +405,7 @@ class OpenAICompatBackend(NoPrefixCache):
                 raise self._malformed(
                     f"sent a choice whose text, reasoning or finish_reason is not a string: {data[:100]!r}"
                 )
-            lps = _logprobs(choice.get("logprobs")) if logprobs else None
+            lps = _logprobs(choice.get("logprobs"), logprobs) if logprobs is not None else None
             out.append((text or "", reason, lps, pieces, reasoning or ""))
         return out
 
@@ -442,10 +444,12 @@ def _call_text(call: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': call['name'], 'arguments': arguments})}\n</tool_call>"
 
 
-def _logprobs(obj) -> tuple[TokenLogprob, ...] | None:
+def _logprobs(obj, top: int) -> tuple[TokenLogprob, ...] | None:
     """An upstream choice's logprobs, chat shape (`content: [{token, logprob, bytes, top_logprobs}]`) or completions
-    shape (`tokens`, `token_logprobs`, `top_logprobs: [{token: logprob}]`); None when absent or not understood
-    (the relay then reports the text's logprob as null rather than failing a good answer)."""
+    shape (`tokens`, `token_logprobs`, `top_logprobs: [{token: logprob}]`), each token's alternatives the `top`
+    likeliest (as OpenAI returns them: llama-cpp-python's server adds the sampled token when it is not among them);
+    None when absent or not understood (the relay then reports the text's logprob as null rather than failing a good
+    answer)."""
     if not isinstance(obj, dict):
         return None
     try:
@@ -454,14 +458,14 @@ def _logprobs(obj) -> tuple[TokenLogprob, ...] | None:
                 TokenLogprob(
                     float(e["logprob"]),
                     bytes(e["bytes"]) if e.get("bytes") is not None else e["token"].encode("utf-8"),
-                    tuple(
+                    _likeliest(
                         (
                             str(t["token"]),
                             float(t["logprob"]),
                             bytes(t["bytes"]) if t.get("bytes") is not None else str(t["token"]).encode("utf-8"),
                         )
                         for t in e.get("top_logprobs") or ()
-                    ),
+                    )[:top],
                     str(e["token"]),
                 )
                 for e in obj["content"]
@@ -472,16 +476,18 @@ def _logprobs(obj) -> tuple[TokenLogprob, ...] | None:
             TokenLogprob(
                 None if lp is None else float(lp),
                 str(tok).encode("utf-8"),
-                tuple(
-                    (str(t), float(v), str(t).encode("utf-8"))
-                    for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1])
-                ),
+                _likeliest((str(t), float(v), str(t).encode("utf-8")) for t, v in (alternatives or {}).items())[:top],
                 str(tok),
             )
-            for tok, lp, top in zip(tokens, values, tops, strict=True)
+            for tok, lp, alternatives in zip(tokens, values, tops, strict=True)
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
+
+
+def _likeliest(alternatives) -> tuple[tuple[str, float, bytes], ...]:
+    """A token's alternatives, most likely first."""
+    return tuple(sorted(alternatives, key=lambda alt: -alt[1]))
 
 
 async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:

@@ -1,13 +1,15 @@
 """Token picking for the torch-based token sources (clients/torch_local.py, clients/hat/device.py).
 
 One rule everywhere: greedy at temperature 0, else softmax(logits / T) cut to the top_k likeliest tokens (when
-top_k > 0), nucleus-filtered to top_p (the top token is always kept) and drawn from the caller's generator.
+top_k > 0) and to those at least min_p times as likely as the likeliest (llama.cpp's min_p, when > 0),
+nucleus-filtered to top_p (the top token is always kept) and drawn from the caller's generator.
 Speculative decoding must accept drafts against exactly the distribution plain decoding samples from, so both go
 through `probabilities`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 
@@ -16,8 +18,11 @@ import torch
 from clients.base import GenerationRequest, TokenLogprob
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
-    """The distribution a sampler draws from: softmax(logits / T), cut to the top_k likeliest tokens (top_k > 0),
+def probabilities(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0
+) -> torch.Tensor:
+    """The distribution a sampler draws from: softmax(logits / T), cut to the top_k likeliest tokens (top_k > 0) and
+    to those at least min_p times as likely as the likeliest before T (min_p > 0, as llama.cpp cuts them),
     nucleus-filtered to top_p and renormalised.
 
     Works on [..., vocab].
@@ -26,6 +31,9 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0, 
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0:
+        floor = logits.max(dim=-1, keepdim=True).values + math.log(min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     probs = torch.softmax(logits / max(temperature, 1e-6), dim=-1)
     if 0 < top_p < 1:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
@@ -37,22 +45,32 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0, 
 
 
 def choose(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None, top_k: int = 0
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> tuple[int, torch.Tensor]:
     """The next token and the distribution it was chosen from (plain softmax when greedy: a draft's confidence)."""
     if temperature <= 0:
         return int(torch.argmax(logits)), torch.softmax(logits, dim=-1)
-    probs = probabilities(logits, temperature, top_p, top_k)
+    probs = probabilities(logits, temperature, top_p, top_k, min_p)
     return int(torch.multinomial(probs, 1, generator=generator)), probs
 
 
 def sample_next(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None, top_k: int = 0
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> int:
     """The next token alone (greedy skips the softmax `choose` would compute)."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    return choose(logits, temperature, top_p, generator, top_k)[0]
+    return choose(logits, temperature, top_p, generator, top_k, min_p)[0]
 
 
 def seeded_generator(temperature: float, seed: int | None) -> torch.Generator | None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from clients.base import BackendError, Concurrency, GenerationRequest, NoPrefixCache, TokenEvent
+from clients.dialects import TORCH
 from clients.grammar import HFTokenizerGrammars, TokenMask
 from clients.hf_model import HFTokenizerMixin, IncrementalDetokenizer, open_token_source
 from clients.sampling import LogitAdjuster, sample_next, seeded_generator, token_logprob
@@ -148,7 +149,7 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
     """
 
     can_continue = True
-    dialect = "tokens"
+    dialect = TORCH
     device_vocabulary = True  # it is the device model
     locality = "device"
     structured_output = "grammar"  # clients/grammar.py, in the decode loop
@@ -333,7 +334,7 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
             scores = logits if adjust is None else adjust.apply(logits)
             if mask is not None:
                 scores = mask.apply(scores)
-            token = sample_next(scores, req.temperature, req.top_p, generator, req.top_k)
+            token = sample_next(scores, req.temperature, req.top_p, generator, req.top_k, req.min_p)
             if adjust is not None:
                 adjust.accept(token)
             if req.logprobs is not None:

@@ -9,7 +9,7 @@ disconnects cancels the work.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import NamedTuple
 
 import anyio
@@ -59,8 +59,15 @@ async def while_connected(request: Request, work: Awaitable, what: str):
         watcher.cancel()
 
 
-def answer_headers(job: Job) -> dict[str, str]:
-    return {"x-request-id": job.id, "x-tandem-backend": job.backend or "", **job.limit_headers}
+def answer_headers(job: Job, choices: Sequence[Job] = ()) -> dict[str, str]:
+    """An answer's headers once its first token is here: its trace's id, the endpoint that serves it, its key's
+    rate-limit headers, and the request's fields that endpoint (or, with n > 1, an endpoint serving one of its
+    `choices`) did not apply (the trace says why)."""
+    headers = {"x-request-id": job.id, "x-tandem-backend": job.backend or "", **job.limit_headers}
+    ignored = {name: why for j in (job, *choices) for name, why in j.ignored_fields().items()}
+    if ignored:
+        headers["x-tandem-ignored-fields"] = ", ".join(ignored)
+    return headers
 
 
 def before_first_token(exc: BackendError, request_id: str) -> ApiError:

@@ -12,9 +12,9 @@ named SSE events (`MessageEvents`), `stop_reason` for chat's finish reasons, and
 (endpoints/errors.py, by path). As everywhere the HTTP status waits for the first token; a failure after it is an
 `error` event that ends the stream.
 
-The message's id is its job's (`msg_…`), so `GET /v1/requests/{id}` finds its trace. `count_tokens` prepares the
+The message's id is its job's (`msg_…`), so `GET /v1/requests/{id}` finds its trace. `count_tokens` renders the
 request as /v1/messages would and returns the prompt's length in the device model's tokens: exactly what the
-device prefills for it.
+device prefills for it; it runs nothing, so it is not admitted against the key's limits.
 """
 
 from __future__ import annotations
@@ -138,9 +138,12 @@ def _param(chat_param: str | None) -> str | None:
     return chat_param
 
 
-async def _prepare(serving: Serving, body: Conversation, request: Request) -> Job:
+async def _prepare(serving: Serving, body: Conversation, request: Request, count: bool = False) -> Job | int:
+    """The request's job (or, with `count`, only its prompt's length: nothing admitted), a refusal in this API's
+    names."""
+    chat = messages_input(body, request.state.key)
     try:
-        return await serving.prepare(messages_input(body, request.state.key))
+        return await (serving.count_tokens(chat) if count else serving.prepare(chat))
     except Refused as exc:
         error = refusal(exc)
         error.param = _param(error.param)
@@ -273,5 +276,4 @@ async def create_message(body: MessagesRequest, request: Request, serving: Servi
 @router.post("/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request, serving: ServingDep):
     """The prompt /v1/messages would prefill for this request, in the device model's tokens."""
-    job = await _prepare(serving, body, request)
-    return {"input_tokens": job.prompt_tokens}
+    return {"input_tokens": await _prepare(serving, body, request, count=True)}

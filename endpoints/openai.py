@@ -1,4 +1,4 @@
-"""/v1/chat/completions, /v1/completions, /v1/models and /v1/requests/{id}, on the OpenAI wire contract.
+"""/v1/chat/completions, /v1/completions, /v1/models[/{id}] and /v1/requests/{id}, on the OpenAI wire contract.
 
 An answer's HTTP life (the status held until the first token, the client's disconnect) is endpoints/answer.py's;
 streamed, its chunks are endpoints/sse.py's: a failure after the first token is an SSE `data: {"error": ...}`
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 from fastapi import APIRouter, Depends, Request
@@ -48,7 +48,10 @@ def _choice(body, chat: bool, index: int, answer: Collected) -> dict:
         message = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
         if answer.reasoning:
             message["reasoning_content"] = answer.reasoning
-        if calls:
+        if calls and body.functions_api:  # the deprecated functions API: its one call
+            message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+            finish = "function_call" if finish == "tool_calls" else finish
+        elif calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
             ]
@@ -59,7 +62,9 @@ def _choice(body, chat: bool, index: int, answer: Collected) -> dict:
     return {**choice, "logprobs": lp, "finish_reason": finish}
 
 
-def _completion(body, chat: bool, job: Job, choices: list[dict], usage: Usage, backends: str) -> JSONResponse:
+def _completion(
+    body, chat: bool, job: Job, choices: list[dict], usage: Usage, backends: str, jobs: Sequence[Job] = ()
+) -> JSONResponse:
     return JSONResponse(
         {
             "id": job.id,
@@ -70,7 +75,7 @@ def _completion(body, chat: bool, job: Job, choices: list[dict], usage: Usage, b
             "choices": choices,
             "usage": _usage(usage),
         },
-        headers={**answer_headers(job), "x-tandem-backend": backends},
+        headers={**answer_headers(job, jobs), "x-tandem-backend": backends},
     )
 
 
@@ -80,7 +85,14 @@ async def _answer(request: Request, serving: Serving, api: ApiOptions, body, job
         return await _answer_choices(request, serving, api, body, job, chat)
     first, stream = await begin(request, serving, job)
     if body.stream:
-        chunks = ChatChunks(job.id, body.model, chat, body.include_usage, logprobs=body.logprobs_top is not None)
+        chunks = ChatChunks(
+            job.id,
+            body.model,
+            chat,
+            body.include_usage,
+            logprobs=body.logprobs_top is not None,
+            functions_api=body.functions_api,
+        )
         return streamed(api, answer_headers(job), stream_answer(job, first, stream, chunks))
     answer = await while_connected(request, collect(job, first, stream), "mid-answer")
     return _completion(body, chat, job, [_choice(body, chat, 0, answer)], job.usage, job.backend or "")
@@ -151,9 +163,18 @@ async def _answer_choices(request: Request, serving: Serving, api: ApiOptions, b
             raise before_first_token(exc, job.id) from exc
         lp = body.logprobs_top is not None
         chunks = [
-            ChatChunks(job.id, body.model, chat, body.include_usage, index=i, logprobs=lp) for i in range(len(jobs))
+            ChatChunks(
+                job.id,
+                body.model,
+                chat,
+                body.include_usage,
+                index=i,
+                logprobs=lp,
+                functions_api=body.functions_api,
+            )
+            for i in range(len(jobs))
         ]
-        headers = {**answer_headers(job), "x-tandem-backend": jobs[first[0]].backend or ""}
+        headers = {**answer_headers(job, jobs), "x-tandem-backend": jobs[first[0]].backend or ""}
         return streamed(api, headers, stream_choices(job.id, first, merged, chunks, lambda: _summed_usage(jobs)))
 
     async def one(j: Job):
@@ -182,7 +203,7 @@ async def _answer_choices(request: Request, serving: Serving, api: ApiOptions, b
         raise
     choices = [_choice(body, chat, i, r) for i, r in enumerate(results)]
     backends = ",".join(dict.fromkeys(j.backend or "" for j in jobs))
-    return _completion(body, chat, job, choices, _summed_usage(jobs), backends)
+    return _completion(body, chat, job, choices, _summed_usage(jobs), backends, jobs)
 
 
 @router.post("/chat/completions")
@@ -211,11 +232,27 @@ async def request_trace(request_id: str, serving: ServingDep):
     return trace
 
 
+def _model_object(serving: Serving, card: dict) -> dict:
+    """OpenAI's model object, with what serves it under the keys vLLM (`max_model_len`) and OpenRouter
+    (`context_length`, `pricing`) use, and Tandem's own (`capabilities`, `locality`, `endpoints`)."""
+    return {"id": card["id"], "object": "model", "created": serving.created, "owned_by": "tandem", **card}
+
+
 @router.get("/models")
 async def list_models(serving: ServingDep):
-    return {
-        "object": "list",
-        "data": [
-            {"id": m, "object": "model", "created": serving.created, "owned_by": "tandem"} for m in serving.models()
-        ],
-    }
+    return {"object": "list", "data": [_model_object(serving, card) for card in serving.models()]}
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, serving: ServingDep):
+    cards = serving.models()
+    card = next((c for c in cards if c["id"] == model_id), None)
+    if card is None:
+        available = ", ".join(c["id"] for c in cards)
+        raise ApiError(
+            404,
+            f"The model '{model_id}' does not exist. Available: {available}.",
+            param="model",
+            code="model_not_found",
+        )
+    return _model_object(serving, card)

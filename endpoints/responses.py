@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from app.serving.errors import Refused
 from app.serving.job import Job
+from app.serving.requests import ChatInput
 from clients.base import Usage
 from endpoints.answer import answer_headers, begin, collect, streamed, while_connected
 from endpoints.api_options import ApiOptionsDep
@@ -40,7 +42,7 @@ from endpoints.schemas import (
     Tool,
     ToolCall,
 )
-from endpoints.serving import ServingDep, chat_input
+from endpoints.serving import KeyAccess, ServingDep, chat_input
 from endpoints.sse import stream_answer
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -98,8 +100,27 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=_response_format(body),
+        metadata=body.metadata,
+        store=body.store,
+        reasoning_effort=body.reasoning.effort if body.reasoning is not None else None,
+        verbosity=body.text.verbosity if body.text is not None else None,
+        service_tier=body.service_tier,
+        prompt_cache_key=body.prompt_cache_key,
+        prompt_cache_options=body.prompt_cache_options,
+        prompt_cache_retention=body.prompt_cache_retention,
+        safety_identifier=body.safety_identifier,
         tandem=body.tandem,
     )
+
+
+def responses_input(body: ResponsesRequest, key: KeyAccess | None) -> ChatInput:
+    """A Responses body as the core takes it: its chat request's, with this API's own fields that no endpoint
+    applies among the extras (reported as ignored)."""
+    chat = chat_input(chat_request(body), key, id_prefix="resp_")
+    extras = {**chat.extras, **body.ignored_extras()}
+    if body.stream_options is not None and body.stream_options.include_obfuscation:
+        extras["stream_options.include_obfuscation"] = True
+    return replace(chat, extras=extras)
 
 
 # Chat's names for the fields an error can name, as this API calls them.
@@ -308,7 +329,7 @@ class _Response:
 @router.post("/responses")
 async def create_response(body: ResponsesRequest, request: Request, serving: ServingDep, api: ApiOptionsDep):
     try:
-        job = await serving.prepare(chat_input(chat_request(body), request.state.key, id_prefix="resp_"))
+        job = await serving.prepare(responses_input(body, request.state.key))
     except Refused as exc:
         error = refusal(exc)
         error.param = _param(error.param)  # named as this API names it (e.g. the prompt as a whole is `input`)

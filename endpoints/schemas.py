@@ -1,13 +1,17 @@
 """Pydantic models of the OpenAI surface Tandem serves.
 
-Requests forbid unknown fields: a parameter Tandem would silently ignore (tools,
-echo, best_of, ...) is answered with a 400 that names it, because a client
-that asked for it would otherwise get an answer that looks right and is not.
+Every field the pinned `openai` SDK's request types define is accepted (tests/integration/test_request_schema.py
+walks them), as OpenAI accepts them. Each is honoured, forwarded to an upstream whose dialect takes it
+(clients/dialects.py), or ignored visibly (the `x-tandem-ignored-fields` header and the trace say which and why):
+`extras()` hands the core those it does not apply itself. A field whose ignoring would hand back something other
+than what was asked (audio output, web search, moderation, echo, suffix, best_of > 1) is a 400 that says why. Fields
+OpenAI does not define are a 400 naming them, as OpenAI answers, except llama.cpp's sampling extras (top_k, min_p,
+typical_p, repeat_penalty, mirostat_*), which the device applies.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -46,6 +50,30 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # Tandem pads no chunks: false is what it does; true is ignored, visibly
+
+
+def _metadata_limits(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits on `metadata`: 16 pairs, keys of at most 64 characters, values of at most 512."""
+    if value is not None:
+        if len(value) > 16:
+            raise ValueError(f"at most 16 key-value pairs are allowed, got {len(value)}")
+        for key, item in value.items():
+            if len(key) > 64 or len(item) > 512:
+                raise ValueError(f"key {key[:64]!r}: keys are at most 64 characters and values at most 512")
+    return value
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
+
+
+class PromptCacheOptions(_Request):
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m", "12h"] | None = None
+    # The Responses API's own:
+    comparison_response_id: str | None = None
+    prewarm: bool | None = None
 
 
 class TandemOptions(_Request):
@@ -83,11 +111,14 @@ class ToolCall(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "function": the deprecated functions API's result turn (a tool turn answering the function_call before it).
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    function_call: FunctionCall | None = None  # an assistant turn of the functions API (mapped onto tool_calls)
+    refusal: str | None = None  # an earlier answer's refusal sent back: history, not for the model
     # Mistral's and DeepSeek's prefix completion: this final assistant message is the start of the answer.
     prefix: bool | None = None
 
@@ -99,6 +130,10 @@ class ChatMessage(_Request):
             raise ValueError("only an assistant message can be a prefix")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.function_call is not None and (self.role != "assistant" or self.tool_calls is not None):
+            raise ValueError("only an assistant message without tool_calls carries a function_call")
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message needs the name of the function it answers")
         return self
 
     def text(self) -> str:
@@ -150,6 +185,13 @@ class ResponseFormat(_Request):
         return self
 
 
+class Prediction(_Request):
+    """A predicted output (OpenAI's latency optimisation: what is returned is the same without it)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
 def _stop_list(value: str | list[str] | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -172,7 +214,40 @@ class _Sampling(_Request):
     logit_bias: (
         Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)] | None
     ) = None
+    # llama.cpp's sampling extras (llama-server's and llama-cpp-python's names): applied on the device, forwarded to
+    # upstreams whose dialect takes them (clients/dialects.py).
+    top_k: Annotated[int, Field(ge=0, le=_MAX_COUNT)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    typical_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    mirostat_mode: Literal[0, 1, 2] | None = None
+    mirostat_tau: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    mirostat_eta: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     tandem: TandemOptions | None = None
+
+    # The fields beyond the core (clients/dialects.py's PLATFORM_FIELDS and SAMPLING_EXTRAS, less top_k, which the
+    # core takes itself) this request type defines.
+    _EXTRAS: ClassVar[tuple[str, ...]] = (
+        "user",
+        "min_p",
+        "typical_p",
+        "repeat_penalty",
+        "mirostat_mode",
+        "mirostat_tau",
+        "mirostat_eta",
+    )
+
+    def extras(self) -> dict[str, object]:
+        """The fields beyond the core that the request sets, as plain JSON values: each endpoint applies or forwards
+        those its dialect takes, and the others are reported as ignored."""
+        out = {}
+        for name in self._EXTRAS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            out["stream_options.include_obfuscation"] = True
+        return out
 
     @field_validator("logit_bias")
     @classmethod
@@ -200,6 +275,11 @@ class _Sampling(_Request):
         return _stop_list(self.stop)
 
     @property
+    def functions_api(self) -> bool:
+        """Whether the request used the deprecated functions API (its answer's call is then a `function_call`)."""
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -225,6 +305,132 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's and SGLang's way to continue the final assistant message (transformers' chat-template flags).
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
+    # OpenAI's platform fields: forwarded where the serving endpoint's dialect takes them, else ignored visibly.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    service_tier: ServiceTier | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: Annotated[str, Field(max_length=128)] | None = None
+    prediction: Prediction | None = None
+    # Text is what every endpoint writes: the rest would hand back something other than what was asked.
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    moderation: dict | None = None
+    # Deprecated, mapped onto tools and tool_choice (`functions_api`: the answer then speaks of function_call).
+    functions: Annotated[list[FunctionDefinition], Field(min_length=1, max_length=128)] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+
+    _EXTRAS: ClassVar[tuple[str, ...]] = (
+        *_Sampling._EXTRAS,
+        "metadata",
+        "store",
+        "reasoning_effort",
+        "verbosity",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "safety_identifier",
+        "prediction",
+    )
+
+    _metadata = field_validator("metadata")(_metadata_limits)
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value):
+        if value and "audio" in value:
+            raise ValueError("audio output is not available: Tandem's models write text only; ask for ['text']")
+        return value
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value):
+        if value is not None:
+            raise ValueError("audio output is not available: Tandem's models write text only")
+        return value
+
+    @field_validator("web_search_options")
+    @classmethod
+    def _no_web_search(cls, value):
+        if value is not None:
+            raise ValueError(
+                "web search is not available: no endpoint searches the web, and an answer without the search "
+                "would not be what was asked"
+            )
+        return value
+
+    @field_validator("moderation")
+    @classmethod
+    def _no_moderation(cls, value):
+        if value is not None:
+            raise ValueError(
+                "moderation is not available: Tandem runs no moderation model, and an unmoderated answer would not "
+                "be what was asked"
+            )
+        return value
+
+    @field_validator("functions")
+    @classmethod
+    def _functions_or_tools(cls, value, info):
+        if value is not None and (info.data.get("tools") is not None or info.data.get("tool_choice") is not None):
+            raise ValueError("send tools and tool_choice, or the deprecated functions and function_call, not both")
+        return value
+
+    @field_validator("function_call")
+    @classmethod
+    def _an_offered_function(cls, value, info):
+        functions = info.data.get("functions")
+        if value is not None and functions is None:
+            raise ValueError("function_call needs functions")
+        if isinstance(value, NamedFunction) and value.name not in {f.name for f in functions}:
+            raise ValueError(f"names {value.name!r}, which is not among functions")
+        return value
+
+    @model_validator(mode="after")
+    def _function_turns_as_tool_turns(self):
+        """The functions API's history as the tools API's: an assistant function_call as a one-call tool_calls, a
+        function message as the tool message answering it."""
+        if not any(m.function_call is not None or m.role == "function" for m in self.messages):
+            return self
+        turns, last_call = [], None
+        for index, m in enumerate(self.messages):
+            if m.function_call is not None:
+                last_call = f"call_function_{index}"
+                m = m.model_copy(
+                    update={"function_call": None, "tool_calls": [ToolCall(id=last_call, function=m.function_call)]}
+                )
+            elif m.role == "function":
+                if last_call is None:
+                    raise ValueError(f"messages[{index}]: a function message must follow an assistant function_call")
+                m = m.model_copy(update={"role": "tool", "name": None, "tool_call_id": last_call})
+            turns.append(m)
+        self.messages = turns
+        return self
+
+    @model_validator(mode="after")
+    def _functions_as_tools(self):
+        """The deprecated `functions` / `function_call` as the tools and tool_choice they stand for."""
+        if self.functions is None:
+            return self
+        self.tools = [Tool(type="function", function=f) for f in self.functions]
+        choice = self.function_call
+        if isinstance(choice, NamedFunction):
+            self.tool_choice = NamedToolChoice(type="function", function=choice)
+        else:
+            self.tool_choice = choice
+        if self.parallel_tool_calls is None:
+            self.parallel_tool_calls = False  # the functions API answers with one call
+        return self
+
+    @property
+    def functions_api(self) -> bool:
+        return self.functions is not None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -267,10 +473,31 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | Annotated[list[Annotated[int, Field(ge=0, le=_MAX_COUNT)]], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = 16  # the OpenAI default for this endpoint
-    echo: Literal[False] | None = None
-    suffix: None = None
-    best_of: Literal[1] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=0, le=MAX_CHOICES)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value):
+        if value:
+            raise ValueError("echo is not available: the answer carries the completion only")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("suffix is not available: the models here complete text forwards only (no insertion)")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_of_one(cls, value):
+        if value is not None and value > 1:
+            raise ValueError("best_of > 1 is not available: each choice is one answer; ask for n choices instead")
+        return value
 
     @property
     def token_limit(self) -> int | None:
@@ -377,6 +604,18 @@ class TextFormat(_Request):
 
 class TextConfig(_Request):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesReasoning(_Request):
+    effort: ReasoningEffort | None = None  # chat's reasoning_effort
+    summary: Literal["auto", "concise", "detailed"] | None = None  # no reasoning items here: ignored visibly
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+
+
+class ResponsesStreamOptions(_Request):
+    include_obfuscation: bool | None = None
 
 
 class ResponsesRequest(_Request):
@@ -395,22 +634,78 @@ class ResponsesRequest(_Request):
     tools: Annotated[list[ResponsesFunctionTool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
     parallel_tool_calls: bool | None = None
+    # Chat's platform fields, forwarded on the chat leg where taken (text.verbosity and reasoning.effort too).
+    prompt_cache_key: str | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: Annotated[str, Field(max_length=128)] | None = None
+    service_tier: ServiceTier | None = None
+    reasoning: ResponsesReasoning | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    # This API's own, none of which changes the answer here: ignored visibly.
+    truncation: Literal["auto", "disabled"] | None = None  # "disabled" is what Tandem does (a 400 past the window)
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1, le=_MAX_COUNT)] | None = None
+    context_management: list[dict] | None = None
+    access_programs: dict | None = None
+    image: dict | None = None
+    background_options: dict | None = None
+    # Stateful or built on what Tandem has not: a 400 saying why.
+    background: bool | None = None
+    conversation: str | dict | None = None
+    prompt: dict | None = None
+    moderation: dict | None = None
     tandem: TandemOptions | None = None
 
-    @field_validator("metadata")
+    _metadata = field_validator("metadata")(_metadata_limits)
+
+    @field_validator("previous_response_id", "conversation", "prompt")
     @classmethod
-    def _metadata_limits(cls, value: dict[str, str] | None):
+    def _stateless(cls, value, info):
         if value is not None:
-            if len(value) > 16:
-                raise ValueError(f"at most 16 key-value pairs are allowed, got {len(value)}")
-            for key, item in value.items():
-                if len(key) > 64 or len(item) > 512:
-                    raise ValueError(f"key {key[:64]!r}: keys are at most 64 characters and values at most 512")
+            what = {"prompt": "stored prompts", "conversation": "conversations"}.get(info.field_name, "responses")
+            raise ValueError(f"Tandem is stateless and stores no {what}; send the whole conversation as input")
         return value
 
-    @field_validator("previous_response_id")
+    @field_validator("background")
     @classmethod
-    def _stateless(cls, value: str | None):
-        if value is not None:
-            raise ValueError("Tandem is stateless and stores no responses; send the whole conversation as input")
+    def _in_the_foreground(cls, value):
+        if value:
+            raise ValueError("background responses need a stored response to fetch later; Tandem stores none")
         return value
+
+    @field_validator("moderation")
+    @classmethod
+    def _no_moderation(cls, value):
+        if value is not None:
+            raise ValueError("moderation is not available: Tandem runs no moderation model")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _no_output_logprobs(cls, value):
+        if value and "message.output_text.logprobs" in value:
+            raise ValueError("message.output_text.logprobs is not available: this API's answers carry no logprobs here")
+        return value
+
+    def ignored_extras(self) -> dict[str, object]:
+        """This API's own fields that no endpoint applies (each reported as ignored with the answer)."""
+        out = {
+            name: getattr(self, name)
+            for name in (
+                "include",
+                "top_logprobs",
+                "max_tool_calls",
+                "context_management",
+                "access_programs",
+                "image",
+                "background_options",
+            )
+            if getattr(self, name) is not None
+        }
+        if self.truncation == "auto":
+            out["truncation"] = "auto"
+        if self.reasoning is not None and (self.reasoning.summary or self.reasoning.generate_summary):
+            out["reasoning.summary"] = self.reasoning.summary or self.reasoning.generate_summary
+        return out

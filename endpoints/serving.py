@@ -33,13 +33,17 @@ class Serving(Protocol):
     async def prepare(self, request: ChatInput | CompletionInput) -> Job:
         """The request's job: routed, rendered, tokenised, checked. Raises app/serving/errors.py's refusals."""
 
+    async def count_tokens(self, request: ChatInput) -> int:
+        """The prompt `prepare` would render for it, in the device model's tokens; nothing admitted or run."""
+
     def answer(self, job: Job) -> AsyncIterator[Delta]: ...
 
     async def trace(self, request_id: str) -> dict | None:
         """A recent request's trace (one per choice for n > 1), from any replica sharing the store; None when
         unknown or too old."""
 
-    def models(self) -> list[str]: ...
+    def models(self) -> list[dict]:
+        """Each model id a request may name, with its context window, capabilities, locality and price."""
 
     async def readiness(self) -> Readiness: ...
 
@@ -92,6 +96,8 @@ def _common(body: ChatCompletionRequest | CompletionRequest, key: KeyAccess | No
         "frequency_penalty": body.frequency_penalty,
         "logit_bias": body.logit_bias_pairs,
         "choices": body.choices,
+        "top_k": body.top_k,
+        "extras": body.extras(),
     }
 
 
@@ -110,7 +116,7 @@ def chat_input(body: ChatCompletionRequest, key: KeyAccess | None, id_prefix: st
         **_common(body, key),
         messages=tuple(
             {
-                **m.model_dump(exclude_none=True, exclude={"prefix"}),
+                **m.model_dump(exclude_none=True, exclude={"prefix", "refusal"}),
                 "role": "system" if m.role == "developer" else m.role,
             }
             for m in body.messages

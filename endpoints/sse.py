@@ -170,9 +170,18 @@ class ChatChunks:
     usage chunk (when asked) and [DONE]; a failure is an error event in the OpenAI envelope, then [DONE]."""
 
     def __init__(
-        self, request_id: str, model: str, chat: bool, include_usage: bool, index: int = 0, logprobs: bool = False
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        include_usage: bool,
+        index: int = 0,
+        logprobs: bool = False,
+        functions_api: bool = False,
     ) -> None:
         self.request_id = request_id
+        # A request in the deprecated functions API gets its call as a `function_call` delta, finish "function_call".
+        self.functions_api = functions_api
         self.chat = chat
         self.include_usage = include_usage
         self._object = "chat.completion.chunk" if chat else "text_completion"
@@ -209,13 +218,23 @@ class ChatChunks:
         """Each complete call as two chunks, as OpenAI streams them: its id and name, then its arguments."""
         out = []
         for i, call in enumerate(calls, first_index):
-            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            for piece in (head, {"index": i, "function": {"arguments": call.arguments}}):
-                delta = json.dumps({"tool_calls": [piece]}, separators=(",", ":"), ensure_ascii=False)
+            if self.functions_api:
+                pieces = [{"function_call": {"name": call.name, "arguments": ""}}]
+                pieces.append({"function_call": {"arguments": call.arguments}})
+            else:
+                head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+                pieces = [
+                    {"tool_calls": [head]},
+                    {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]},
+                ]
+            for piece in pieces:
+                delta = json.dumps(piece, separators=(",", ":"), ensure_ascii=False)
                 out.append(self._head + f'"delta":{delta},' + self._tail % "null")
         return "".join(out).encode()
 
     def closing(self, text: str, finish: str, logprobs: tuple[TokenLogprob, ...] | None = None) -> bytes:
+        if self.functions_api and finish == "tool_calls":
+            finish = "function_call"
         return self.text(text, logprobs, finish)
 
     def end(self, usage: Usage) -> bytes:

@@ -38,6 +38,7 @@ from app.serving.structured import Structure, add_tools_prompt, message_text, st
 from clients.base import Backend, GenerationRequest
 from clients.embeddings import SentenceEmbedder
 from deploy.models import resolve_model
+from policies.cost import TokenPrices
 from policies.dispatch import canonical_name
 from policies.outline import gate
 from policies.privacy import allows, effective_level
@@ -105,6 +106,12 @@ class ServingCore:
         await self._admit(request, job)
         return job
 
+    async def count_tokens(self, request: ChatInput) -> int:
+        """The prompt the request's answer would prefill, in the device model's tokens: routed, rendered and counted
+        as `prepare` does, but never admitted (a count runs nothing, so it holds none of its key's limits)."""
+        job = await self._prepare_chat(request)
+        return job.prompt_tokens
+
     def answer(self, job: Job) -> AsyncIterator[Delta]:
         """The answer's deltas: by outline decoding when its gate said yes, else the orchestrator's."""
         deltas = OutlineDecoding(self).generate(job) if job.outline is not None else self.orchestrator.generate(job)
@@ -129,9 +136,45 @@ class ServingCore:
                 return trace
         return None
 
-    def models(self) -> list[str]:
-        """Every model id a request may name, the embedding model's included."""
-        return [*self._model_ids(), *([self.embedder.model_id] if self.embedder is not None else [])]
+    def models(self) -> list[dict]:
+        """Every model id a request may name, the embedding model's included, each with what serves it: the context
+        window a prompt must fit (every route's: the device may have to take an answer over), the capabilities, the
+        locality (device / split / cloud, or routed: the gateway's own name, which DiSCo places) and the price per
+        token (a cloud's list price, the device's energy at λ)."""
+        device_prices = self.disco.cost(self.orchestrator.cloud or self.device.name).prices("device")
+        cards: dict[str, dict] = {
+            self.options.model_name: {
+                "locality": "routed",
+                "endpoints": list(self.backends),
+                "capabilities": _capabilities(any(_takes_tools(b) for b in self.backends.values()), True),
+            }
+        }
+        for name, backend in self.backends.items():
+            prices = device_prices if backend.locality == "device" else self.disco.cost(name).prices("cloud")
+            card = {
+                "locality": backend.locality,
+                "endpoints": [name],
+                "capabilities": _capabilities(_takes_tools(backend), backend.structured_output != "none"),
+                "pricing": _pricing(prices),
+            }
+            for model_id in (name, backend.model_id):
+                cards.setdefault(model_id, card)
+        window = {"context_length": self.options.n_ctx, "max_model_len": self.options.n_ctx}
+        out = [{"id": model_id, **window, **card} for model_id, card in cards.items()]
+        if self.embedder is not None:
+            embeddings = {"chat": False, "completions": False, "tools": False, "structured_output": False}
+            out.append(
+                {
+                    "id": self.embedder.model_id,
+                    "context_length": self.embedder.max_tokens,
+                    "max_model_len": self.embedder.max_tokens,
+                    "locality": "device",
+                    "endpoints": [],
+                    "capabilities": {**embeddings, "logprobs": False, "embeddings": True},
+                    "pricing": _pricing(TokenPrices(0.0, 0.0)),
+                }
+            )
+        return out
 
     async def readiness(self) -> Readiness:
         if not self.loaded.is_set():
@@ -439,6 +482,7 @@ class ServingCore:
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=request.top_k or 0,
+            extras={**request.extras, **({"top_k": request.top_k} if request.top_k else {})},
             stop=request.stop,
             seed=request.seed,
             **(_structured_fields(structure) if structure is not None else {}),
@@ -543,6 +587,30 @@ class ServingCore:
         job = self._job("cmpl-", gen, len(prompt_ids), route)
         job.migrate_after_tokens = self._forced_migration(completion, route)
         return job
+
+
+def _takes_tools(backend: Backend) -> bool:
+    """Tools travel in the prompt the gateway renders, except to a chat upstream, which must take them itself."""
+    return not (backend.structured_output == "none" and not backend.can_continue)
+
+
+def _capabilities(tools: bool, structured: bool) -> dict[str, bool]:
+    return {
+        "chat": True,
+        "completions": True,
+        "tools": tools,
+        "structured_output": structured,
+        "logprobs": True,
+        "embeddings": False,
+    }
+
+
+def _pricing(prices: TokenPrices) -> dict[str, str]:
+    """OpenRouter's shape: USD per token, as decimal strings."""
+    out = {"prompt": f"{prices.prefill:.12g}", "completion": f"{prices.decode:.12g}"}
+    if prices.cached is not None:
+        out["input_cache_read"] = f"{prices.cached:.12g}"
+    return out
 
 
 def _structured_fields(structure: Structure) -> dict:

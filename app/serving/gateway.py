@@ -27,6 +27,7 @@ from app.serving.state import MemoryStore, StateStore
 from app.serving.telemetry import TelemetryOptions, start_telemetry
 from clients.base import Backend, GenerationRequest
 from clients.continuation import load_chat_template
+from clients.dialects import upstream_dialect
 from clients.embeddings import SentenceEmbedder
 from clients.gguf_meta import read_arch
 from clients.openai_compat import OpenAICompatBackend, UpstreamOptions
@@ -72,13 +73,12 @@ def upstream_options(cloud: CloudSettings) -> UpstreamOptions:
         model=cloud.model,
         api_key=cloud.api_key.get_secret_value() if cloud.api_key is not None else None,
         shares_device_tokenizer=cloud.tokenizer == "device",
-        dialect=cloud.continuation,
+        dialect=upstream_dialect(cloud.provider, cloud.continuation, cloud.stream_usage),
         chat_template=_upstream_template(cloud),
         token_id_prompts=cloud.token_id_prompts,
         native_structure=cloud.structured_output in ("native", "json_object"),
         json_object_only=cloud.structured_output == "json_object",
         gbnf=cloud.gbnf,
-        stream_usage=cloud.stream_usage,
         connect_timeout=cloud.connect_timeout,
         read_timeout=cloud.read_timeout,
         write_timeout=cloud.write_timeout,

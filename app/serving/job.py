@@ -33,8 +33,10 @@ class Attempt:
     usage: Usage | None = None  # its own usage report, when it sent one (an upstream's last event)
     outcome: str = "running"  # won | lost | failed | migrated-from | finished | cancelled
     error: str | None = None
-    dialect: str | None = None  # how it continued the answer (clients/continuation.py); None for a fresh start
+    dialect: str | None = None  # how it continued the answer (clients/dialects.py); None for a fresh start
     seam: Seam | None = None  # where a continuation from text joins the answer
+    # The request's fields beyond the core that it did not apply (clients/dialects.py), and why.
+    ignored: dict[str, str] = field(default_factory=dict)
     # The backend is at the end of its answer too (it said so, or it hit the same token limit):
     # reading its last events lets an HTTP upstream's connection go back to the pool.
     ended: bool = False
@@ -96,6 +98,16 @@ class Job:
     # Its API key's hold (app/serving/limits.py's Admission, shared by its choices) and `x-ratelimit-*` headers.
     admission: Any = None
     limit_headers: dict[str, str] = field(default_factory=dict)
+
+    def ignored_fields(self) -> dict[str, str]:
+        """The request's fields beyond the core that an endpoint which delivered part of the answer did not apply,
+        and why (the first such endpoint's reason)."""
+        ignored: dict[str, str] = {}
+        for attempt in self.attempts:
+            if attempt.first_at is not None:
+                for name, why in attempt.ignored.items():
+                    ignored.setdefault(name, why)
+        return ignored
 
     def choice(self, index: int) -> Job:
         """Choice `index` of a request with n > 1: a job of its own (id `<id>-<index>`, its own trace), routed

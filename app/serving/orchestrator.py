@@ -168,7 +168,7 @@ class Orchestrator:
         """Whether a text continuation on `target` moves trailing whitespace out of its prefix (app/serving/seam.py):
         always in a chat dialect, and whenever the text crosses from one vocabulary to another."""
         backend = self.backends[target]
-        if backend.dialect not in ("tokens", "completions") or not backend.device_vocabulary:
+        if backend.dialect.continuation.moves_whitespace or not backend.device_vocabulary:
             return True
         return any(not self.backends[a.name].device_vocabulary for a in job.attempts if a.first_at is not None)
 
@@ -184,6 +184,7 @@ class Orchestrator:
     ) -> Attempt:
         attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration, from_token)
         backend = self.backends[name]
+        attempt.ignored = backend.dialect.ignored(gen.extras, name)
         if gen.request_id != job.id:  # what the backend's own events name (a choice of n, an outline's point: its own)
             gen = replace(gen, request_id=job.id)
         if not self._takes_ids(name):  # device-vocabulary ids mean nothing there: it gets the text
@@ -192,12 +193,13 @@ class Orchestrator:
                 gen = replace(gen, tool_grammar=None)  # its `<[id]>` tokens are the device vocabulary's
         stream = backend.stream(gen)
         if gen.prefill or gen.prefix_text or gen.prefix_ids:
-            by_ids = gen.prefix_ids is not None and backend.dialect != "tokens"
-            attempt.dialect = "token-ids" if by_ids else backend.dialect
+            continuation = backend.dialect.continuation
+            by_ids = gen.prefix_ids is not None and not continuation.evaluates_tokens
+            attempt.dialect = "token-ids" if by_ids else continuation.name
             if gen.prefix_ids is None:  # a text continuation: the seam is where its text joins the answer's
                 held = held if migration else job.prefill_held
                 head = gen.prefill + gen.prefix_text
-                echo = head if backend.dialect == "prefill" else ""  # a server that sends the prefill back first
+                echo = head if continuation.echoes_prefill else ""
                 attempt.seam = Seam(held, len(head), attempt.dialect, echo)
                 if attempt.seam.active:
                     stream = through_seam(stream, attempt.seam)

@@ -71,8 +71,9 @@ class OutlineDecoding:
         self, job: Job, suffix: str, messages: tuple[dict, ...], max_tokens: int, endpoint: str | None = None
     ) -> Job:
         """A sub-request routed like the request (`endpoint` None) or started on `endpoint` (with the request's
-        fallback and migration rules still applying). It keeps the request's model, key, temperature, top_p, top_k
-        and seed; nothing else of it (the gate only lets plain requests through)."""
+        fallback and migration rules still applying). It keeps the request's model, key, temperature, top_p, top_k,
+        seed and fields beyond the core (extras: forwarded or applied on each point's endpoint); nothing else of it
+        (the gate only lets plain requests through)."""
         request = job.outline.request
         route = {"policy": request.policy, "cloud": request.cloud}
         if endpoint is not None:
@@ -89,6 +90,7 @@ class OutlineDecoding:
             top_p=request.top_p,
             top_k=request.top_k,
             seed=request.seed,
+            extras=request.extras,
             **route,
         )
         part = await self.core.prepare(sub)

@@ -8,7 +8,8 @@ Anthropic Messages API's bodies are translated into the same shapes (endpoints/a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from app.serving.limits import KeyLimits
 
@@ -36,6 +37,9 @@ class RequestInput:
     frequency_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (device token id, bias)
     choices: int = 1
+    # Fields beyond the core, as sent (clients/dialects.py's PLATFORM_FIELDS and SAMPLING_EXTRAS): each endpoint
+    # applies or forwards those its dialect takes; the others are reported as ignored.
+    extras: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

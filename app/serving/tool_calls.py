@@ -4,8 +4,9 @@ Text that is or may become a `<tool_call>` is held back, a whole token at a time
 reaches the client only complete, with arguments that parse, never half. Because holding starts at a token
 boundary, what was delivered is always exactly the first `committed` tokens, which is where another endpoint
 regenerates from when the source fails inside a call (app/serving/relay.py). A held text that turns out
-not to be a valid call is delivered as plain text. An answer that starts with a bare JSON object naming an offered
-tool (`{"name": ..., "arguments": ...}`, as Qwen2.5-Coder often writes calls) is held to its end and read as a call.
+not to be a valid call is delivered as plain text. An answer that is a bare JSON object naming an offered tool
+(`{"name": ..., "arguments": ...}`, as Qwen2.5-Coder often writes calls), or the same object in a code fence
+(```` ```json ... ``` ````, as small models write them in agent loops), is held to its end and read as a call.
 """
 
 from __future__ import annotations
@@ -49,9 +50,33 @@ def _may_start_call(text: str) -> bool:
     return any(text.endswith(OPEN[:k]) for k in range(1, len(OPEN)))
 
 
-# Qwen2.5-Coder often writes a call as a bare JSON object, without the tags. An answer that *starts* with one, naming
-# an offered tool, is read as a call (held to the end of the answer, then parsed whole).
+# Qwen2.5-Coder often writes a call as a bare JSON object, without the tags, and sometimes in a code fence. An answer
+# that *starts* with one, naming an offered tool, is read as a call (held to the end of the answer, then parsed whole).
 _BARE = '{"name"'
+_FENCE = "```"
+
+
+def _unfenced(text: str) -> str | None:
+    """What follows a leading code fence and its tag (none, or `json`): `text` itself when it opens no fence, ""
+    while the fence or its tag is still being written, None when it opens a fence of another language."""
+    if not text.startswith("`"):
+        return text
+    if not text.startswith(_FENCE):
+        return "" if _FENCE.startswith(text) else None
+    rest = text[len(_FENCE) :]
+    tag = rest
+    for end, char in enumerate(rest):
+        if char.isspace() or char == "{":
+            tag = rest[:end]
+            break
+    if not "json".startswith(tag.lower()):
+        return None
+    return rest[len(tag) :].lstrip() if len(tag) < len(rest) else ""
+
+
+def _opening(body: str) -> str:
+    """A would-be call's start with the whitespace after its brace dropped (`{\n  "name"` opens one too)."""
+    return "{" + body[1:].lstrip() if body.startswith("{") else body
 
 
 class ToolCallSplitter:
@@ -94,15 +119,22 @@ class ToolCallSplitter:
 
     def _may_start_bare(self, text: str) -> bool:
         start = text.lstrip()
-        return bool(self._names and start) and not (self._spoke or self.calls) and _BARE.startswith(start[:7])
+        if not (self._names and start) or self._spoke or self.calls:
+            return False
+        body = _unfenced(start)
+        return body is not None and _BARE.startswith(_opening(body)[: len(_BARE)])
 
     def _bare_call(self, joined: str, final: bool) -> tuple[bool, ToolCall | None]:
-        """(still undecided, the call) for held text that may be a bare JSON call."""
+        """(still undecided, the call) for held text that may be a bare JSON call, or one in a code fence."""
         candidate = joined.strip()
-        if not final and (_BARE.startswith(candidate) or candidate.startswith(_BARE)):
+        body = _unfenced(candidate)
+        opening = None if body is None else _opening(body)
+        if opening is not None and not final and (_BARE.startswith(opening) or opening.startswith(_BARE)):
             return True, None
         self._bare = False
-        call = _parse(candidate) if final and candidate.startswith(_BARE) else None
+        if body is not None and body is not candidate:  # fenced: the call is what the fence holds
+            body = body.removesuffix(_FENCE).rstrip()
+        call = _parse(body) if final and opening is not None and opening.startswith(_BARE) else None
         return False, call if call is not None and call.name in self._names else None
 
     def _settle(self, final: bool) -> tuple[str, list[ToolCall]]:

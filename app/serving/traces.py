@@ -4,6 +4,7 @@ both read from the orchestrator's `Job`."""
 from __future__ import annotations
 
 from app.serving.job import Job
+from clients.dialects import RECORDED_FIELDS
 from policies.dispatch import DispatchPlan
 
 _BILLED = ("prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens")
@@ -45,6 +46,8 @@ def trace_of(job: Job) -> dict:
         "id": job.id,
         "policy": job.policy,
         "privacy": job.privacy,
+        # Who asked and the client's tags (`user`, `metadata`): kept here whichever endpoint serves.
+        **{name: job.gen.extras[name] for name in RECORDED_FIELDS if name in job.gen.extras},
         **({"decoding": job.decoding} if job.decoding is not None else {}),
         "plan": None
         if plan is None
@@ -74,9 +77,12 @@ def trace_of(job: Job) -> dict:
                 **({"dialect": a.dialect} if a.dialect else {}),
                 **({"seam": a.seam.describe()} if a.seam is not None else {}),
                 **({"error": a.error} if a.error else {}),
+                **({"ignored": a.ignored} if a.ignored else {}),
             }
             for a in job.attempts
         ],
+        # The request's fields that an endpoint which delivered part of the answer did not apply, and why.
+        **({"ignored_fields": ignored} if (ignored := job.ignored_fields()) else {}),
         "migrations": job.migrations,
         "delayed_tokens": job.delayed_tokens,
         "cost_usd": job.cost,

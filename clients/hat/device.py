@@ -75,6 +75,7 @@ from typing import Any
 import torch
 
 from clients.base import BackendError, Concurrency, GenerationRequest, NoPrefixCache, TokenEvent
+from clients.dialects import TORCH
 from clients.grammar import HFTokenizerGrammars, TokenMask
 from clients.hat import wire
 from clients.hat.drafting import Drafter, DraftState
@@ -141,7 +142,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     locality = "split"
     structured_output = "grammar"  # clients/grammar.py: the head's logits masked before every pick, drafts included
     accepts_token_ids = False  # True when the worker's model shares the device's vocabulary (set by the gateway)
-    dialect = "tokens"
+    dialect = TORCH
 
     @property
     def device_vocabulary(self) -> bool:
@@ -501,7 +502,9 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         scores = logits if adjust is None else adjust.apply(logits)
         if mask is not None:  # after penalties / logit_bias: nothing may bring back a token the grammar forbids
             scores = await self.thread.run(mask.apply, scores)
-        pending = [await self.thread.run(sample_next, scores, req.temperature, req.top_p, generator, req.top_k)]
+        pending = [
+            await self.thread.run(sample_next, scores, req.temperature, req.top_p, generator, req.top_k, req.min_p)
+        ]
         pending_lps = None
         if req.logprobs is not None:
             pending_lps = [await self.thread.run(token_logprob, logits, pending[0], req.logprobs, self.token_bytes)]

@@ -86,7 +86,12 @@ class DraftRun:
                 self.done = True
                 return
         d, probs = choose(
-            logits, self.sampling.temperature, self.sampling.top_p, self.sampling.generator, self.sampling.top_k
+            logits,
+            self.sampling.temperature,
+            self.sampling.top_p,
+            self.sampling.generator,
+            self.sampling.top_k,
+            self.sampling.min_p,
         )
         keep, stop = self.rule.decide(float(probs[d]), len(self.tokens))
         if not keep:
@@ -178,7 +183,9 @@ class Drafter:
             logits = self.half.draft_logits(feats[:, -1], pos)
             chosen, probs, dists = [], [], []
             for row in logits:
-                d, dist = choose(row, sampling.temperature, sampling.top_p, sampling.generator, sampling.top_k)
+                d, dist = choose(
+                    row, sampling.temperature, sampling.top_p, sampling.generator, sampling.top_k, sampling.min_p
+                )
                 chosen.append(d)
                 probs.append(float(dist[d]))
                 dists.append(dist)

@@ -29,6 +29,7 @@ class Sampling:
     mask: TokenMask | None = None  # the request's grammar, applied after the adjuster
     logprobs: int | None = None  # alternatives per token when the request asked for logprobs
     top_k: int = 0  # 0: no top-k cut
+    min_p: float = 0.0  # 0: no min-p cut
 
     @classmethod
     def of(
@@ -38,7 +39,16 @@ class Sampling:
         adjust: LogitAdjuster | None = None,
         mask: TokenMask | None = None,
     ) -> Sampling:
-        return cls(request.temperature, request.top_p, generator, adjust, mask, request.logprobs, request.top_k)
+        return cls(
+            request.temperature,
+            request.top_p,
+            generator,
+            adjust,
+            mask,
+            request.logprobs,
+            request.top_k,
+            request.min_p,
+        )
 
     @property
     def greedy(self) -> bool:

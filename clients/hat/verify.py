@@ -80,7 +80,7 @@ def verify_draft(draft: Draft, head: Head, sampling: Sampling) -> Verdict:
             rows.extend(
                 logits
                 if sampling.greedy
-                else probabilities(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+                else probabilities(logits, sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p)
             )
         return rows[i]
 

@@ -41,6 +41,9 @@ class Answer:
     calls: tuple[dict, ...] = ()  # chat tool-call delta pieces ({"index", "id", "function": {...}}), after `pieces`
     reasoning: tuple[str, ...] = ()  # chat `reasoning_content` delta pieces, before `pieces` (a reasoning model)
     usage: dict | None = None  # the usage chunk sent before [DONE] when the request asked for it (include_usage)
+    # Logprobs as llama-cpp-python's server sends them when the sampled token is not among the k likeliest: the k
+    # alternatives above it and the sampled token too (k + 1 entries).
+    sampled_below_top: bool = False
 
 
 @dataclass
@@ -151,7 +154,8 @@ class ScriptedUpstream:
             await writer.drain()
             await asyncio.sleep(answer.gap)
         for k, piece in enumerate(answer.pieces):
-            writer.write(_chunked(_event(_chunk(piece, None, chat, None if top is None else (k, top)))))
+            lps = None if top is None else (k, top, answer.sampled_below_top)
+            writer.write(_chunked(_event(_chunk(piece, None, chat, lps))))
             await writer.drain()
             await asyncio.sleep(answer.gap)
         for piece in answer.calls:
@@ -208,14 +212,16 @@ def piece_logprob(k: int) -> float:
     return -(k + 1) / 10
 
 
-def _chunk(text: str, finish: str | None, chat: bool, logprobs: tuple[int, int] | None = None) -> dict:
+def _chunk(text: str, finish: str | None, chat: bool, logprobs: tuple[int, int, bool] | None = None) -> dict:
     choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
     choice["finish_reason"] = finish
     if logprobs is not None:
-        k, top = logprobs
+        k, top, below = logprobs
         lp = piece_logprob(k)
-        alts = [(text, lp)] + [(f" alt{j}", lp - j) for j in range(1, top)]
-        alts = alts[:top]
+        if below:
+            alts = [(f" alt{j}", lp + j / 100) for j in range(top, 0, -1)] + [(text, lp)]
+        else:
+            alts = ([(text, lp)] + [(f" alt{j}", lp - j) for j in range(1, top)])[:top]
         if chat:
             choice["logprobs"] = {
                 "content": [

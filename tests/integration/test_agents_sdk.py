@@ -26,8 +26,15 @@ from tests.integration.disco_helpers import trace
 
 set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
 
+INSTRUCTIONS = "You are a calculator. Use the add tool to add numbers."
+# Asked so, the 0.5B model writes its call as ```json\n{\n  "name": "add", ...}\n``` (checked on the old code: there
+# it reached the agent as text, and the tool never ran).
+FENCED = INSTRUCTIONS + " Write each tool call as JSON inside a markdown code block (```json ... ```)."
 
-def run_agent(gw, model: str, streamed: bool, extra_body: dict | None = None) -> tuple[str, list, list]:
+
+def run_agent(
+    gw, model: str, streamed: bool, extra_body: dict | None = None, instructions: str = INSTRUCTIONS
+) -> tuple[str, list, list]:
     """(the run's final output, the tool's calls, the gateway's request ids)."""
     calls: list[tuple[int, int]] = []
     ids: list[str] = []
@@ -51,7 +58,7 @@ def run_agent(gw, model: str, streamed: bool, extra_body: dict | None = None) ->
         )
         agent = Agent(
             name="calculator",
-            instructions="You are a calculator. Use the add tool to add numbers.",
+            instructions=instructions,
             tools=[add],
             model=OpenAIChatCompletionsModel(model=model, openai_client=client),
             model_settings=ModelSettings(max_tokens=40, temperature=0, extra_body=extra_body),
@@ -71,6 +78,15 @@ def run_agent(gw, model: str, streamed: bool, extra_body: dict | None = None) ->
 @pytest.mark.parametrize("streamed", [False, True], ids=["collected", "streamed"])
 def test_the_agent_loop_calls_add_on_the_device(gateway, streamed):
     output, calls, ids = run_agent(gateway, "device", streamed)
+    assert calls == [(17, 25)] and str(output) == "42"
+    (request_id,) = ids
+    (device,) = trace(gateway, request_id)["endpoints"]
+    assert (device["backend"], device["outcome"]) == ("device", "finished")
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["collected", "streamed"])
+def test_a_call_written_in_a_code_fence_runs_the_agents_tool_on_the_device(gateway, streamed):
+    output, calls, ids = run_agent(gateway, "device", streamed, instructions=FENCED)
     assert calls == [(17, 25)] and str(output) == "42"
     (request_id,) = ids
     (device,) = trace(gateway, request_id)["endpoints"]

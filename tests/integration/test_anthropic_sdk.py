@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections.abc import Iterator
 
 import anthropic
@@ -374,3 +375,48 @@ def test_a_streamed_answer_whose_endpoint_dies_arrives_whole(gw):
     # repeated, skipped or lost at the seam.
     prefix, rest = "".join(pieces[:k]), "".join(pieces[k:])
     assert independent_continuation(gw, "device", ASK, prefix, len(pieces) - k, AUTH) == rest
+
+
+# -- count_tokens under a key's limits -------------------------------------------------------------------------------
+
+LIMITED_KEY, ADMIN_KEY = "limited-key", "admin-key"
+
+
+@pytest.fixture(scope="module")
+def limited_gw() -> Iterator[GatewayProcess]:
+    """A device-only gateway whose one API key allows 2 requests a minute, one at a time."""
+    process = start_gateway(f"""
+[gateway]
+policy = "device"
+api_keys = [{{ key = "{LIMITED_KEY}", name = "limited", rpm = 2, max_streams = 1 }}]
+admin_keys = ["{ADMIN_KEY}"]
+[device]
+model = "smollm2-135m-instruct"
+n_ctx = 2048
+[disco]
+profile_device = false
+""")
+    yield process
+    stop_gateway(process)
+
+
+def key_line(gw: GatewayProcess) -> dict:
+    budget = httpx.get(gw.v1 + "/budget", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=10).json()
+    (line,) = [k for k in budget["keys"] if k["name"] == "limited"]
+    return line
+
+
+def test_count_tokens_leaves_a_limited_keys_counters_unchanged(limited_gw):
+    """A count renders and counts, admits nothing: more counts than the key's rate allows all answer, its counters
+    stay at zero, and its two requests of the minute are still there to be made."""
+    if time.time() % 60 > 45:  # the limit is per calendar minute: start inside one
+        time.sleep(61 - time.time() % 60)
+    c = client(limited_gw, LIMITED_KEY)
+    before = key_line(limited_gw)
+    counts = [c.messages.count_tokens(model="device", messages=ASK).input_tokens for _ in range(5)]
+    assert len(set(counts)) == 1 and counts[0] > 0
+    after = key_line(limited_gw)
+    assert (after["requests_this_minute"], after["streams"], after["reserved_usd"]) == (0, 0, 0.0)
+    assert after == before
+    made = c.messages.with_raw_response.create(model="device", messages=ASK, max_tokens=2)
+    assert made.headers["x-ratelimit-remaining-requests"] == "1"

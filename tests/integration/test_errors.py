@@ -49,7 +49,8 @@ def test_missing_messages(gateway):
         ("n", 9, "less than or equal to 8"),
         ("top_p", 0, "greater than 0"),
         ("max_tokens", 0, "greater than or equal to 1"),
-        ("functions", [{"name": "f"}], "Unrecognized request argument"),  # the legacy form of tools
+        ("frobnicate", True, "Unrecognized request argument"),  # OpenAI does not define it
+        ("function_call", "auto", "needs functions"),
         ("logprobs", "yes please", "valid boolean"),
         ("top_logprobs", 3, "needs logprobs"),
     ],

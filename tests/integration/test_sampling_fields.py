@@ -350,6 +350,21 @@ def test_upstream_gets_the_fields_and_its_logprobs_come_back(gw, upstream):
     assert [t.token for t in entries[0].top_logprobs] == [PIECES[0], " alt1"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["collected", "streamed"])
+def test_an_upstreams_extra_alternative_is_trimmed_to_top_logprobs(gw, upstream, stream):
+    """An upstream that adds the sampled token to the k likeliest (llama-cpp-python's server, the embedded cloud)
+    still answers with exactly k alternatives, the likeliest first, as OpenAI does."""
+    upstream.push(Answer(sampled_below_top=True))
+    args = {"model": "cloud", "messages": MESSAGES, "max_tokens": 20, "logprobs": True, "top_logprobs": 2}
+    if stream:
+        chunks = client(gw).chat.completions.create(**args, stream=True)
+        entries = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    else:
+        entries = client(gw).chat.completions.create(**args).choices[0].logprobs.content
+    assert [e.token for e in entries] == list(PIECES)
+    assert all([t.token for t in e.top_logprobs] == [" alt2", " alt1"] for e in entries)
+
+
 def test_upstream_completions_logprobs_and_n(gw, upstream):
     whole = client(gw).completions.create(model="cloud", prompt="Hello", max_tokens=20, logprobs=3, n=2, seed=5)
     assert [ch.index for ch in whole.choices] == [0, 1]

@@ -101,7 +101,7 @@ def test_upstream_logprobs_both_shapes():
             }
         ]
     }
-    (e,) = _logprobs(chat)
+    (e,) = _logprobs(chat, 1)
     assert (e.token, e.logprob, e.bytes, e.top) == ("Hi", -0.1, b"Hi", (("Hi", -0.1, b"Hi"),))
     comp = {
         "tokens": ["a", "b"],
@@ -109,9 +109,21 @@ def test_upstream_logprobs_both_shapes():
         "top_logprobs": [{"x": -3.0, "a": -0.5}, None],
         "text_offset": [0, 1],
     }
-    a, b = _logprobs(comp)
+    a, b = _logprobs(comp, 2)
     assert a.top == (("a", -0.5, b"a"), ("x", -3.0, b"x")) and b.logprob is None and b.top == ()
-    assert _logprobs(None) is None and _logprobs({"content": [{"token": 1}]}) is None
+    assert _logprobs(None, 2) is None and _logprobs({"content": [{"token": 1}]}, 2) is None
+
+
+def test_upstream_alternatives_are_trimmed_to_the_k_asked_likeliest_first():
+    """llama-cpp-python's server adds the sampled token to the k likeliest when it is not among them; OpenAI returns
+    exactly k."""
+    comp = {"tokens": ["a"], "token_logprobs": [-2.0], "top_logprobs": [{"a": -2.0, "x": -0.5, "y": -1.0}]}
+    (a,) = _logprobs(comp, 2)
+    assert a.top == (("x", -0.5, b"x"), ("y", -1.0, b"y")) and a.logprob == -2.0
+    alternatives = [{"token": t, "logprob": v} for t, v in (("a", -2.0), ("y", -1.0), ("x", -0.5))]
+    (e,) = _logprobs({"content": [{"token": "a", "logprob": -2.0, "top_logprobs": alternatives}]}, 2)
+    assert [t for t, _, _ in e.top] == ["x", "y"]
+    assert _logprobs(comp, 0)[0].top == ()
 
 
 def test_numpy_entry_and_adjuster():

@@ -12,6 +12,7 @@ from app.serving.job import Attempt, Job
 from app.serving.metrics import Metrics
 from app.serving.orchestrator import Orchestrator
 from clients.base import GenerationRequest
+from clients.dialects import upstream_dialect
 
 
 def endpoint(locality: str, structured: str, continues: bool = True, ids: bool = True):
@@ -20,7 +21,7 @@ def endpoint(locality: str, structured: str, continues: bool = True, ids: bool =
         structured_output=structured,
         can_continue=continues,
         accepts_token_ids=ids,
-        dialect="completions" if continues else "chat",
+        dialect=upstream_dialect(None, "completions" if continues else "chat"),
         device_vocabulary=ids,
     )
 

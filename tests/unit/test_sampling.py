@@ -42,3 +42,12 @@ def test_speculative_sampling_preserves_the_target_distribution() -> None:
     # top-p filtering keeps the top token and renormalises
     probs = probabilities(torch.tensor([3.0, 2.0, 0.0, -1.0]), 1.0, top_p=0.5)
     assert probs[0] == 1.0 and float(probs.sum()) == pytest.approx(1.0)
+
+
+def test_min_p_keeps_only_tokens_at_least_that_share_of_the_likeliest() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = probabilities(logits, 1.0, min_p=0.25)  # keeps p >= 0.125: the first three
+    assert probs[0, 3] == 0 and torch.allclose(probs[0, :3], torch.tensor([0.5, 0.3, 0.15]) / 0.95)
+    # Judged before the temperature, as llama.cpp judges it: a hot sampler does not bring the cut tokens back.
+    assert probabilities(logits, 2.0, min_p=0.25)[0, 3] == 0
+    assert torch.equal(probabilities(logits, 1.0, min_p=0.0), probabilities(logits, 1.0))

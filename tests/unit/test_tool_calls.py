@@ -70,6 +70,35 @@ def test_a_bare_json_call_at_the_start_is_a_call():
     assert s.feed("Here:") == ("Here:", []) and s.feed('{"name": 1}') == ('{"name": 1}', [])
 
 
+def test_a_fenced_json_call_at_the_start_is_a_call_held_until_whole():
+    fenced = ["```", "json", "\n", "{\n", '  "name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "\n", "```"]
+    s = ToolCallSplitter(NAMES)
+    for token in fenced:
+        assert s.feed(token) == ("", [])  # held, a whole token at a time: nothing half-delivered
+        assert s.holding and s.committed == 0
+    text, calls = s.finish()
+    assert text == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    assert s.committed == len(fenced) and not s.holding
+    # An untagged fence, written in other pieces, and one whose closing fence never came, are calls too.
+    for pieces in (
+        ["``", "`\n{", '"name": "get_weather", "arguments": {}}\n``', "`"],
+        ["```json {", '"name": "get_weather"}'],
+    ):
+        assert feed_all(ToolCallSplitter(NAMES), pieces)[1][0].name == "get_weather"
+
+
+def test_a_fence_that_holds_no_call_is_text_released_as_soon_as_it_differs():
+    s = ToolCallSplitter(NAMES)
+    assert s.feed("```") == ("", []) and s.feed("python") == ("```python", [])  # another language: text at once
+    s = ToolCallSplitter(NAMES)
+    assert s.feed("```json\n") == ("", []) and s.feed('{"city": 1}') == ('```json\n{"city": 1}', [])
+    # A fenced call of a tool not offered, or with text after its fence, is delivered as the text it is.
+    other = ["```json\n", '{"name": "launch", "arguments": {}}', "\n```"]
+    assert feed_all(ToolCallSplitter(NAMES), other) == ("".join(other), [])
+    trailing = ["```json\n", '{"name": "get_weather", "arguments": {}}', "\n```", " Done."]
+    assert feed_all(ToolCallSplitter(NAMES), trailing) == ("".join(trailing), [])
+
+
 def test_discard_forgets_the_held_call_and_keeps_the_boundary():
     s = ToolCallSplitter(NAMES)
     s.feed("Sure.")
