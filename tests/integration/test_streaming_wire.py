@@ -116,16 +116,26 @@ def test_disconnect_during_a_non_streamed_answer_cancels_backend_work(gateway):
 
 def test_disconnect_before_first_token_cancels(gateway):
     """A client that leaves while its request waits in the device queue, before its first
-    token, frees its place: the model never generates for it."""
+    token, frees its place: the model never generates for it. It leaves once the gateway holds its request (an
+    event), not after a fixed time, in which a fast machine would finish the busy stream and start this one."""
     body = {"model": "device", "messages": MESSAGES, "temperature": 0, "stream": True}
+    busy_tokens = 100
     before = gateway.metric("tandem_backend_generated_tokens", backend="device")
-    with httpx.stream("POST", gateway.v1 + "/chat/completions", json={**body, "max_tokens": 30}, timeout=60) as busy:
+    with httpx.stream(
+        "POST", gateway.v1 + "/chat/completions", json={**body, "max_tokens": busy_tokens}, timeout=60
+    ) as busy:
         lines = busy.iter_lines()
         next(lines)  # the device is now busy with this stream
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(gateway.v1 + "/chat/completions", json={**body, "max_tokens": 60}, timeout=0.3)
+        queued = json.dumps({**body, "max_tokens": 60})
+        with socket.create_connection(("127.0.0.1", int(gateway.url.rsplit(":", 1)[1]))) as client:
+            client.sendall(
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(queued)}\r\n\r\n{queued}".encode()
+            )
+            assert wait_until(lambda: gateway.metric("tandem_in_flight_requests") == 2, 60)
+        assert wait_until(lambda: gateway.metric("tandem_in_flight_requests") == 1, 60)  # dropped, the busy one runs
         rest = list(lines)  # let the busy stream finish
     assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
     assert wait_until(lambda: gateway.metric("tandem_backend_active_streams", backend="device") == 0, 60)
     time.sleep(0.5)
-    assert gateway.metric("tandem_backend_generated_tokens", backend="device") - before == 30
+    assert gateway.metric("tandem_backend_generated_tokens", backend="device") - before == busy_tokens
