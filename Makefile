@@ -100,13 +100,15 @@ bench: setup
 clean:
 	rm -rf $(VENV) $(PORTABLE) .pytest_cache .ruff_cache
 
-# The whole suite on other kernels than this machine's: llama.cpp built for AVX2 only (no AVX-512, whatever this
-# CPU has) and torch on one thread, in a scratch virtualenv. Greedy text may differ between such builds; no test's
-# oracle may (README, "What is exact"). The first run builds llama-cpp-python again (~10 min on 2 cores).
+# The whole suite on other kernels than this machine's, in a scratch virtualenv: llama.cpp built for AVX2 only (no
+# AVX-512 or AMX, whatever this CPU has), and torch on its generic kernels (ATEN_CPU_CAPABILITY=default: no AVX2 /
+# AVX-512 code in ATen's own ops; MKL and oneDNN held to AVX2) on one thread. Greedy text may differ between such
+# builds; no test's oracle may (README, "What is exact"). The first run builds llama-cpp-python again (~10 min on 2
+# cores). The llama-server peer is the one the set-up built (it links the main .venv's libraries).
 PORTABLE      := .venv-portable
 PORTABLE_LLAMA := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF \
-	-DGGML_AVX_VNNI=OFF
+	-DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
 $(PORTABLE)/.installed: pyproject.toml deploy/constraints.txt
 	$(PYTHON) -m venv $(PORTABLE)
@@ -116,8 +118,14 @@ $(PORTABLE)/.installed: pyproject.toml deploy/constraints.txt
 	CMAKE_ARGS="$(PORTABLE_LLAMA)" $(PORTABLE)/bin/python -m pip install --force-reinstall --no-deps \
 		--no-cache-dir -c deploy/constraints.txt llama-cpp-python
 	$(PORTABLE)/bin/python -c "import llama_cpp, sys; i = llama_cpp.llama_print_system_info().decode(); \
-		print(i); sys.exit('AVX512 = 1' in i)"
+		print(i); sys.exit('AVX512 = 1' in i or 'AMX' in i)"
 	touch $@
 
+PORTABLE_TORCH := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 DNNL_MAX_CPU_ISA=AVX2 \
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TANDEM_TEST_TORCH_THREADS=1
+
 test-portable: models $(PORTABLE)/.installed
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PORTABLE)/bin/python -m pytest
+	$(PORTABLE_TORCH) $(PORTABLE)/bin/python -c "import torch, sys; c = torch.backends.cpu.get_cpu_capability(); \
+		print('torch CPU capability:', c); sys.exit(c != 'DEFAULT')"
+	$(RUN_PY) $(PORTABLE_TORCH) $(PORTABLE)/bin/python -m pytest \
+		$(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile)

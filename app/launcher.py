@@ -222,6 +222,14 @@ def stop_server(server: ServerProcess) -> None:
 stop_gateway = stop_server
 
 
+# llama-server's reuse of earlier requests' work, all of it off (the llama.cpp that the pinned llama-cpp-python
+# vendors): one slot (of several, a prompt takes the one whose cache it shares most with), no prompt cache (a slot's
+# KV prefix kept, only the new tail evaluated, in other batches than a cold prompt's), and no host-memory cache of
+# saved slot states (`--cache-ram`, 8 GiB by default: a slot taken by a new prompt saves its state there and restores
+# the saved state of the prompt it is given). Slot save/restore to disk is off unless --slot-save-path is given.
+FRESH_PROMPT_ARGS = ("--parallel", "1", "--no-cache-prompt", "--cache-ram", "0")
+
+
 def start_llama_server(
     model_path: str | Path,
     *,
@@ -231,10 +239,15 @@ def start_llama_server(
     threads: int | None = None,
     cpus: list[int] | None = None,
     ready_timeout: float = 120.0,
+    fresh_prompts: bool = False,
 ) -> ServerProcess:
     """llama.cpp's `llama-server` (the set-up's build, deploy/llama_server.py) serving one GGUF on a free loopback
     port, offline, without its web UI; returned once /health answers 200 (the model is loaded). Its OpenAI API is
-    at `.v1`, the model named `alias` (default: the file's stem). Stop it with stop_server."""
+    at `.v1`, the model named `alias` (default: the file's stem). Stop it with stop_server.
+
+    fresh_prompts: every request is evaluated from position 0 with nothing of an earlier one reused
+    (FRESH_PROMPT_ARGS), so the same input takes the same computation path and greedy answers compare across
+    requests. By default llama-server reuses what it can, and a repeated prompt then takes another path."""
     from deploy.llama_server import binary_path
 
     binary = binary_path()
@@ -246,7 +259,8 @@ def start_llama_server(
     command = [
         str(binary), "--model", str(model_path), "--alias", alias or Path(model_path).stem,
         "--host", "127.0.0.1", "--port", str(port), "--ctx-size", str(ctx_size), "--offline", "--no-webui",
-        *(("--threads", str(threads), "--threads-batch", str(threads)) if threads else ()), *extra_args,
+        *(("--threads", str(threads), "--threads-batch", str(threads)) if threads else ()),
+        *(FRESH_PROMPT_ARGS if fresh_prompts else ()), *extra_args,
     ]  # fmt: skip
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(

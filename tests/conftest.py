@@ -78,13 +78,11 @@ def llama_server_smollm() -> Iterator[ServerProcess]:
     """llama.cpp's own llama-server (built by the set-up) serving SmolLM2-135M on loopback, under the model name
     "smollm2-135m-instruct": a real upstream with a tokenizer other than the device's Qwen one. Its OpenAI API is at
     `.v1`; it takes GBNF `grammar` and `json_schema` fields and continues a trailing assistant message (prefill)."""
-    # One slot: an unrelated prompt then evicts the one cache there is, so a test comparing text asks from a known
-    # cache state whatever other modules asked before (of several slots, a prompt takes the one it shares most with).
+    # Fresh prompts: every request evaluated from position 0, nothing reused (its slots' KV prefixes and its
+    # host-memory cache of saved states are on by default), so the tests that compare its greedy text across requests
+    # compare along one computation path, whatever other modules asked it before.
     server = start_llama_server(
-        model_path("smollm2-135m-instruct"),
-        alias="smollm2-135m-instruct",
-        ctx_size=2048,
-        extra_args=("--parallel", "1"),
+        model_path("smollm2-135m-instruct"), alias="smollm2-135m-instruct", ctx_size=2048, fresh_prompts=True
     )
     yield server
     stop_server(server)

@@ -105,10 +105,11 @@ def test_race_is_won_by_the_first_token(disco_gateway, busy, winner, loser):
     assert t["plan"]["kind"] == "race"
     assert sorted(endpoints(t)) == sorted([(winner, "finished"), (loser, "lost")])
     lost = next(e for e in t["endpoints"] if e["outcome"] == "lost")
+    # The loser was cancelled while queued behind the busy stream, which it was generating for all along: it
+    # generated nothing for this request, and its prefill is still booked.
+    assert busy_tokens > 0
     assert lost["first_token_ms"] is None and lost["decode_tokens"] == 0
-    assert lost["prefill_tokens"] == t["prompt_tokens"]  # the loser's prefill is still booked
-    # The loser was cancelled while queued: it generated nothing for this request (only the busy stream did).
-    assert busy_tokens <= 1000
+    assert lost["prefill_tokens"] == t["prompt_tokens"]
 
 
 # --- DiSCo-D --------------------------------------------------------------------------------------
@@ -127,15 +128,20 @@ def test_disco_d_starts_the_device_after_its_wait(disco_gateway):
     assert 0 < wait < 20_000, t
     device = next(e for e in t["endpoints"] if e["endpoint"] == "device")
     cloud = next(e for e in t["endpoints"] if e["endpoint"] == "cloud")
-    assert cloud["started_ms"] < 50  # the cloud starts at once
-    assert device["started_ms"] >= wait - 5  # the device only after w(l), the cloud being busy
+    assert cloud["started_ms"] < device["started_ms"]  # the cloud at once ...
+    assert device["started_ms"] >= wait - 5  # ... the device only after w(l), the cloud being busy
     assert (device["outcome"], cloud["outcome"]) == ("finished", "lost")
 
-    # With an idle cloud whose first token comes within w(l), the device never starts.
+    # With an idle cloud whose first token comes within w(l), the device never starts; one that comes later (a
+    # loaded machine) has the device started at w(l).
     rid, _, _ = stream_chunks(disco_gateway, MESSAGES, max_tokens=4)
     t = trace(disco_gateway, rid)
-    if t["endpoints"][0]["first_token_ms"] is not None and t["endpoints"][0]["first_token_ms"] < wait:
+    cloud = next(e for e in t["endpoints"] if e["endpoint"] == "cloud")
+    if cloud["first_token_ms"] is not None and cloud["first_token_ms"] < wait:
         assert endpoints(t) == [("cloud", "finished")]
+    else:
+        device = next(e for e in t["endpoints"] if e["endpoint"] == "device")
+        assert device["started_ms"] >= wait - 5, t
 
 
 # --- cost-driven migration ---------------------------------------------------------------------------

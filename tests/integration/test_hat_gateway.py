@@ -50,6 +50,9 @@ profile_device = false
 kind = "hat"
 model = "qwen2.5-coder-0.5b-instruct"
 m = 2
+# Fixed prefill chunks: Eq. 3 sizes them from the measured bandwidth and the worker's g, and two prefills of the same
+# input in other chunks are two computation paths (a migration's continuation is compared with a direct one).
+chunk_size = 16
 [clouds.hat.embedded]
 port = {worker_port}
 [clouds.plain]

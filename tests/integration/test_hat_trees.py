@@ -16,14 +16,13 @@ from clients.hat import wire
 from clients.hat.options import HATOptions
 from clients.hat.tree import draft_tree, keep_path
 from policies.trees import from_paths
-from tests.integration.hf_fixtures import SMOL, chat_prompt, load
+from tests.integration.hf_fixtures import SMOL, chat_prompt, check_against_reference, load
 from tests.integration.test_hat import (
     PROMPT,
     TOKEN,
     N,
     OracleHAT,
     WorkerServer,
-    check_against_reference,
     collect,
     open_raw,
     prompt_ids,
@@ -80,7 +79,9 @@ async def test_greedy_trees_equal_u_shape_over_both_transports_and_beat_the_chai
             stats = backend.stats.summary()
             print(f"tree w={width} {backend.transport}: {stats} (chain: {chain_len:.2f})")
             await backend.close()
-            assert got == chain_out  # token for token, whatever was verified
+            # The U-shape answer whatever was verified (a tree's pass is another computation path than a chain's:
+            # each is held to the reference under the near-tie rule, not to the other).
+            check_against_reference(got, ref, gaps)
             # every round a tree but where the answer's end left less room than the tree's depth
             assert backend.stats.tree_rounds >= max(1, backend.stats.rounds - backend.tree.depth)
             if paths is not None:

@@ -97,8 +97,11 @@ def test_a_huge_prompt_is_tokenised_off_the_event_loop(faulty_gateway):
         time.sleep(0.01)
     thread.join()
     assert_envelope(result["response"], 400, "messages", "context window")
-    assert len(probes) >= 3, (probes, result["seconds"])  # the big request took a while ...
-    assert max(probes) < result["seconds"] / 2, (probes, result["seconds"])  # ... and never held up the loop
+    # Probed while the big request was in flight, and never held up by it: a probe waiting on a tokenizer that held
+    # the loop would take most of the request's time. Relative, so that a fast machine (a short request, a probe or
+    # two) and a loaded one (a long request) are held to the same rule.
+    assert probes, result["seconds"]
+    assert max(probes) < result["seconds"] / 2, (probes, result["seconds"])
 
 
 def test_validation_errors_carry_a_request_id(faulty_gateway):

@@ -1,4 +1,9 @@
-"""The real `openai` SDK against a real gateway: llama.cpp device model + loopback cloud server."""
+"""The real `openai` SDK against a real gateway: llama.cpp device model + loopback cloud server.
+
+Greedy text is compared across requests along one computation path: the device runs in the reproducible mode
+(conftest's `gateway`), and the embedded cloud (llama-cpp-python's server) is asked each compared prompt from
+position 0 (`from_position_0`, or prompts that share no first token).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import asyncio
 
 import openai
 import pytest
+
+from tests.integration.disco_helpers import evict_cache
 
 PROMPT = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
 
@@ -18,9 +25,18 @@ def aclient(gw) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=120)
 
 
+def from_position_0(gw, model: str) -> None:
+    """The embedded cloud keeps the longest prefix its KV cache shares with the next prompt and evaluates only the
+    rest (a repeated prompt: its last token alone, not in the prompt's batch): an unrelated prompt first makes the
+    next one evaluated from position 0, as the one it is compared with was. The reproducible device needs nothing."""
+    if model == "cloud":
+        evict_cache(gw, "cloud")
+
+
 @pytest.mark.parametrize("model", ["device", "cloud"])
 def test_sync_non_stream_and_stream_agree(gateway, model):
     c = client(gateway)
+    from_position_0(gateway, model)
     whole = c.chat.completions.create(model=model, messages=PROMPT, max_tokens=12, temperature=0, seed=1)
     assert whole.object == "chat.completion"
     assert whole.choices[0].message.role == "assistant"
@@ -31,6 +47,7 @@ def test_sync_non_stream_and_stream_agree(gateway, model):
     assert 0 < whole.usage.completion_tokens <= 12
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
 
+    from_position_0(gateway, model)
     chunks = list(
         c.chat.completions.create(model=model, messages=PROMPT, max_tokens=12, temperature=0, seed=1, stream=True)
     )
@@ -85,6 +102,7 @@ def test_policy_extension_routes_to_cloud(gateway):
 @pytest.mark.parametrize("model", ["device", "cloud"])
 def test_stop_sequence_is_cut_and_hidden(gateway, model):
     c = client(gateway)
+    from_position_0(gateway, model)
     full = c.chat.completions.create(model=model, messages=PROMPT, max_tokens=24, temperature=0)
     text = full.choices[0].message.content
     # Pick a stop string from the middle of the known greedy answer.
@@ -92,6 +110,7 @@ def test_stop_sequence_is_cut_and_hidden(gateway, model):
     assert stop.strip(), text
     cut = text[: text.index(stop)]
     for stream in (False, True):
+        from_position_0(gateway, model)
         r = c.chat.completions.create(
             model=model, messages=PROMPT, max_tokens=24, temperature=0, stop=[stop, "\u2603never"], stream=stream
         )
@@ -121,10 +140,12 @@ def test_models_list(gateway):
 @pytest.mark.parametrize("model", ["device", "cloud"])
 def test_completions_stream_and_non_stream(gateway, model):
     c = client(gateway)
+    from_position_0(gateway, model)
     r = c.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=8, temperature=0)
     assert r.object == "text_completion"
     assert r.choices[0].text
     assert 0 < r.usage.completion_tokens <= 8
+    from_position_0(gateway, model)
     chunks = list(
         c.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=8, temperature=0, stream=True)
     )
@@ -146,20 +167,23 @@ def test_completions_token_id_prompt(gateway):
     assert as_ids.choices[0].text == as_text.choices[0].text
 
 
+# Names with sixteen different first letters: no two prompts share their first token, so the embedded cloud, which
+# keeps the prefix its cache shares with the next prompt, evaluates each of them from position 0 whatever came before.
+NAMES = "Alice Bob Carol Dave Erin Frank Grace Heidi Ivan Judy Karl Laura Mike Nina Oscar Peggy".split()
+
+
 async def test_sixteen_concurrent_streams(gateway):
     """16 streams at once, half on each endpoint, each with its own prompt: every answer must
     equal the same prompt answered alone (no cross-talk between queued requests)."""
     c = aclient(gateway)
 
-    def prompt(i: int) -> list[dict]:
-        return [{"role": "user", "content": f"Reply with the number {i} and nothing else."}]
+    def prompt(i: int) -> str:
+        return f"{NAMES[i]} has {i} apples. How many apples does {NAMES[i]} have? Answer:"
 
     async def one(i: int) -> str:
         model = "device" if i % 2 else "cloud"
-        stream = await c.chat.completions.create(
-            model=model, messages=prompt(i), max_tokens=6, temperature=0, stream=True
-        )
-        parts = [ch.choices[0].delta.content or "" async for ch in stream]
+        stream = await c.completions.create(model=model, prompt=prompt(i), max_tokens=6, temperature=0, stream=True)
+        parts = [ch.choices[0].text async for ch in stream]
         return "".join(parts)
 
     together = await asyncio.gather(*(one(i) for i in range(16)))

@@ -70,6 +70,7 @@ def vocab():
 
 
 def check_chat_entries(entries, top: int, greedy: bool) -> None:
+    assert entries  # one entry per generated token: none would make every check below pass
     for e in entries:
         assert e.logprob <= 0
         assert len(e.top_logprobs) == top
@@ -119,6 +120,7 @@ def test_plain_request_has_null_logprobs_and_no_logprobs_field_cost(gw):
     body = {"model": "device", "messages": MESSAGES, "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, timeout=60) as r:
         datas = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]" and len(datas) >= 3  # the role chunk, a token at least, [DONE]
     for d in datas[:-1]:
         assert json.loads(d)["choices"][0]["logprobs"] is None
 
@@ -129,7 +131,7 @@ def test_logprobs_without_alternatives(gw):
     )
     entries = whole.choices[0].logprobs.content
     assert "".join(e.token for e in entries) == whole.choices[0].message.content
-    assert all(e.top_logprobs == [] and e.logprob <= 0 for e in entries)
+    assert entries and all(e.top_logprobs == [] and e.logprob <= 0 for e in entries)
 
 
 def test_completions_logprobs_streamed_and_not(gw):
@@ -138,7 +140,7 @@ def test_completions_logprobs_streamed_and_not(gw):
     whole = c.completions.create(model="device", prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
     lp = whole.choices[0].logprobs
     text = whole.choices[0].text
-    assert "".join(lp.tokens) == text
+    assert lp.tokens and "".join(lp.tokens) == text
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
@@ -276,7 +278,8 @@ def test_large_negative_logit_bias_removes_a_token(gw, vocab):
         logit_bias={str(banned): -100},
     )
     assert biased.choices[0].message.content != plain.choices[0].message.content
-    assert all(bytes(e.bytes) != bytes(first.bytes) for e in biased.choices[0].logprobs.content)
+    entries = biased.choices[0].logprobs.content
+    assert entries and all(bytes(e.bytes) != bytes(first.bytes) for e in entries)
 
 
 def test_presence_and_frequency_penalties_change_greedy_output(gw):

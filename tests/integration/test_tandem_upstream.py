@@ -30,7 +30,7 @@ from clients.gguf_meta import read_chat_template
 from deploy.models import model_path
 from tests.integration.disco_helpers import trace
 from tests.integration.scripted_upstream import Answer
-from tests.integration.test_llama_server_dialects import SMOLLM, direct, evict
+from tests.integration.test_llama_server_dialects import SMOLLM, direct
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -188,8 +188,6 @@ def test_a_device_that_stalls_mid_answer_hands_it_on_in_the_clouds_dialect(
     stalling_a, tandem_b, llama_server_smollm, cloud, dialect
 ):
     on_llama_server = dialect in ("prefill", "completions")
-    if on_llama_server:
-        evict(llama_server_smollm)
     max_tokens = 8
     r = chat(stalling_a, MESSAGES, max_tokens, stream=True, tandem={"cloud": cloud})
     answer, finish = streamed(r)

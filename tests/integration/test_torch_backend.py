@@ -1,4 +1,10 @@
-"""TorchBackend on real SmolLM2-135M: token-exact greedy decoding, continuation, cancellation, concurrency."""
+"""TorchBackend on real SmolLM2-135M: token-exact greedy decoding, continuation, cancellation, concurrency.
+
+TorchBackend keeps no cache: an input (prompt + delivered prefix) is prefilled in fixed chunks from position 0, then
+decoded a token at a time, so the same input gives the same answer (compared exactly); a reference computed along
+another path (transformers' generate, or the original answer's decode of what a continuation prefills) is held to
+hf_fixtures' near-tie rule.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import torch
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent
 from clients.hf_model import IncrementalDetokenizer
 from clients.torch_local import TorchBackend
-from tests.integration.hf_fixtures import chat_prompt, relayed, smollm  # noqa: F401
+from tests.integration.hf_fixtures import chat_prompt, check_against_reference, relayed, smollm, top2_gap  # noqa: F401
 
 N = 16
 
@@ -34,14 +40,22 @@ def _ids(events: list[TokenEvent]) -> list[int]:
 
 
 @torch.inference_mode()
-def _hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
+def _hf_greedy(model: Any, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """transformers' own greedy answer (up to its end token) and each pick's top-2 logit gap."""
     out = model.generate(
-        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n, do_sample=False
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=n,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
-    new = out[0, len(ids) :].tolist()
     eos = model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or ())
-    return [t for t in new if t not in eos]
+    tokens = out.sequences[0, len(ids) :].tolist()
+    gaps = [top2_gap(step[0]) for step in out.logits]
+    end = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:end], gaps
 
 
 @pytest.mark.asyncio
@@ -53,7 +67,8 @@ async def test_greedy_matches_hf_generate_and_text_is_consistent(smollm: tuple[A
         prompt = chat_prompt(tok, "List three fruits, one per line.")
         events = await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=N, temperature=0))
         ids = _ids(events)
-        assert ids == _hf_greedy(model, b.tokenize(prompt), N)[: len(ids)]
+        reference, gaps = _hf_greedy(model, b.tokenize(prompt), N)
+        check_against_reference(ids, reference, gaps)  # generate prefills the prompt whole: another path
         assert events[-1].finish_reason in ("stop", "length")
         assert all(e.finish_reason is None for e in events[:-1])
         if events[-1].finish_reason == "length":
@@ -81,13 +96,27 @@ async def test_continue_from_prefix_ids_and_text(smollm: tuple[Any, Any]) -> Non
         rest = await _collect(
             b, GenerationRequest(prompt_text=prompt, prefix_ids=tuple(full[:k]), max_tokens=N - k, temperature=0)
         )
-        assert _ids(rest) == full[k:]
-        # The text path: delivered text, re-tokenised by the backend.
+        # A continuation is its input, prompt + prefix, as a fresh prompt: prefilled in the same chunks (one path).
+        as_prompt = GenerationRequest(
+            prompt_text="", prompt_ids=(*b.tokenize(prompt), *full[:k]), max_tokens=N - k, temperature=0
+        )
+        assert _ids(rest) == _ids(await _collect(b, as_prompt))
+        # ... and goes on with the same answer: the original decoded the prefix a token at a time (the near-tie rule,
+        # on the original's own top-2 logprobs).
+        scored = await _collect(b, GenerationRequest(prompt_text=prompt, max_tokens=N, temperature=0, logprobs=2))
+        gaps = [e.logprobs[0].top[0][1] - e.logprobs[0].top[1][1] for e in scored if e.token_id is not None]
+        assert _ids(scored) == full
+        check_against_reference(_ids(rest), full[k:], gaps[k:])
+        # The text path: delivered text, re-tokenised by the backend; its input is prompt + those tokens.
         prefix_text = b.detokenize(full[:k])
         rest_t = await _collect(
             b, GenerationRequest(prompt_text=prompt, prefix_text=prefix_text, max_tokens=N - k, temperature=0)
         )
-        assert prefix_text + "".join(e.text for e in rest_t) == b.detokenize(full)
+        retokenised = GenerationRequest(
+            prompt_text="", prompt_ids=(*b.tokenize(prompt), *b.tokenize(prefix_text)), max_tokens=N - k, temperature=0
+        )
+        assert _ids(rest_t) == _ids(await _collect(b, retokenised))
+        assert prefix_text + "".join(e.text for e in rest_t) == b.detokenize([*b.tokenize(prefix_text), *_ids(rest_t)])
     finally:
         await b.close()
 

@@ -35,10 +35,9 @@ from clients.hat.split import SplitModel, split_model
 from policies.sequence_partition import ChunkCost
 from tests.conftest import start_gateway, stop_gateway
 from tests.integration.disco_helpers import stream_chunks, trace
-from tests.integration.hf_fixtures import QWEN05, SMOL, chat_prompt, load
+from tests.integration.hf_fixtures import QWEN05, SMOL, chat_prompt, check_against_reference, load
 from tests.integration.test_hat import (
     WorkerServer,
-    check_against_reference,
     collect,
     prompt_ids,
     token_ids,

@@ -57,5 +57,24 @@ async def test_another_cancellation_passes_through_unchanged() -> None:
 
 
 async def test_no_limit() -> None:
-    with Deadline(None):
-        await asyncio.sleep(0.01)
+    """None: no timer is ever armed, so no await is cut, and nothing is left to cancel."""
+    loop = asyncio.get_running_loop()
+    armed = []
+    real = loop.call_at
+
+    def counting(when, callback, *args, **kw):
+        if getattr(callback, "__self__", None) is deadline:
+            armed.append(when)
+        return real(when, callback, *args, **kw)
+
+    deadline = Deadline(None)
+    loop.call_at = counting
+    try:
+        for _ in range(3):
+            with deadline:
+                assert await asyncio.sleep(0.01, result="done") == "done"
+        deadline.close()
+    finally:
+        del loop.call_at
+    assert armed == []
+    assert not asyncio.current_task().cancelling()

@@ -261,11 +261,15 @@ def test_plan_invariants():
 
 def test_recompute_from_live_estimators_works_before_any_sample():
     est = Estimators()
-    for name in ("disco-s", "disco-d"):
-        p = make_policy(name)
-        p.recompute_from(est, "cloud", budget=0.5)  # priors only
-        assert p.ready
-        p.decide(48)
+    s = make_policy("disco-s")
+    s.recompute_from(est, "cloud", budget=0.5)  # priors only: a threshold inside the prior's lengths
+    assert 1 < s.threshold < 10_000 and 0.0 <= s.tie_fraction <= 1.0
+    assert not s.decide(1).start_cloud and s.decide(10_000).race
+    d = make_policy("disco-d")
+    d.recompute_from(est, "cloud", budget=0.5)  # the cloud always starts, the device of a long prompt after w_tail
+    assert math.isfinite(d.w_tail) and d.w_tail > 0
+    assert all(d.decide(x).start_cloud for x in (1, 48, 10_000))
+    assert d.decide(10_000).device_delay == pytest.approx(d.w_tail)
     d = DiscoD()
     d.recompute_from(est, "cloud", budget=0.03)
     # Prior TTFT log-normal(median 0.5, σ 0.6): w_tail = its ~97th percentile ≈ 0.5·e^{0.6·1.88} ≈ 1.5 s.

@@ -218,18 +218,31 @@ def test_frames_are_applied_in_seq_order(engine: Engine) -> None:
 
 
 def test_idle_sessions_expire_without_touching_others(tiny: LlamaForCausalLM) -> None:
-    engine = make_engine(tiny, idle_timeout=0.3)
+    # The engine's clock, moved by the test: which session is idle is decided by its time, not by how fast this
+    # machine runs the frames (real 0.1 s gaps against a 0.3 s timeout expired the busy session too on a loaded box).
+    now = [0.0]
+    engine = Engine(
+        split_model(tiny, 2).middle, EngineLimits(idle_timeout=10.0), model_name="tiny", clock=lambda: now[0]
+    )
+    engine.start()
     try:
         idle, _ = open_session(engine)
         busy, _ = open_session(engine)
         expired: list[str] = []
         idle.on_expire = lambda message, status: expired.append(message) if status == 408 else None
         for seq in range(1, 8):
-            time.sleep(0.1)
+            now[0] += 2.0  # 14 s in all: the idle session's last frame is past the timeout, the busy one's never
             assert (
                 one(engine.submit(busy, tensor_frame(busy, seq, torch.randn(1, H), seq - 1))).kind == Kind.VERIFY_RESULT
             )
-        assert expired and expired[0].startswith("idle") and engine.session(idle.id) is None
+            assert engine.session(busy.id) is not None
+            if now[0] <= 10.0:
+                assert engine.session(idle.id) is not None, now[0]  # not before its time
+        deadline = time.monotonic() + 30  # the engine thread's next check (every idle_timeout / 4, at most 0.5 s)
+        while not expired:
+            assert time.monotonic() < deadline, "the idle session did not expire"
+            time.sleep(0.01)
+        assert expired[0].startswith("idle") and engine.session(idle.id) is None
         assert engine.session(busy.id) is not None and engine.stats.rejected["idle"] == 1
         assert error_of(engine.submit(idle, tensor_frame(idle, 1, torch.randn(1, H), 0)))[0] == 410
     finally:

@@ -28,8 +28,9 @@ def relay(pieces: list[str], stops: tuple[str, ...] = ()) -> list[tuple[str, tup
 
 
 def test_every_delta_is_its_tokens_joined():
-    for text, tokens in relay([" The", " answer", " is", " 42", "."]):
-        assert text == "".join(tokens)
+    out = relay([" The", " answer", " is", " 42", "."])
+    assert [tokens for _, tokens in out] == [(" The",), (" answer",), (" is",), (" 42",), (".",)]
+    assert all(text == "".join(tokens) for text, tokens in out)
 
 
 def test_text_held_by_a_stop_prefix_waits_for_its_token_end():

@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from app.worker.engine import Engine
+from app.worker.prefill_cost import fit_stage_costs
 from app.worker.settings import EngineLimits
 from clients.hat import wire
 from clients.hat.options import HATOptions
@@ -53,9 +54,10 @@ def test_the_engine_fits_tau_from_its_own_lone_prefill_pieces_and_reports_it_at_
     assert engine.prefill_cost.version >= 1 and len(engine.prefill_cost.points) == 4
     _, info = opened(engine)  # a new session is told the fit
     (row,) = info["prefill_tau"]
-    assert len(row) == 4 and all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in row)
-    assert row == [engine.prefill_cost.costs[0].a, engine.prefill_cost.costs[0].b,  # type: ignore[index]
-                   engine.prefill_cost.costs[0].c, engine.prefill_cost.costs[0].d]  # type: ignore[index]  # fmt: skip
+    assert len(row) == 4 and all(isinstance(v, float) and math.isfinite(v) for v in row)
+    # The least-squares fit of those four pieces (d tied to c/2: no profile), what the engine plans with.
+    (fit,) = fit_stage_costs(list(engine.prefill_cost.points), 1, tied=True)  # type: ignore[misc]
+    assert ChunkCost(*row) == fit == engine.prefill_cost.costs[0]  # type: ignore[index]
 
 
 def test_lone_chains_of_drafts_feed_tau_too_and_a_tree_does_not(engine: Engine) -> None:
@@ -88,7 +90,8 @@ def test_the_start_up_profile_determines_tau_before_any_session(engine: Engine) 
     _, info = opened(engine)
     (row,) = info["prefill_tau"]
     cost = ChunkCost(*row)
-    assert cost(192, 0) > 0 and all(v >= 0 for v in row)
+    # The fit of the profile's six timings (clamped non-negative: that part cannot fail) reaches a new session.
+    assert (cost,) == fit_stage_costs(fit.profiled, 1) and cost(192, 0) > 0
 
 
 def test_the_device_reads_tau_as_one_stage_and_refuses_malformed_values() -> None:
