@@ -5,13 +5,14 @@ probe before anything else.
 A request (endpoints/ollama_schemas.py) becomes the core's ChatInput (/api/chat, and /api/generate with the model's
 chat template) or CompletionInput (/api/generate with `raw: true`), so routing, races, migrations, fault recovery,
 privacy levels, key limits, budgets, traces and the live feed apply unchanged. What is this API's own: `options`
-(temperature, top_p, top_k, num_predict, stop, seed, the penalties), `format` ("json" or a JSON schema, the core's
-response_format and so its grammar), tool calls with their arguments as objects (a tool result answers the call it
-names, or the earliest unanswered call of its tool), a trailing assistant message continued, the answer as NDJSON
-lines, streamed unless `stream: false` (Ollama's default), its last line carrying `done`, `done_reason` and the
-timings in nanoseconds, and the errors as `{"error": "..."}` (endpoints/errors.py, by path). A field Tandem does not
-apply is named in the `x-tandem-ignored-fields` header (docs/ollama.md says why for each). As on every door the HTTP
-status waits for the first token; a failure after it is an `{"error": ...}` line, which Ollama's clients raise.
+(temperature, top_p, top_k, num_predict, stop, seed, the penalties; llama.cpp's samplers as the core's sampling
+extras, as the OpenAI surface passes them), `format` ("json" or a JSON schema, the core's response_format and so its
+grammar), tool calls with their arguments as objects (a tool result answers the call it names, or the earliest
+unanswered call of its tool), a trailing assistant message continued, the answer as NDJSON lines, streamed unless
+`stream: false` (Ollama's default), its last line carrying `done`, `done_reason` and the timings in nanoseconds, and
+the errors as `{"error": "..."}` (endpoints/errors.py, by path). A field Tandem does not apply is named in the
+`x-tandem-ignored-fields` header (docs/ollama.md says why for each). As on every door the HTTP status waits for the
+first token; a failure after it is an `{"error": ...}` line, which Ollama's clients raise.
 
 Model names are the gateway's own (its routed name, each endpoint's name and model id, the embedding model's); a
 name with Ollama's default tag (`device:latest`) is that model. The request's trace id is the `x-request-id` header.
@@ -37,6 +38,7 @@ from endpoints.auth import require_api_key
 from endpoints.errors import ApiError
 from endpoints.logprobs import chat_logprobs
 from endpoints.ollama_schemas import (
+    SAMPLING_OPTIONS,
     ChatRequest,
     EmbeddingsRequest,
     EmbedRequest,
@@ -74,27 +76,18 @@ def _ns(seconds: float) -> int:
 # -- the request, as the core takes it -------------------------------------------------------------------------------
 
 
+# Ollama's capabilities, each with the core's that make it (Serving.models()'s `capabilities`).
+_CAPABILITIES = {"completion": ("chat", "completions"), "tools": ("tools",), "embedding": ("embeddings",)}
+
+
 def models(serving: Serving) -> dict[str, dict]:
-    """Every model a request may name, by id, with what it is: its `locality` (`routed` for the gateway's own name,
-    which DiSCo places), the `endpoints` that may serve it, and its `capabilities` in Ollama's words. `models()` lists
-    the routed name first, then each endpoint's name and model id, then the embedding model, the one id no endpoint
-    has."""
-    endpoints = serving.endpoints()
-    by_id: dict[str, dict] = {}
-    for endpoint in endpoints:
-        for name in (endpoint["name"], endpoint["model"]):
-            by_id.setdefault(name, endpoint)
-    chat = ["completion", "tools"]
-    out = {}
-    for position, model in enumerate(serving.models()):
-        endpoint = by_id.get(model)
-        if endpoint is not None:
-            out[model] = {"locality": endpoint["locality"], "endpoints": [endpoint["name"]], "capabilities": chat}
-        elif position == 0:
-            out[model] = {"locality": "routed", "endpoints": [e["name"] for e in endpoints], "capabilities": chat}
-        else:
-            out[model] = {"locality": "device", "endpoints": [], "capabilities": ["embedding"]}
-    return out
+    """Every model a request may name, by id, as the core describes it (Serving.models(): its `context_length`, its
+    `locality`, the `endpoints` that may serve it), with its `capabilities` in Ollama's words."""
+    return {card["id"]: {**card, "capabilities": _capabilities(card["capabilities"])} for card in serving.models()}
+
+
+def _capabilities(core: dict[str, bool]) -> list[str]:
+    return [name for name, made_of in _CAPABILITIES.items() if any(core[c] for c in made_of)]
 
 
 def _model(serving: Serving, name: str) -> str:
@@ -169,6 +162,7 @@ def _sampling(body: ChatRequest | GenerateRequest, model: str, key: KeyAccess | 
         "logprobs": body.logprobs_top,
         "presence_penalty": options.presence_penalty,
         "frequency_penalty": options.frequency_penalty,
+        "extras": options.sampling_extras(),
     }
 
 
@@ -201,9 +195,11 @@ def generate_input(body: GenerateRequest, model: str, key: KeyAccess | None) -> 
 
 
 def _ignored(names: list[str], headers: dict[str, str] | None = None) -> dict[str, str]:
-    """`headers` with the fields this door did not apply named, after any the serving endpoint did not apply."""
+    """`headers` with the fields this door did not apply named, after any the serving endpoint did not apply (its
+    sampling extras as this API's clients name them: `options.mirostat`)."""
     headers = dict(headers or {})
-    named = [*filter(None, headers.get(IGNORED_HEADER, "").split(", ")), *names]
+    by_endpoint = filter(None, headers.get(IGNORED_HEADER, "").split(", "))
+    named = [*(SAMPLING_OPTIONS.get(name, name) for name in by_endpoint), *names]
     if named:
         headers[IGNORED_HEADER] = ", ".join(dict.fromkeys(named))
     return headers
@@ -424,7 +420,8 @@ async def show(body: ShowRequest, serving: ServingDep):
             "parameters": "",
             "template": "",
             "details": {},
-            "model_info": {},
+            # What Ollama's clients read of a model: `<architecture>.context_length`, the window a prompt must fit.
+            "model_info": {"general.architecture": "tandem", "tandem.context_length": card["context_length"]},
             "capabilities": card["capabilities"],
             "modified_at": _iso(serving.created),
             "tandem": _about(card),

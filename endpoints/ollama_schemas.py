@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from endpoints.schemas import _INT64, _MAX_COUNT, TandemOptions, _Request
+from endpoints.schemas import _INT64, _MAX_COUNT, LlamaSampling, MirostatMode, TandemOptions, _Request
 
 _MAX_STOPS = 16
 TEXT_ONLY = "Tandem serves text models only: images cannot be served"
@@ -36,13 +36,15 @@ def _unknown_in(items, prefix: str) -> list[str]:
     return list(dict.fromkeys(name for item in items or () for name in item.unknown(prefix)))
 
 
-class Options(_Lenient):
-    """`options`: the sampling options Tandem applies on every endpoint; the rest (num_ctx, the runner's load-time
-    options, llama.cpp's other samplers) are accepted and named as not applied."""
+class Options(LlamaSampling, _Lenient):
+    """`options`: the sampling options Tandem applies on every endpoint, and llama.cpp's sampling extras as the OpenAI
+    surface takes them (LlamaSampling: applied on the device, forwarded to upstreams that take them); the rest
+    (num_ctx, the runner's load-time options, samplers such as repeat_last_n or tfs_z) are accepted and named as not
+    applied."""
 
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0, le=_MAX_COUNT)] | None = None
+    mirostat_mode: MirostatMode | None = Field(None, alias="mirostat")  # Ollama's name for it, as llama-server's
     # -1 (no limit) and -2 (fill the context) take the gateway's default_max_tokens, as an absent num_predict does.
     num_predict: Annotated[int, Field(ge=-2, le=_MAX_COUNT)] | None = None
     stop: str | Annotated[list[str], Field(max_length=_MAX_STOPS)] | None = None
@@ -70,6 +72,10 @@ class Options(_Lenient):
     @property
     def max_tokens(self) -> int | None:
         return self.num_predict if self.num_predict is not None and self.num_predict > 0 else None
+
+
+# The sampling extras by the core's names (what an endpoint names as not applied), as this API's clients send them.
+SAMPLING_OPTIONS = {name: f"options.{Options.model_fields[name].alias or name}" for name in LlamaSampling.model_fields}
 
 
 class ToolCallFunction(_Lenient):

@@ -5,8 +5,8 @@ walks them), as OpenAI accepts them. Each is honoured, forwarded to an upstream 
 (clients/dialects.py), or ignored visibly (the `x-tandem-ignored-fields` header and the trace say which and why):
 `extras()` hands the core those it does not apply itself. A field whose ignoring would hand back something other
 than what was asked (audio output, web search, moderation, echo, suffix, best_of > 1) is a 400 that says why. Fields
-OpenAI does not define are a 400 naming them, as OpenAI answers, except llama.cpp's sampling extras (top_k, min_p,
-typical_p, repeat_penalty, mirostat_*), which the device applies.
+OpenAI does not define are a 400 naming them, as OpenAI answers, except llama.cpp's sampling extras (LlamaSampling:
+top_k, min_p, typical_p, repeat_penalty, mirostat_*), which the device applies.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from clients import dialects
 
 # Integers are bounded where they enter: Python's are unbounded, and a max_tokens of 10**400 would only fail
 # deep inside (float conversion in the estimators, ctypes in llama.cpp) as a server error.
@@ -198,7 +200,30 @@ def _stop_list(value: str | list[str] | None) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-class _Sampling(_Request):
+MirostatMode = Literal[0, 1, 2]
+
+
+class LlamaSampling(_Request):
+    """llama.cpp's sampling extras (llama-server's and llama-cpp-python's names), with their bounds, for every front
+    door that takes them (the OpenAI surface; Ollama's `options`): applied on the device, forwarded to upstreams whose
+    dialect takes them (clients/dialects.py). top_k is the core's own field; the others go as the request's extras."""
+
+    top_k: Annotated[int, Field(ge=0, le=_MAX_COUNT)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    typical_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    mirostat_mode: MirostatMode | None = None
+    mirostat_tau: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
+    mirostat_eta: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+
+    SAMPLING_EXTRAS: ClassVar[tuple[str, ...]] = tuple(name for name in dialects.SAMPLING_EXTRAS if name != "top_k")
+
+    def sampling_extras(self) -> dict[str, object]:
+        """The sampling extras the request sets, by the core's names."""
+        return {name: getattr(self, name) for name in self.SAMPLING_EXTRAS if getattr(self, name) is not None}
+
+
+class _Sampling(LlamaSampling):
     model: str
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -214,28 +239,11 @@ class _Sampling(_Request):
     logit_bias: (
         Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)] | None
     ) = None
-    # llama.cpp's sampling extras (llama-server's and llama-cpp-python's names): applied on the device, forwarded to
-    # upstreams whose dialect takes them (clients/dialects.py).
-    top_k: Annotated[int, Field(ge=0, le=_MAX_COUNT)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    typical_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    mirostat_mode: Literal[0, 1, 2] | None = None
-    mirostat_tau: Annotated[float, Field(gt=0.0, le=100.0)] | None = None
-    mirostat_eta: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     tandem: TandemOptions | None = None
 
     # The fields beyond the core (clients/dialects.py's PLATFORM_FIELDS and SAMPLING_EXTRAS, less top_k, which the
     # core takes itself) this request type defines.
-    _EXTRAS: ClassVar[tuple[str, ...]] = (
-        "user",
-        "min_p",
-        "typical_p",
-        "repeat_penalty",
-        "mirostat_mode",
-        "mirostat_tau",
-        "mirostat_eta",
-    )
+    _EXTRAS: ClassVar[tuple[str, ...]] = ("user", *LlamaSampling.SAMPLING_EXTRAS)
 
     def extras(self) -> dict[str, object]:
         """The fields beyond the core that the request sets, as plain JSON values: each endpoint applies or forwards

@@ -139,7 +139,14 @@ def test_list_show_and_ps(gw):
         EMBEDDER,
     }
     device = client.show("device")
-    assert device.capabilities == ["completion", "tools"] and device.modelinfo == {}
+    assert device.capabilities == ["completion", "tools"]
+    # Ollama's clients read a model's window as `<architecture>.context_length`: /v1/models' context_length.
+    windows = {
+        m["id"]: m["context_length"] for m in httpx.get(gw.v1 + "/models", headers=AUTH, timeout=10).json()["data"]
+    }
+    assert device.modelinfo == {"general.architecture": "tandem", "tandem.context_length": 2048}  # [device] n_ctx
+    assert client.show(EMBEDDER).modelinfo["tandem.context_length"] == 256  # the embedding model's window
+    assert (windows["device"], windows[EMBEDDER]) == (2048, 256)
     raw = httpx.post(gw.url + "/api/show", headers=AUTH, json={"model": "cloud:latest"}, timeout=10).json()
     assert raw["tandem"] == {"locality": "cloud", "endpoints": ["cloud"]}
     tags = httpx.get(gw.url + "/api/tags", headers=AUTH, timeout=10).json()["models"]
@@ -288,20 +295,36 @@ def test_options_stop_top_k_and_seed(gw):
     assert text(temperature=1.0, seed=7).message.content == seeded  # the reproducible device: a seed repeats
 
 
+def test_llama_cpps_samplers_apply_on_the_device(gw):
+    """min_p = 1 keeps only the likeliest token: a hot sampler then writes the greedy answer (on the reproducible
+    path, so the requests evaluate alike); without it, the same seed writes another (test_request_schema.py's check
+    of the OpenAI door, through Ollama's `options`)."""
+    client = Client(gw)
+
+    def text(**options) -> str:
+        return client.chat(model="device", messages=ASK, options={"num_predict": 16, **options}).message.content
+
+    greedy = text(**GREEDY)
+    hot = {"temperature": 2.0, "seed": 3}
+    cut = text(**hot, min_p=1.0)
+    assert "x-tandem-ignored-fields" not in client.headers
+    assert cut == greedy != text(**hot)
+
+
 def test_options_not_applied_are_named(gw):
     body = {
         "model": "device",
         "messages": [{**ASK[0], "images": []}],
         "stream": False,
         "keep_alive": "5m",
-        "options": {**GREEDY, "num_predict": 2, "num_ctx": 4096, "num_gpu": 99, "mirostat": 2},
+        "options": {**GREEDY, "num_predict": 2, "num_ctx": 4096, "num_gpu": 99, "repeat_last_n": 8, "mirostat": 2},
         "think": True,
         "some_new_field": 1,
     }
     r = httpx.post(gw.url + "/api/chat", headers=AUTH, json=body, timeout=120)
     assert r.status_code == 200 and r.json()["eval_count"] == 2
     ignored = r.headers["x-tandem-ignored-fields"].split(", ")
-    assert ignored == ["some_new_field", "options.num_ctx", "options.num_gpu", "options.mirostat", "think"]
+    assert ignored == ["some_new_field", "options.num_ctx", "options.num_gpu", "options.repeat_last_n", "think"]
     applied = {**body, "options": {**GREEDY, "num_predict": 2}, "think": False}
     r = httpx.post(gw.url + "/api/chat", headers=AUTH, json=applied, timeout=120)
     assert r.status_code == 200 and r.headers["x-tandem-ignored-fields"] == "some_new_field"

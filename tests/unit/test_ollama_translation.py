@@ -13,9 +13,11 @@ from app.serving.requests import ChatInput, CompletionInput
 from app.serving.tool_calls import ToolCall
 from clients.base import TokenLogprob, Usage
 from endpoints.answer import Collected
-from endpoints.ollama import Lines, _ignored, chat_input, generate_input
+from endpoints.ollama import Lines, _ignored, chat_input, generate_input, models
 from endpoints.ollama_schemas import ChatRequest, EmbedRequest, GenerateRequest
+from endpoints.schemas import ChatCompletionRequest
 from endpoints.serving import KeyAccess
+from endpoints.serving import chat_input as openai_chat_input
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
@@ -51,6 +53,30 @@ def test_options_become_the_cores_sampling() -> None:
     assert got.response_format == {"type": "json_object"} and got.logprobs == 2
     assert (got.privacy, got.key_privacy) == ("device", "split")
     assert got.messages == ({"role": "user", "content": "hi"},) and not got.continue_final
+
+
+def test_llama_cpps_samplers_are_the_cores_sampling_extras_as_the_openai_door_passes_them() -> None:
+    samplers = {"min_p": 0.05, "typical_p": 0.9, "repeat_penalty": 1.3, "mirostat_tau": 4.0, "mirostat_eta": 0.2}
+    ollama_body = chat(messages=[{"role": "user", "content": "hi"}], options={**samplers, "mirostat": 2, "top_k": 9})
+    got = chat_input(ollama_body, "device", None)
+    openai_body = ChatCompletionRequest.model_validate(
+        {"model": "device", "messages": [{"role": "user", "content": "hi"}], **samplers, "mirostat_mode": 2}
+    )
+    assert got.extras == {**samplers, "mirostat_mode": 2} == openai_chat_input(openai_body, None).extras
+    assert got.top_k == 9
+    raw = GenerateRequest(model="m", prompt="p", raw=True, options={"min_p": 0.1})
+    assert generate_input(raw, "m", None).extras == {"min_p": 0.1}
+    assert chat_input(chat(messages=[{"role": "user", "content": "hi"}]), "device", None).extras == {}
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [({"mirostat": 3}, "mirostat"), ({"repeat_penalty": 0}, "repeat_penalty"), ({"min_p": 1.5}, "min_p")],
+)
+def test_samplers_out_of_bounds_are_refused_naming_them(options, named) -> None:
+    with pytest.raises(ValidationError) as refused:
+        chat(messages=[], options=options)
+    assert f"options.{named}" in str(refused.value)
 
 
 @pytest.mark.parametrize(("num_predict", "max_tokens"), [(-1, None), (-2, None), (0, None), (5, 5)])
@@ -110,7 +136,7 @@ def test_generate_is_a_user_turn_or_the_raw_prompt() -> None:
 def test_what_is_not_applied_is_named() -> None:
     body = chat(
         messages=[{"role": "user", "content": "hi", "images": [], "name": "ann"}],
-        options={"num_ctx": 8192, "num_gpu": 1, "temperature": 0},
+        options={"num_ctx": 8192, "num_gpu": 1, "temperature": 0, "mirostat": 1, "repeat_last_n": 64},
         think="high",
         keep_alive="5m",
         shift=True,
@@ -120,6 +146,7 @@ def test_what_is_not_applied_is_named() -> None:
         "shift",
         "options.num_ctx",
         "options.num_gpu",
+        "options.repeat_last_n",
         "think",
         "messages[].name",
         "tools[].extra",
@@ -205,8 +232,45 @@ def test_a_whole_answer_with_logprobs_and_calls() -> None:
 
 def test_the_door_adds_its_fields_to_those_the_endpoint_did_not_apply() -> None:
     header = "x-tandem-ignored-fields"
-    assert _ignored(["think", "top_k"], {header: "top_k", "x-request-id": "r"}) == {
-        header: "top_k, think",
+    assert _ignored(["think", "options.top_k"], {header: "top_k", "x-request-id": "r"}) == {
+        header: "options.top_k, think",
         "x-request-id": "r",
     }
     assert _ignored([], {"x-request-id": "r"}) == {"x-request-id": "r"}
+    # The endpoint names the core's sampling extras; the client reads them as it sent them.
+    assert _ignored(["think"], {header: "min_p, mirostat_mode, top_k"})[header] == (
+        "options.min_p, options.mirostat, options.top_k, think"
+    )
+
+
+class Cards:
+    """A serving core's model descriptions (Serving.models()), the only part of it that models() reads."""
+
+    def __init__(self, *cards: dict):
+        self.cards = list(cards)
+
+    def models(self) -> list[dict]:
+        return self.cards
+
+
+def card(model_id: str, **capabilities: bool) -> dict:
+    core = {"chat": True, "completions": True, "tools": False, "structured_output": True, "embeddings": False}
+    return {
+        "id": model_id,
+        "context_length": 4096,
+        "locality": "cloud",
+        "endpoints": ["c"],
+        "capabilities": {**core, **capabilities},
+    }
+
+
+def test_models_are_the_cores_with_ollamas_capabilities() -> None:
+    serving = Cards(
+        card("tandem", tools=True),
+        card("c"),
+        card("emb", chat=False, completions=False, structured_output=False, embeddings=True),
+    )
+    got = models(serving)
+    assert list(got) == ["tandem", "c", "emb"]
+    assert [got[m]["capabilities"] for m in got] == [["completion", "tools"], ["completion"], ["embedding"]]
+    assert got["c"]["locality"] == "cloud" and got["c"]["endpoints"] == ["c"] and got["c"]["context_length"] == 4096
