@@ -124,7 +124,8 @@ $(PORTABLE)/.installed: pyproject.toml deploy/constraints.txt
 PORTABLE_TORCH := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 DNNL_MAX_CPU_ISA=AVX2 \
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TANDEM_TEST_TORCH_THREADS=1
 
-test-portable: models $(PORTABLE)/.installed
+test-portable: models $(PORTABLE)/.installed store-server browser
+	$(PORTABLE)/bin/python -m deploy.llama_server build  # linked to the portable build's libraries: a server of its own
 	$(PORTABLE_TORCH) $(PORTABLE)/bin/python -c "import torch, sys; c = torch.backends.cpu.get_cpu_capability(); \
 		print('torch CPU capability:', c); sys.exit(c != 'DEFAULT')"
 	$(RUN_PY) $(PORTABLE_TORCH) $(PORTABLE)/bin/python -m pytest \
