@@ -59,6 +59,11 @@ class TandemOptions(_Request):
     decoding: Literal["outline", "auto", "sequential"] | None = Field(
         None, description="outline: expand an outline's points in parallel; auto: when the question suits it"
     )
+    quality_threshold: Annotated[float, Field(ge=0, le=1, strict=True)] | None = Field(
+        None,
+        description="the quality policy's τ: the device's mean top-token probability below which its answer goes on "
+        "on the cloud (0: never; 1: at once)",
+    )
 
 
 class TextPart(_Request):

@@ -81,6 +81,7 @@ def _common(body: ChatCompletionRequest | CompletionRequest, key: KeyAccess | No
         "cloud": tandem.cloud if tandem else None,
         "privacy": tandem.privacy if tandem else None,
         "decoding": tandem.decoding if tandem else None,
+        "quality_threshold": tandem.quality_threshold if tandem else None,
         "max_tokens": body.token_limit,
         "temperature": body.temperature,
         "top_p": body.top_p,

@@ -37,9 +37,10 @@ from app.serving.structured import Structure, add_tools_prompt, message_text, st
 from clients.base import Backend, GenerationRequest
 from clients.embeddings import SentenceEmbedder
 from deploy.models import resolve_model
-from policies.dispatch import canonical_name
+from policies.dispatch import declaration
 from policies.outline import gate
 from policies.privacy import allows, effective_level
+from policies.quality import call_key
 
 # Prompts longer than this (in characters) are tokenised off the event loop (~1 ms of tokenising at most here).
 _INLINE_TOKENIZE_CHARS = 16_384
@@ -99,6 +100,7 @@ class ServingCore:
             job = await self._prepare_chat(request)
         else:
             job = await self._prepare_completion(request)
+        job.quality_threshold = request.quality_threshold
         await self._admit(request, job)
         return job
 
@@ -312,7 +314,7 @@ class ServingCore:
                 )
         chosen = request.policy or self.ledger.settings.policy
         try:
-            canonical = canonical_name(chosen)
+            declared = declaration(chosen)
         except ValueError as exc:
             raise InvalidRequest(f"Unknown routing policy: {exc}", param="tandem.policy") from None
         clouds = [n for n in self.backends if n != self.device.name]
@@ -324,7 +326,7 @@ class ServingCore:
                 f"Unknown cloud endpoint '{request.cloud}'; configured: {', '.join(clouds) or 'none'}.",
                 param="tandem.cloud",
             )
-        if canonical != "device-only" and cloud is None and pinned is None:
+        if declared.needs_cloud and cloud is None and pinned is None:
             raise InvalidRequest(
                 f"Policy '{chosen}' needs a cloud backend, and none is configured.", param="tandem.policy"
             )
@@ -456,6 +458,7 @@ class ServingCore:
         job = self._job(chat.id_prefix, replace(gen, prefill=prefill), len(prompt_ids), route)
         job.call_grammar, job.call_gbnf = structure.call_grammar, structure.call_gbnf
         job.prefill_held = held
+        job.answered_calls = _answered_calls(messages)
         if not chat.continue_final:  # outline decoding writes an answer of its own, never the client's
             self._decoding(job, chat)
         return job
@@ -497,6 +500,18 @@ class ServingCore:
             prompt_text = self.device.detokenize(prompt_ids)
         gen = self._generation(completion, prompt_text, prompt_ids)
         return self._job("cmpl-", gen, len(prompt_ids), route)
+
+
+def _answered_calls(messages: Sequence[dict]) -> tuple[tuple[str, str], ...]:
+    """The assistant's tool calls that a later tool message answers, in order (policies/quality.py's call_key)."""
+    answered = {m.get("tool_call_id") for m in messages if m["role"] == "tool"}
+    return tuple(
+        call_key(call["function"]["name"], call["function"]["arguments"])
+        for m in messages
+        if m["role"] == "assistant"
+        for call in m.get("tool_calls") or ()
+        if call.get("id") in answered
+    )
 
 
 def _structured_fields(structure: Structure) -> dict:

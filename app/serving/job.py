@@ -10,7 +10,7 @@ from typing import Any
 
 from app.serving.seam import Seam
 from clients.base import GenerationRequest, TokenEvent, Usage
-from policies.dispatch import DispatchPlan
+from policies.dispatch import DispatchPlan, PolicyDeclaration, declaration
 
 
 @dataclass
@@ -64,6 +64,10 @@ class Job:
     call_grammar: str | None = None  # app/serving/structured.py: Structure.call_grammar
     call_gbnf: str | None = None  # the same in GBNF
     privacy: str = "any"  # where it may go (policies/privacy.py)
+    quality_threshold: float | None = None  # the request's own τ for the quality policy (None: the gateway's)
+    # The conversation's tool calls that a tool result answers, in order, as policies/quality.py's call_key: the quality
+    # policy keeps the device from writing one again.
+    answered_calls: tuple[tuple[str, str], ...] = ()
     # The trailing whitespace of the client's prefill (gen.prefill goes without it): dropped from the answer's start
     # where the answer writes it again (app/serving/seam.py).
     prefill_held: str = ""
@@ -91,6 +95,11 @@ class Job:
     admission: Any = None
     limit_headers: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def declared(self) -> PolicyDeclaration:
+        """Its routing policy's declaration (policies/dispatch.py)."""
+        return declaration(self.policy)
+
     def choice(self, index: int) -> Job:
         """Choice `index` of a request with n > 1: a job of its own (id `<id>-<index>`, its own trace), routed
         like the request. With a seed, choice i samples with seed + i, so the choices differ and choice 0 is the
@@ -108,6 +117,8 @@ class Job:
             call_grammar=self.call_grammar,
             call_gbnf=self.call_gbnf,
             privacy=self.privacy,
+            quality_threshold=self.quality_threshold,
+            answered_calls=self.answered_calls,
             admission=self.admission,
             limit_headers=self.limit_headers,
             prefill_held=self.prefill_held,

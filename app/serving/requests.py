@@ -23,6 +23,7 @@ class RequestInput:
     cloud: str | None = None
     privacy: str | None = None
     decoding: str | None = None
+    quality_threshold: float | None = None  # the quality policy's τ for this request (policies/quality.py)
     # Sampling:
     max_tokens: int | None = None
     temperature: float | None = None
