@@ -280,7 +280,7 @@ class Orchestrator:
         if job.pinned is not None:
             role = self.role_of(job.pinned)
             return DispatchPlan(role == "cloud", role == "device", None, "pinned", f"model names {job.pinned}")
-        if job.declared.quality_migration and loops(job.answered_calls) and self._serves(job, job.cloud):
+        if self._looping(job):
             return DispatchPlan(True, False, None, job.declared.name, "an agent loop: a tool call answered twice")
         return self.disco.plan(job.policy, job.prompt_tokens, job.cloud)
 
@@ -304,7 +304,7 @@ class Orchestrator:
         keeps = [n for n in (self.device, job.cloud) if n is not None and self._keeps_calls_whole(job, n)]
         if job.pinned is not None:
             names = [job.pinned]
-        elif len(keeps) == 1 and self._serves(job, keeps[0]) and job.declared.by_disco:
+        elif len(keeps) == 1 and self._serves(job, keeps[0]) and job.declared.by_disco and not self._looping(job):
             # tool_choice auto with one endpoint of the pair where a started call comes out whole: DiSCo starts the
             # answer there, whatever its plan said (the other is the fallback). The baselines (server-only,
             # device-only, Stoch) keep their plans: an operator who chose one chose where answers go.
@@ -568,6 +568,11 @@ class Orchestrator:
             if moved is not None:
                 return moved
         raise BackendError(f"the answer could not go on after a repeated tool call: {job.migrations[-1]['error']}", 502)
+
+    def _looping(self, job: Job) -> bool:
+        """Whether the quality policy starts this request on the cloud: its conversation already holds one tool call
+        answered twice (an agent loop that the endpoint which wrote it has not left)."""
+        return job.declared.quality_migration and loops(job.answered_calls) and self._serves(job, job.cloud)
 
     def _cached_prefix(self, name: str | None, job: Job, ids: list[int] | None) -> int:
         """Context tokens a migration target would take from its own KV cache (e.g. the device that lost the
