@@ -484,7 +484,6 @@ class PolicyDeclaration:
 
     name: str
     dispatch: type[DispatchPolicy]  # where a request starts
-    summary: str
     aliases: tuple[str, ...] = ()
     side: Side | None = None  # the constrained side its name fixes; None: the operator's, else Alg. 1's from prices
     # Its plan is DiSCo's, a means to time and money: the start may move to where the request is better served
@@ -496,28 +495,15 @@ class PolicyDeclaration:
 
 
 DECLARATIONS: tuple[PolicyDeclaration, ...] = (
-    PolicyDeclaration(
-        "disco", Disco, "DiSCo: DiSCo-S or DiSCo-D by the constrained side", by_disco=True, cost_migration=True
-    ),
-    PolicyDeclaration(
-        "disco-s", DiscoS, "DiSCo-S: short prompts on the device, long ones race", side="server", by_disco=True,
-        cost_migration=True,
-    ),
-    PolicyDeclaration(
-        "disco-d", DiscoD, "DiSCo-D: the cloud first, the device after w(l)", side="device", by_disco=True,
-        cost_migration=True,
-    ),
-    PolicyDeclaration(
-        "quality", Disco, "DiSCo's start and moves, and the answer escalated to the cloud when the device falters",
-        by_disco=True, cost_migration=True, quality_migration=True,
-    ),
-    PolicyDeclaration("server-only", ServerOnly, "every answer on the cloud", aliases=("cloud",)),
-    PolicyDeclaration(
-        "device-only", DeviceOnly, "every answer on the device", aliases=("device",), needs_cloud=False
-    ),
-    PolicyDeclaration("stoch-s", StochS, "a random share b of requests on the cloud", side="server"),
-    PolicyDeclaration("stoch-d", StochD, "a random share b of requests on the device", side="device"),
-)  # fmt: skip
+    PolicyDeclaration("disco", Disco, by_disco=True, cost_migration=True),
+    PolicyDeclaration("disco-s", DiscoS, side="server", by_disco=True, cost_migration=True),
+    PolicyDeclaration("disco-d", DiscoD, side="device", by_disco=True, cost_migration=True),
+    PolicyDeclaration("quality", Disco, by_disco=True, cost_migration=True, quality_migration=True),
+    PolicyDeclaration("server-only", ServerOnly, aliases=("cloud",)),
+    PolicyDeclaration("device-only", DeviceOnly, aliases=("device",), needs_cloud=False),
+    PolicyDeclaration("stoch-s", StochS, side="server"),
+    PolicyDeclaration("stoch-d", StochD, side="device"),
+)
 _BY_NAME: dict[str, PolicyDeclaration] = {
     key: d for d in DECLARATIONS for key in (d.name, *d.aliases)
 }  # fmt: skip
