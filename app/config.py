@@ -45,7 +45,8 @@ from app.serving.limits import KeyLimits
 from app.worker.settings import WorkerSettings
 from clients.dialects import UPSTREAM_CONTINUATIONS
 from clients.hat.options import HATOptions
-from policies.dispatch import DEFAULT_ALPHA, canonical_name
+from policies.dispatch import DEFAULT_ALPHA, canonical_name, declaration
+from policies.quality import DEFAULT_THRESHOLD as DEFAULT_QUALITY_THRESHOLD
 
 
 class ConfigError(ValueError):
@@ -178,6 +179,8 @@ class DiscoSettings(_Strict):
     consumption_rate: float = DEFAULT_CONSUMPTION_RATE  # r_c, tokens/s the reader consumes
     side: str = "auto"  # auto | server | device
     migration: bool = True
+    # The quality policy's knob: the device's confidence below which its answer escalates to the cloud, [0, 1].
+    quality_threshold: float = DEFAULT_QUALITY_THRESHOLD
     window: Annotated[int, Field(gt=10)] = 2000
     recompute_every: Annotated[int, Field(gt=0)] = 10
     # Fit the device TTFT line from a few real prefills at start-up.
@@ -268,6 +271,14 @@ class CloudSettings(_Strict):
     stall_timeout: Annotated[float, Field(gt=0)] | None = None  # as [device]'s: unset, [gateway] stall_timeout
     price: PriceSettings = PriceSettings()
     embedded: EmbeddedServerSettings | None = None
+    # It computes on the device's own hardware (an embedded server does, by construction: unset follows `embedded`):
+    # DiSCo then never runs both endpoints at once, since each would slow the other (policies/dispatch.py: unshared).
+    co_located: bool | None = None
+
+    @property
+    def shares_device(self) -> bool:
+        """Whether this cloud computes on the device's own hardware (`co_located`, else whether it is embedded)."""
+        return self.co_located if self.co_located is not None else self.embedded is not None
 
     @model_validator(mode="before")
     @classmethod
@@ -363,6 +374,12 @@ class HATCloudSettings(HATOptions):
     price: PriceSettings = PriceSettings()
     # A profile (HATOptions.profile) also reaches an embedded worker, which starts from its measured times.
     embedded: EmbeddedWorkerSettings | None = None
+    co_located: bool | None = None  # as [clouds.x] co_located for an OpenAI-compatible cloud
+
+    @property
+    def shares_device(self) -> bool:
+        """Whether the worker computes on the device's own hardware (`co_located`, else whether it is embedded)."""
+        return self.co_located if self.co_located is not None else self.embedded is not None
 
     @model_validator(mode="after")
     def _one_worker(self) -> HATCloudSettings:
@@ -440,7 +457,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cloud_exists(self) -> Settings:
-        needs_cloud = canonical_name(self.gateway.policy) != "device-only"
+        needs_cloud = declaration(self.gateway.policy).needs_cloud
         if self.gateway.cloud not in self.clouds and (needs_cloud or self.clouds):
             known = ", ".join(self.clouds) or "none configured"
             raise ValueError(f"gateway.cloud names {self.gateway.cloud!r}, which is not in [clouds] ({known})")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from clients.dialects import Dialect
+from policies.quality import TokenConfidence
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class GenerationRequest:
     # asked, else how many top alternatives each token carries (0..20). Penalties are OpenAI's, counted over the
     # answer's tokens (the delivered prefix included); `logit_bias` is (device token id, bias) pairs.
     logprobs: int | None = None
+    # The quality policy reads the device's confidence in each token (policies/quality.py): a backend that has the
+    # raw logits says it on each event (`TokenEvent.confidence`); one that has not sends none.
+    confidence: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -130,6 +134,8 @@ class TokenEvent:
     # Only when the request asked for logprobs: one entry per token this event carries (an upstream's text
     # piece may carry several).
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # Only when the request asked for it (GenerationRequest.confidence): how sure the model was of this token.
+    confidence: TokenConfidence | None = None
     # A reasoning model's thinking (an upstream's `reasoning_content` delta): passed to the client as it came,
     # counted, never part of the answer's text (stops, the token limit and a continuation's prefix ignore it).
     reasoning: str = ""

@@ -42,7 +42,7 @@ from clients.base import BackendError, Concurrency, GenerationRequest, TokenEven
 from clients.chat_template import render_chat
 from clients.dialects import LLAMA_CPP
 from clients.grammar import LlamaVocabGrammars, TokenMask
-from clients.logprobs import NumpyLogitAdjuster, entry_from_logprobs, log_softmax
+from clients.logprobs import NumpyLogitAdjuster, confidence_of, entry_from_logprobs, log_softmax
 from clients.prompt_tokens import PromptTokenizer
 from clients.token_emitter import TokenEmitter
 
@@ -283,7 +283,7 @@ class LlamaCppBackend:
         count the whole answer, a continued prefix included, as every other backend does."""
         procs = []
         captured: list = [None]
-        if request.logprobs is not None:
+        if request.logprobs is not None or request.confidence:
 
             def capture(_ids, scores):
                 captured[0] = log_softmax(scores)
@@ -353,9 +353,10 @@ class LlamaCppBackend:
             if processors is not None:
                 if adjuster is not None:
                     adjuster.accept(token)
-                if captured[0] is not None:
+                if captured[0] is not None and request.logprobs is not None:
                     lps = (entry_from_logprobs(captured[0], token, request.logprobs, self._piece),)
-            event = emitter.emit(token, lps, cached_tokens=cached)
+            sure = confidence_of(captured[0]) if request.confidence and captured[0] is not None else None
+            event = emitter.emit(token, lps, cached_tokens=cached, confidence=sure)
             if event.token_id is not None:  # an end token is not emitted
                 self.tokens_generated += 1
             emit(event)

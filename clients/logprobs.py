@@ -17,6 +17,7 @@ from dataclasses import replace
 import numpy as np
 
 from clients.base import TokenEvent, TokenLogprob
+from policies.quality import TokenConfidence
 
 
 class LogprobAligner:
@@ -59,6 +60,14 @@ class LogprobAligner:
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits.astype(np.float32, copy=False) - np.max(logits)
     return shifted - np.log(np.sum(np.exp(shifted)))
+
+
+def confidence_of(logprobs: np.ndarray) -> TokenConfidence:
+    """How sure a row of log probabilities is: its top probability, the top two's margin, its entropy (nats)."""
+    second, top = np.partition(logprobs, -2)[-2:]
+    probs = np.exp(logprobs)
+    entropy = -float(np.dot(probs, logprobs))
+    return TokenConfidence(float(np.exp(top)), float(np.exp(top) - np.exp(second)), max(0.0, entropy))
 
 
 def entry_from_logprobs(logprobs: np.ndarray, token: int, top: int, piece: Callable[[int], bytes]) -> TokenLogprob:

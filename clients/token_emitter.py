@@ -27,6 +27,7 @@ from typing import Protocol
 
 from clients.base import TokenEvent, TokenLogprob
 from clients.grammar import TokenMask
+from policies.quality import TokenConfidence
 
 
 class Detokenizer(Protocol):
@@ -65,6 +66,7 @@ class TokenEmitter:
         token: int,
         logprobs: tuple[TokenLogprob, ...] | None = None,
         cached_tokens: int | None = None,
+        confidence: TokenConfidence | None = None,
     ) -> TokenEvent:
         """The event for the next picked token. One with a finish reason is the answer's last: hand in nothing
         after it. `logprobs` are the token's (dropped for an end token, which is not emitted)."""
@@ -79,4 +81,6 @@ class TokenEmitter:
         finish = "stop" if complete else "length" if self.taken >= self._max_tokens else None
         if finish is not None:
             text += self._detokenizer.flush()
-        return TokenEvent(text, token, finish_reason=finish, cached_tokens=cached_tokens, logprobs=logprobs)
+        return TokenEvent(
+            text, token, finish_reason=finish, cached_tokens=cached_tokens, logprobs=logprobs, confidence=confidence
+        )

@@ -94,6 +94,11 @@ class TandemOptions(_Request):
         description="move the answer to the other endpoint of its device-cloud pair after this many answer tokens, "
         "in place of any cost-driven migration (DiSCo's Appendix D: `tandem bench quality --appendix-d`)",
     )
+    quality_threshold: Annotated[float, Field(ge=0, le=1, strict=True)] | None = Field(
+        None,
+        description="the quality policy's τ: the device's mean top-token probability below which its answer goes on "
+        "on the cloud (0: never; 1: at once)",
+    )
 
 
 class TextPart(_Request):

@@ -86,6 +86,7 @@ def _common(body: ChatCompletionRequest | CompletionRequest, key: KeyAccess | No
         "privacy": tandem.privacy if tandem else None,
         "decoding": tandem.decoding if tandem else None,
         "migrate_after_tokens": tandem.migrate_after_tokens if tandem else None,
+        "quality_threshold": tandem.quality_threshold if tandem else None,
         "max_tokens": body.token_limit,
         "temperature": body.temperature,
         "top_p": body.top_p,

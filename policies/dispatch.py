@@ -36,6 +36,17 @@ Policies:
   server. (§5.1 "randomly routes requests"; `race=True` makes the chosen share
   race both endpoints instead, an ablation that isolates length-awareness.)
 
+* ``quality``: DiSCo's start, and the answer escalated onto the cloud mid-way when the
+  device falters (policies/quality.py).
+
+Each policy is declared once (`PolicyDeclaration`, `DECLARATIONS`): its names, the side
+it constrains, whether it migrates for cost or quality. The gateway looks it up there.
+
+A cloud co-located with the device (it computes on the device's own hardware, as the
+embedded stand-in does) makes every plan that runs both endpoints at once a loss: the
+two share the cores, so each one's first token comes later than it would alone, and a
+race's winner is never sooner than the faster endpoint alone (`unshared`).
+
 Randomness comes from the caller's uniform draw `u` or an injected
 `random.Random`; nothing here reads a clock.
 """
@@ -97,6 +108,28 @@ def _device(policy: str, reason: str) -> DispatchPlan:
 
 def _both(policy: str, delay: float, reason: str) -> DispatchPlan:
     return DispatchPlan(True, True, float(delay), policy, reason)
+
+
+def unshared(plan: DispatchPlan, device_ttft: float, cloud_ttft: float | None) -> DispatchPlan:
+    """`plan` for a cloud that shares the device's hardware: never both endpoints at once.
+
+    In a race on shared cores each endpoint computes at about half its speed, so its first token comes at ≈ 2·T
+    where T is its time alone: min(2·T_d, 2·T_c) ≥ min(T_d, T_c), and the race never beats the faster endpoint alone.
+    So a race keeps the endpoint predicted first (device_ttft, cloud_ttft: each one's expected TTFT alone for this
+    prompt; cloud_ttft None while the cloud's is unmeasured: the device, whose model is the small one, is kept), and
+    DiSCo-D's delayed device start, a hedge that would slow the cloud it hedges, is dropped. Either way the
+    constrained endpoint does no more than the plan allowed it, so the budget holds."""
+    if not (plan.start_cloud and plan.start_device):
+        return plan
+    if plan.device_delay:  # > 0: the cloud first, the device only as a hedge
+        return _cloud(plan.policy, f"{plan.reason}; co-located cloud: no delayed device start")
+    if cloud_ttft is None or device_ttft <= cloud_ttft:
+        why = "the cloud's TTFT unmeasured" if cloud_ttft is None else f"{device_ttft:.3f}s ≤ {cloud_ttft:.3f}s"
+        return _device(plan.policy, f"{plan.reason}; co-located cloud: no race, the device first ({why})")
+    return _cloud(
+        plan.policy,
+        f"{plan.reason}; co-located cloud: no race, the cloud first ({cloud_ttft:.3f}s < {device_ttft:.3f}s)",
+    )
 
 
 def _check_budget(budget: float, alpha: float) -> None:
@@ -442,25 +475,57 @@ class Disco(DispatchPolicy):
         return {**self.active.describe(), "policy": self.name, "variant": self.active.name, "side": self.side}
 
 
-POLICIES: dict[str, type[DispatchPolicy]] = {
-    cls.name: cls for cls in (Disco, DiscoS, DiscoD, ServerOnly, DeviceOnly, StochS, StochD)
-}
-ALIASES: dict[str, str] = {"cloud": "server-only", "device": "device-only"}
-POLICY_NAMES: tuple[str, ...] = (*POLICIES, *ALIASES)
+@dataclass(frozen=True)
+class PolicyDeclaration:
+    """What a routing policy is, declared once: the gateway looks a request's policy up here and asks it, never
+    its name. The paper's baselines (server-only, device-only, Stoch) keep every answer where they started it and
+    move one only on a fault; DiSCo also moves an answer when that saves cost (§4.3); `quality` also moves a
+    device answer onto the cloud when the device is likely to get it wrong (policies/quality.py)."""
+
+    name: str
+    dispatch: type[DispatchPolicy]  # where a request starts
+    aliases: tuple[str, ...] = ()
+    side: Side | None = None  # the constrained side its name fixes; None: the operator's, else Alg. 1's from prices
+    # Its plan is DiSCo's, a means to time and money: the start may move to where the request is better served
+    # (tool_choice auto: the endpoint where a started call comes out whole). A baseline's plan is the experiment.
+    by_disco: bool = False
+    cost_migration: bool = False  # moves an answer mid-way when that saves cost (Eqs. 4-6)
+    quality_migration: bool = False  # moves a device answer onto the cloud when the device falters
+    needs_cloud: bool = True
+
+
+DECLARATIONS: tuple[PolicyDeclaration, ...] = (
+    PolicyDeclaration("disco", Disco, by_disco=True, cost_migration=True),
+    PolicyDeclaration("disco-s", DiscoS, side="server", by_disco=True, cost_migration=True),
+    PolicyDeclaration("disco-d", DiscoD, side="device", by_disco=True, cost_migration=True),
+    PolicyDeclaration("quality", Disco, by_disco=True, cost_migration=True, quality_migration=True),
+    PolicyDeclaration("server-only", ServerOnly, aliases=("cloud",)),
+    PolicyDeclaration("device-only", DeviceOnly, aliases=("device",), needs_cloud=False),
+    PolicyDeclaration("stoch-s", StochS, side="server"),
+    PolicyDeclaration("stoch-d", StochD, side="device"),
+)
+_BY_NAME: dict[str, PolicyDeclaration] = {
+    key: d for d in DECLARATIONS for key in (d.name, *d.aliases)
+}  # fmt: skip
+POLICY_NAMES: tuple[str, ...] = (*(d.name for d in DECLARATIONS), *(a for d in DECLARATIONS for a in d.aliases))
+
+
+def declaration(name: str) -> PolicyDeclaration:
+    """A policy by name or alias (any case, surrounding blanks ignored); ValueError naming the known ones."""
+    found = _BY_NAME.get(name.strip().lower())
+    if found is None:
+        raise ValueError(f"unknown dispatch policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+    return found
 
 
 def canonical_name(name: str) -> str:
     """Resolve aliases; raise ValueError naming the known policies for anything else."""
-    key = name.strip().lower()
-    key = ALIASES.get(key, key)
-    if key not in POLICIES:
-        raise ValueError(f"unknown dispatch policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
-    return key
+    return declaration(name).name
 
 
 def make_policy(name: str, rng: random.Random | None = None) -> DispatchPolicy:
-    """A fresh policy by registry name or alias."""
-    return POLICIES[canonical_name(name)](rng)
+    """A fresh dispatch policy for a policy's name or alias."""
+    return declaration(name).dispatch(rng)
 
 
 def variant_for_side(side: Side) -> str:

@@ -13,6 +13,8 @@ model works per token (`Price.token_prices`).
 * exchange_rate λ ∈ [0, 1e7] — USD per 10^15 device FLOPs (see policies.cost.usd_per_pflop);
 * consumption_rate r_c ∈ [0.01, 1e4] — client reading speed, tokens/s (Eq. 6's buffer);
 * migration — whether DiSCo may migrate generation mid-answer;
+* quality_threshold τ ∈ [0, 1] — the `quality` policy's knob: the device's confidence below which its answer goes on on
+  the cloud (policies/quality.py);
 * prices ∈ [0, 1e4] — per cloud backend, USD per million prompt (prefill) / generated (decode) tokens, and where a
   provider bills them apart, per million prompt tokens read from its prompt cache (cached; absent: the prefill price)
   and reasoning tokens (reasoning; absent: the decode price).
@@ -34,13 +36,12 @@ from types import MappingProxyType
 from typing import Any
 
 from policies.cost import SIDES, CostModel, DeviceEnergy, Side, TokenPrices, usd_per_pflop
-from policies.dispatch import DEFAULT_ALPHA, canonical_name
+from policies.dispatch import DEFAULT_ALPHA, canonical_name, declaration
+from policies.quality import DEFAULT_THRESHOLD, check_threshold
 
 log = logging.getLogger(__name__)
 
 CONSTRAINED_SIDES: tuple[str, ...] = ("auto", *SIDES)
-# Policies whose name fixes the constrained side (the "-s"/"-d" variants and baselines).
-POLICY_SIDE: dict[str, Side] = {"disco-s": "server", "stoch-s": "server", "disco-d": "device", "stoch-d": "device"}
 DEFAULT_EXCHANGE_RATE = 0.3  # USD per PFLOP: App. E's server-constrained λ (policies.cost)
 # r_c: a typical reader (§2.2: 4-5 tok/s); matches the config's default, a little above
 # policies.migration.READING_RATE (4.5), the simulator's default.
@@ -57,6 +58,7 @@ UNITS = {
     "exchange_rate": f"USD per 1e15 device FLOPs, [0, {MAX_EXCHANGE_RATE:g}]",
     "consumption_rate": "tokens per second, [{:g}, {:g}]".format(*CONSUMPTION_RATE_RANGE),
     "migration": "whether DiSCo may move generation between endpoints mid-answer",
+    "quality_threshold": "the device's mean top-token probability below which the quality policy escalates, [0, 1]",
     "prices": f"USD per 1M tokens, [0, {MAX_PRICE:g}]",
     "cost_usd": "USD",
 }
@@ -154,6 +156,7 @@ class BudgetSettings:
     exchange_rate: float = DEFAULT_EXCHANGE_RATE
     consumption_rate: float = DEFAULT_CONSUMPTION_RATE
     migration: bool = True
+    quality_threshold: float = DEFAULT_THRESHOLD
     prices: Mapping[str, Price] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -190,6 +193,10 @@ class BudgetSettings:
             )
         if not isinstance(self.migration, bool):
             raise BudgetValidationError("migration", f"migration must be true or false, got {self.migration!r}")
+        try:
+            quality = check_threshold(self.quality_threshold)
+        except ValueError as exc:
+            raise BudgetValidationError("quality_threshold", f"quality_threshold {exc}") from None
         if not isinstance(self.prices, Mapping):
             raise BudgetValidationError("prices", f"prices must be an object keyed by backend, got {self.prices!r}")
         prices = {}
@@ -197,14 +204,15 @@ class BudgetSettings:
             if not isinstance(name, str) or not name:
                 raise BudgetValidationError("prices", f"prices keys must be backend names, got {name!r}")
             prices[name] = _price(name, value)
-        implied = POLICY_SIDE.get(self.policy)
+        implied = declaration(self.policy).side
         if implied is not None and self.constrained_side not in ("auto", implied):
             raise BudgetValidationError(
                 "constrained_side",
                 f"policy {self.policy!r} is {implied}-constrained; constrained_side {self.constrained_side!r} "
                 f"contradicts it (use 'auto' or {implied!r}, or policy 'disco')",
             )
-        for name, value in (("budget", budget), ("alpha", alpha), ("exchange_rate", lam), ("consumption_rate", r_c)):
+        knobs = (("budget", budget), ("alpha", alpha), ("exchange_rate", lam), ("consumption_rate", r_c))
+        for name, value in (*knobs, ("quality_threshold", quality)):
             set_(self, name, value)
         set_(self, "prices", MappingProxyType(prices))
 
@@ -232,6 +240,7 @@ class BudgetSettings:
             "exchange_rate": self.exchange_rate,
             "consumption_rate": self.consumption_rate,
             "migration": self.migration,
+            "quality_threshold": self.quality_threshold,
             "prices": {name: price.to_dict() for name, price in self.prices.items()},
         }
 
@@ -275,7 +284,7 @@ def apply_patch(base: BudgetSettings, patch: Any, *, unknown_backends: str = "re
 def pinned_side(policy: str, constrained_side: str) -> Side | None:
     """The constrained side a request's policy name fixes (the -s / -d variants), else the operator's pin;
     None: Alg. 1 decides from prices."""
-    implied = POLICY_SIDE.get(canonical_name(policy))
+    implied = declaration(policy).side
     if implied is not None:
         return implied
     return None if constrained_side == "auto" else constrained_side  # type: ignore[return-value]
@@ -304,6 +313,7 @@ def from_config(settings: Any) -> BudgetSettings:
             exchange_rate=disco.exchange_rate,
             consumption_rate=disco.consumption_rate,
             migration=disco.migration,
+            quality_threshold=disco.quality_threshold,
             prices=prices,
         )
     except BudgetValidationError as exc:

@@ -39,9 +39,10 @@ from clients.base import Backend, GenerationRequest
 from clients.embeddings import SentenceEmbedder
 from deploy.models import resolve_model
 from policies.cost import TokenPrices
-from policies.dispatch import canonical_name
+from policies.dispatch import declaration
 from policies.outline import gate
 from policies.privacy import allows, effective_level
+from policies.quality import call_key
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class ServingCore:
             job = await self._prepare_chat(request)
         else:
             job = await self._prepare_completion(request)
+        job.quality_threshold = request.quality_threshold
         await self._admit(request, job)
         return job
 
@@ -376,7 +378,7 @@ class ServingCore:
                 )
         chosen = request.policy or self.ledger.settings.policy
         try:
-            canonical = canonical_name(chosen)
+            declared = declaration(chosen)
         except ValueError as exc:
             raise InvalidRequest(f"Unknown routing policy: {exc}", param="tandem.policy") from None
         clouds = [n for n in self.backends if n != self.device.name]
@@ -388,7 +390,7 @@ class ServingCore:
                 f"Unknown cloud endpoint '{request.cloud}'; configured: {', '.join(clouds) or 'none'}.",
                 param="tandem.cloud",
             )
-        if canonical != "device-only" and cloud is None and pinned is None:
+        if declared.needs_cloud and cloud is None and pinned is None:
             raise InvalidRequest(
                 f"Policy '{chosen}' needs a cloud backend, and none is configured.", param="tandem.policy"
             )
@@ -544,6 +546,7 @@ class ServingCore:
         job.migrate_after_tokens = self._forced_migration(chat, route)
         job.call_grammar, job.call_gbnf = structure.call_grammar, structure.call_gbnf
         job.prefill_held = held
+        job.answered_calls = _answered_calls(messages)
         if not chat.continue_final:  # outline decoding writes an answer of its own, never the client's
             self._decoding(job, chat)
         return job
@@ -611,6 +614,18 @@ def _pricing(prices: TokenPrices) -> dict[str, str]:
     if prices.cached is not None:
         out["input_cache_read"] = f"{prices.cached:.12g}"
     return out
+
+
+def _answered_calls(messages: Sequence[dict]) -> tuple[tuple[str, str], ...]:
+    """The assistant's tool calls that a later tool message answers, in order (policies/quality.py's call_key)."""
+    answered = {m.get("tool_call_id") for m in messages if m["role"] == "tool"}
+    return tuple(
+        call_key(call["function"]["name"], call["function"]["arguments"])
+        for m in messages
+        if m["role"] == "assistant"
+        for call in m.get("tool_calls") or ()
+        if call.get("id") in answered
+    )
 
 
 def _structured_fields(structure: Structure) -> dict:

@@ -16,7 +16,7 @@ from app.serving.budget import BudgetSettings, pinned_side
 from app.serving.ledger import Ledger
 from clients.base import Usage
 from policies.cost import CostModel, DeviceEnergy, ModelArch, Side, TokenPrices
-from policies.dispatch import DispatchPlan, DispatchPolicy, canonical_name, make_policy
+from policies.dispatch import DispatchPlan, DispatchPolicy, canonical_name, make_policy, unshared
 from policies.estimate import Estimators
 from policies.migration import MigrationDecision, buffer_tokens, should_migrate
 
@@ -39,9 +39,11 @@ class DiscoRuntime:
         window: int = 2000,
         recompute_every: int = 10,
         rng: random.Random | None = None,
+        co_located: frozenset[str] = frozenset(),
     ):
         self.ledger = ledger
         self.primary = primary
+        self.co_located = co_located  # the clouds that compute on the device's own hardware (`[clouds.x] co_located`)
         self.energy = DeviceEnergy.from_arch(device_arch)
         self.estimators = Estimators(window=window)
         self.recompute_every = recompute_every
@@ -96,7 +98,12 @@ class DiscoRuntime:
     def plan(self, policy_name: str, prompt_tokens: int, cloud: str | None) -> DispatchPlan:
         if cloud is None:
             return DispatchPlan(False, True, None, "device-only", "no cloud backend configured")
-        return self.policy(policy_name, cloud).decide(prompt_tokens)
+        plan = self.policy(policy_name, cloud).decide(prompt_tokens)
+        if cloud in self.co_located:
+            ttft = self.estimators.server(cloud)
+            measured = ttft.quantile(0.5) if ttft.count >= ttft.min_samples else None
+            plan = unshared(plan, self.estimators.device_ttft.predict(prompt_tokens), measured)
+        return plan
 
     def migration_time(self, target_role: str, cloud: str, context_tokens: int) -> float:
         """t_m: the target's prefill of prompt + delivered tokens, i.e. its time to first token."""

@@ -143,6 +143,7 @@ class Gateway:
             read_arch(self.device.model_path),
             window=settings.disco.window,
             recompute_every=settings.disco.recompute_every,
+            co_located=frozenset(name for name, c in settings.clouds.items() if c.shares_device),
         )
         self.metrics.budget_ratio.set_function(self.ledger.realised_ratio)
         self.ledger.on_change(self._budget_changed)

@@ -11,7 +11,7 @@ from typing import Any
 from app.serving.ledger import Tally
 from app.serving.seam import Seam
 from clients.base import GenerationRequest, TokenEvent, Usage
-from policies.dispatch import DispatchPlan
+from policies.dispatch import DispatchPlan, PolicyDeclaration, declaration
 
 
 @dataclass
@@ -69,6 +69,10 @@ class Job:
     call_gbnf: str | None = None  # the same in GBNF
     privacy: str = "any"  # where it may go (policies/privacy.py)
     migrate_after_tokens: int | None = None  # move to the pair's other endpoint after this many tokens (forced)
+    quality_threshold: float | None = None  # the request's own τ for the quality policy (None: the gateway's)
+    # The conversation's tool calls that a tool result answers, in order, as policies/quality.py's call_key: the quality
+    # policy keeps the device from writing one again.
+    answered_calls: tuple[tuple[str, str], ...] = ()
     # The trailing whitespace of the client's prefill (gen.prefill goes without it): dropped from the answer's start
     # where the answer writes it again (app/serving/seam.py).
     prefill_held: str = ""
@@ -109,6 +113,11 @@ class Job:
                     ignored.setdefault(name, why)
         return ignored
 
+    @property
+    def declared(self) -> PolicyDeclaration:
+        """Its routing policy's declaration (policies/dispatch.py)."""
+        return declaration(self.policy)
+
     def choice(self, index: int) -> Job:
         """Choice `index` of a request with n > 1: a job of its own (id `<id>-<index>`, its own trace), routed
         like the request. With a seed, choice i samples with seed + i, so the choices differ and choice 0 is the
@@ -127,6 +136,8 @@ class Job:
             call_gbnf=self.call_gbnf,
             privacy=self.privacy,
             migrate_after_tokens=self.migrate_after_tokens,
+            quality_threshold=self.quality_threshold,
+            answered_calls=self.answered_calls,
             admission=self.admission,
             limit_headers=self.limit_headers,
             prefill_held=self.prefill_held,

@@ -8,12 +8,15 @@
 - Relay: every event goes through the answer's `Relay` (app/serving/relay.py):
   stop sequences, the token limit, tool calls held until whole, the consumption
   clock, and the prefix a migration continues from.
-- Migrate: after every token DiSCo's migration rule may say "move": once the lead
-  reaches the buffer B = r_c·t_m the source stops and the target continues from
+- Migrate: after every token DiSCo's migration rule may say "move" (a policy that
+  migrates for cost): once the lead reaches the buffer B = r_c·t_m the source
+  stops and the target continues from
   exactly the delivered prefix (token IDs when it shares the vocabulary, else
   text, in the target's continuation dialect, joined at a seam: app/serving/seam.py).
   A source that errors or stalls mid-stream is migrated the same way, so a fault
-  becomes a migration, not a broken answer.
+  becomes a migration, not a broken answer. Under the quality policy a device answer
+  whose confidence falls below τ, or that writes again a tool call the conversation
+  holds answered, goes on on the cloud the same way (policies/quality.py).
 - Account: as the answer streams (every settle interval) and when it ends, every attempt's cost goes into the
   ledger, and at the end its usage into the metrics (app/serving/accounting.py); its trace is kept (`remember`).
 
@@ -49,9 +52,10 @@ from app.serving.seam import Seam, split_trailing_whitespace, through_seam
 from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from clients.deadline import Deadline
-from policies.dispatch import DispatchPlan, canonical_name
+from policies.dispatch import DispatchPlan
 from policies.estimate import MovingAverage
 from policies.privacy import allows
+from policies.quality import ConfidenceMonitor, call_key, loops, repeats
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +191,8 @@ class Orchestrator:
         attempt.ignored = backend.dialect.ignored(gen.extras, name)
         if gen.request_id != job.id:  # what the backend's own events name (a choice of n, an outline's point: its own)
             gen = replace(gen, request_id=job.id)
+        if attempt.role == "device" and job.declared.quality_migration:
+            gen = replace(gen, confidence=True)  # the quality policy reads the device's confidence in each token
         if not self._takes_ids(name):  # device-vocabulary ids mean nothing there: it gets the text
             gen = replace(gen, prompt_ids=None, prefix_ids=None)
             if gen.tool_grammar is not None and "<[" in gen.tool_grammar:
@@ -276,6 +282,8 @@ class Orchestrator:
         if job.pinned is not None:
             role = self.role_of(job.pinned)
             return DispatchPlan(role == "cloud", role == "device", None, "pinned", f"model names {job.pinned}")
+        if self._looping(job):
+            return DispatchPlan(True, False, None, job.declared.name, "an agent loop: a tool call answered twice")
         return self.disco.plan(job.policy, job.prompt_tokens, job.cloud)
 
     async def _start(self, job: Job) -> tuple[Attempt, TokenEvent]:
@@ -298,7 +306,7 @@ class Orchestrator:
         keeps = [n for n in (self.device, job.cloud) if n is not None and self._keeps_calls_whole(job, n)]
         if job.pinned is not None:
             names = [job.pinned]
-        elif len(keeps) == 1 and self._serves(job, keeps[0]) and canonical_name(job.policy).startswith("disco"):
+        elif len(keeps) == 1 and self._serves(job, keeps[0]) and job.declared.by_disco and not self._looping(job):
             # tool_choice auto with one endpoint of the pair where a started call comes out whole: DiSCo starts the
             # answer there, whatever its plan said (the other is the fallback). The baselines (server-only,
             # device-only, Stoch) keep their plans: an operator who chose one chose where answers go.
@@ -395,6 +403,7 @@ class Orchestrator:
         attempt: Attempt | None = None
         relay: Relay | None = None
         stall = Deadline(None)
+        monitor = self._confidence_monitor(job)
         try:
             attempt, event = await self._first_token(job)
             stall = Deadline(self.stall_of(attempt.name))
@@ -402,6 +411,12 @@ class Orchestrator:
             job.ttft = relay.t_first - job.started
             self.metrics.ttft.labels(backend=attempt.name).observe(job.ttft)
             while True:
+                loop_target = self._loop_target(job, attempt, relay, event)
+                if loop_target is not None:
+                    attempt, event = await self._leave_loop(job, attempt, loop_target, relay)
+                    stall.close()
+                    stall = Deadline(self.stall_of(attempt.name))
+                    continue
                 delta = relay.feed(event, time.monotonic())
                 attempt.decode_tokens = relay.produced - attempt.from_token
                 attempt.reasoning_tokens += bool(event.reasoning)
@@ -413,14 +428,23 @@ class Orchestrator:
                     return
                 self.accounting.progress(job, time.monotonic())  # booked as it goes, every settle interval
                 yield delta
-                # Cost-driven migration (Eqs. 4-6): only at a clean text boundary, once per answer. The source
-                # keeps its stream until the target's first token: if the target fails, the answer goes on here.
-                # A forced migration (`tandem.migrate_after_tokens`) takes the cost rule's place for its request.
-                forced = job.migrate_after_tokens is not None
-                check = self._forced_target if forced else self._migration_target
-                target = None if relay.holding_call else check(job, attempt, event, relay)
-                reason = "forced" if forced else "cost"
-                moved = await self._migrate(job, attempt, target, reason, relay) if target else None
+                # Cost-driven (Eqs. 4-6) or quality migration: only at a clean text boundary, once per answer. The
+                # source keeps its stream until the target's first token: if the target fails, the answer goes on here.
+                # A forced migration (`tandem.migrate_after_tokens`) takes their place for its request.
+                unsure = (
+                    monitor is not None
+                    and attempt.role == "device"
+                    and event.confidence is not None
+                    and monitor.add(event.confidence)
+                )
+                if relay.holding_call:
+                    move = None
+                elif job.migrate_after_tokens is not None:
+                    forced = self._forced_target(job, attempt, event, relay)
+                    move = (forced, "forced") if forced else None
+                else:
+                    move = self._migration_target(job, attempt, event, relay, unsure)
+                moved = await self._migrate(job, attempt, *move, relay) if move else None
                 if moved is not None:
                     attempt, event = moved
                     stall.close()
@@ -481,7 +505,12 @@ class Orchestrator:
         # The trace exists before the client sees the end of the answer (it may ask for it at once).
         self.remember(job, final=False)
 
-    def _migration_target(self, job: Job, attempt: Attempt, event: TokenEvent, relay: Relay) -> str | None:
+    def _migration_target(
+        self, job: Job, attempt: Attempt, event: TokenEvent, relay: Relay, unsure: bool
+    ) -> tuple[str, str] | None:
+        """(target, reason) when the answer should move now: "quality" when the device is `unsure` under the quality
+        policy (at once: the answer is better for every token the cloud writes), "cost" when Eqs. 4-6 say it pays
+        under a policy that migrates for cost."""
         produced = relay.produced
         if (
             job.pinned is not None
@@ -498,6 +527,10 @@ class Orchestrator:
             return None
         if not self._keeps_calls_whole(job, target, continuing=True) and self._keeps_calls_whole(job, attempt.name):
             return None  # saving money is no reason to lose the guarantee that a call comes out whole
+        if unsure and target_role == "cloud":
+            return target, "quality"
+        if not job.declared.cost_migration:
+            return None  # the baselines move an answer only on a fault
         decision = self.disco.check_migration(
             attempt.role,
             target_role,
@@ -508,7 +541,48 @@ class Orchestrator:
             relay.lead(time.monotonic()),
             self._cached_prefix(target, job, relay.ids),
         )
-        return target if decision.start_now else None
+        return (target, "cost") if decision.start_now else None
+
+    def _confidence_monitor(self, job: Job) -> ConfidenceMonitor | None:
+        """The answer's confidence monitor under the quality policy (τ: the request's, else the gateway's; 0: none)."""
+        if not job.declared.quality_migration:
+            return None
+        threshold = (
+            job.quality_threshold if job.quality_threshold is not None else self.disco.settings.quality_threshold
+        )
+        return ConfidenceMonitor(threshold) if threshold > 0 else None
+
+    def _loop_target(self, job: Job, attempt: Attempt, relay: Relay, event: TokenEvent) -> str | None:
+        """The cloud, when `event` completes a device tool call that the conversation already holds answered (an agent
+        loop) under the quality policy and the answer may go on there; else None."""
+        if not (job.declared.quality_migration and job.answered_calls and attempt.role == "device"):
+            return None
+        if job.pinned is not None or job.migrations or not self.disco.settings.migration or job.cloud is None:
+            return None
+        call = relay.call_completed_by(event)
+        if call is None or not repeats(call_key(call.name, call.arguments), job.answered_calls):
+            return None
+        # A target that cannot enforce the call grammar still passes: a call it writes is held until whole and parsed
+        # (app/serving/tool_calls.py), while the device, left here, only repeats itself until the turn limit.
+        target = job.cloud
+        return target if self._can_continue(target) and self._serves(job, target, continuing=True) else None
+
+    async def _leave_loop(self, job: Job, source: Attempt, target: str, relay: Relay) -> tuple[Attempt, TokenEvent]:
+        """The device wrote again a call the conversation holds answered: the call, never delivered, is dropped and
+        the answer goes on on `target` from the last delivered token. The device's stream is already past the call,
+        so it stops first; should `target` fail, the device writes the answer on from there (the call included)."""
+        relay.rewind_uncommitted_call()
+        await self._close(source)
+        for name in (target, self.device):
+            moved = await self._migrate(job, source, name, "quality", relay)
+            if moved is not None:
+                return moved
+        raise BackendError(f"the answer could not go on after a repeated tool call: {job.migrations[-1]['error']}", 502)
+
+    def _looping(self, job: Job) -> bool:
+        """Whether the quality policy starts this request on the cloud: its conversation already holds one tool call
+        answered twice (an agent loop that the endpoint which wrote it has not left)."""
+        return job.declared.quality_migration and loops(job.answered_calls) and self._serves(job, job.cloud)
 
     def _cached_prefix(self, name: str | None, job: Job, ids: list[int] | None) -> int:
         """Context tokens a migration target would take from its own KV cache (e.g. the device that lost the

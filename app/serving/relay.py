@@ -135,6 +135,15 @@ class Relay:
             text, logprobs = self._aligner.release(text, final=True)
         return Delta(text, finish, logprobs, tuple(calls))
 
+    def call_completed_by(self, event: TokenEvent) -> ToolCall | None:
+        """The tool call `event` would complete, fed next (nothing changes here): the orchestrator's look at a call
+        before the client gets it."""
+        if not self.holding_call:
+            return None
+        final = event.finish_reason is not None or self.produced + 1 >= self._limit
+        calls = self._calls.peek(event.text, final)
+        return calls[0] if calls else None
+
     def rewind_uncommitted_call(self) -> bool:
         """Forget the tool call being held (the client has not seen any of it), back to the last delivered token:
         the next endpoint writes the call again, whole, so nothing goes out half or twice. Whether there was one."""

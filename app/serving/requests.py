@@ -25,6 +25,7 @@ class RequestInput:
     privacy: str | None = None
     decoding: str | None = None
     migrate_after_tokens: int | None = None  # a forced migration after this many answer tokens
+    quality_threshold: float | None = None  # the quality policy's τ for this request (policies/quality.py)
     # Sampling:
     max_tokens: int | None = None
     temperature: float | None = None

@@ -11,6 +11,7 @@ not to be a valid call is delivered as plain text. An answer that is a bare JSON
 
 from __future__ import annotations
 
+import copy
 import json
 import secrets
 from dataclasses import dataclass
@@ -111,6 +112,14 @@ class ToolCallSplitter:
         """The answer ended: what is still held goes out (a call whose closing tag never came counts if its JSON
         is complete)."""
         return self._settle(final=True)
+
+    def peek(self, text: str, final: bool) -> list[ToolCall]:
+        """The calls one more token's `text` would complete (with the answer's end too, when `final`); nothing here
+        changes, so a call can be looked at, and dropped, before it is handed out."""
+        probe = copy.copy(self)
+        probe._held = list(self._held)
+        calls = probe.feed(text)[1]
+        return calls + probe.finish()[1] if final else calls
 
     def discard(self) -> None:
         """Forget what is held (its tokens will be generated again elsewhere)."""

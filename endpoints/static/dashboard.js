@@ -234,6 +234,7 @@ async function loadBudget() {
     ["Policy", b.policy], ["Constrained side", b.effective_side], ["Target b", b.budget],
     ["Realised b", realised === null ? "no requests yet" : realised.toFixed(3)], ["λ", b.exchange_rate],
     ["r_c", b.consumption_rate + " tokens/s"], ["Migration", b.migration ? "on" : "off"],
+    ["Quality τ", b.quality_threshold],
     ["Spent", fmtUsd(b.spend.cost_usd) + " over " + b.spend.requests + " requests"], ["Settings from", b.settings_source],
   ];
   $("budget-facts").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", k), el("dd", v)]));
@@ -258,6 +259,7 @@ async function loadBudget() {
     $("budget-b").value = b.budget;
     $("budget-lambda").value = b.exchange_rate;
     $("budget-rc").value = b.consumption_rate;
+    $("budget-tau").value = b.quality_threshold;
     const select = $("budget-policy");
     select.replaceChildren(...b.known_policies.map((p) => { const o = el("option", p); o.value = p; return o; }));
     select.value = b.policy;
@@ -293,6 +295,7 @@ $("budget-form").addEventListener("submit", async (e) => {
     policy: $("budget-policy").value,
     exchange_rate: parseFloat($("budget-lambda").value),
     consumption_rate: parseFloat($("budget-rc").value),
+    quality_threshold: parseFloat($("budget-tau").value),
   };
   const msg = $("budget-message");
   const r = await fetch("/v1/budget", {

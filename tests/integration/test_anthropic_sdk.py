@@ -47,7 +47,7 @@ WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris right n
 def gw() -> Iterator[GatewayProcess]:
     process = start_gateway(f"""
 [gateway]
-policy = "device"
+policy = "disco-s"     # DiSCo-S with no server budget: answers start on the device and move when that pays
 stall_timeout = 30     # the patience for a token (a migration target's first included) on busy shared cores
 api_keys = ["{KEY}", {{ key = "{DEVICE_KEY}", privacy = "device" }}]
 [device]
@@ -56,6 +56,7 @@ model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
 [disco]
 profile_device = false
+budget = 0
 consumption_rate = 0.1   # a slow reader: a routed answer's move to the cheap cloud comes within a few tokens
 [clouds.cloud]
 model = "qwen2.5-coder-1.5b-instruct"

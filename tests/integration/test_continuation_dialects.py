@@ -47,7 +47,7 @@ price = {CHEAP}
     )
     process = start_gateway(f"""
 [gateway]
-policy = "device"
+policy = "disco-s"     # DiSCo-S with no server budget: answers start on the device and move when that pays
 cloud = "prefill"
 stall_timeout = 60     # a shared test machine: the device may be slow, never a fault here
 [device]
@@ -56,6 +56,7 @@ model = "smollm2-135m-instruct"
 n_ctx = 2048
 [disco]
 profile_device = false
+budget = 0
 exchange_rate = 50      # SmolLM2 is so small that only a high λ makes its decoding dearer than the cloud's
 consumption_rate = 1    # a slow reader: the move comes within a few tokens
 {clouds}

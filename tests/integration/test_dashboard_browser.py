@@ -194,21 +194,26 @@ def test_a_race_with_a_fault_migration_appears_live_with_endpoints_tokens_and_ti
 
 
 def test_a_cost_migration_to_a_cheaper_cloud_appears_with_its_reason_and_timeline(gw, upstream, browser, shots):
-    """Under the named key: the answer starts on the device (policy device) and DiSCo moves it to a free cloud for
+    """Under the named key: the answer starts on the device (DiSCo-S at b = 0) and DiSCo moves it to a free cloud for
     cost once the (slow) reader is far enough behind; the cloud continues from the delivered prefix."""
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    cheap = {"migration": True, "consumption_rate": 1.0, "prices": {"cloud": {"prefill": 0.0, "decode": 0.0}}}
+    cheap = {
+        "migration": True,
+        "budget": 0.0,
+        "consumption_rate": 1.0,
+        "prices": {"cloud": {"prefill": 0.0, "decode": 0.0}},
+    }
     assert httpx.put(gw.v1 + "/budget", json=cheap, headers=admin, timeout=10).status_code == 200
     try:
         upstream.push(Answer(pieces=PIECES[:6]))
-        request_id, text = chat(gw, max_tokens=16, key=TEAM_KEY, policy="device")
+        request_id, text = chat(gw, max_tokens=16, key=TEAM_KEY, policy="disco-s")
     finally:
         upstream.reset()  # an answer left unasked must not answer the next test's request
         assert httpx.delete(gw.v1 + "/budget", headers=admin, timeout=10).status_code == 200
     SEEN["cost"] = request_id
     assert text.endswith("".join(PIECES[:6]))
     shown = cells(row_of(browser, request_id))
-    assert shown["plan"] == "device · device"
+    assert shown["plan"] == "disco-s · device"
     assert shown["winner"] == "device → cloud" and shown["migrations"] == "device→cloud (cost)"
     assert shown["tokens"].startswith("device: ") and shown["tokens"].endswith("cloud: 6")
     assert shown["outcome"].startswith("finished: ")

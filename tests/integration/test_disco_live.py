@@ -38,6 +38,7 @@ n_ctx = 2048
 model = "qwen2.5-coder-1.5b-instruct"
 tokenizer = "device"
 continuation = "completions"
+co_located = false   # races are what these tests watch (embedded, it would never be raced against the device)
 [clouds.cloud.embedded]
 port = 0
 n_ctx = 2048
@@ -150,16 +151,20 @@ def test_disco_d_starts_the_device_after_its_wait(disco_gateway):
 @pytest.mark.parametrize(
     ("policy", "patch", "source", "target"),
     [
-        # Cloud decoding is dear and the device is free: start on the cloud, move to the device.
-        ("cloud", {"exchange_rate": 0.0, "prices": {"cloud": {"prefill": 0.0, "decode": 1000.0}}}, "cloud", "device"),
-        # Device energy is dear and the cloud is free: start on the device, move to the cloud.
-        ("device", {"exchange_rate": 1e6, "prices": {"cloud": {"prefill": 0.0, "decode": 0.0}}}, "device", "cloud"),
+        # Cloud decoding is dear and the device is free: start on the cloud (DiSCo-D with no device budget), move
+        # to the device.
+        ("disco-d", {"exchange_rate": 0.0, "prices": {"cloud": {"prefill": 0.0, "decode": 1000.0}}}, "cloud", "device"),
+        # Device energy is dear and the cloud is free: start on the device (DiSCo-S with no server budget), move to
+        # the cloud.
+        ("disco-s", {"exchange_rate": 1e6, "prices": {"cloud": {"prefill": 0.0, "decode": 0.0}}}, "device", "cloud"),
     ],
 )
 def test_cost_driven_migration_is_byte_exact(disco_gateway, policy, patch, source, target):
     # A slow reader (0.5 tok/s) so the buffer B = r_c * t_m fills even when this shared machine makes
     # the source slower than a human reader (then DiSCo rightly never starts a migration).
-    knobs(disco_gateway, policy=policy, migration=True, consumption_rate=0.5, **patch)
+    knobs(
+        disco_gateway, policy=policy, constrained_side="auto", budget=0.0, migration=True, consumption_rate=0.5, **patch
+    )
     # The fast path (no `reproducible`): the target's path is the same as independent_continuation's only from the
     # same cache state, so both start from an evicted one.
     evict_cache(disco_gateway, target)

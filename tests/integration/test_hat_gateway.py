@@ -134,14 +134,15 @@ def _knobs(gw, **patch):
 @pytest.mark.parametrize(
     ("policy", "patch", "source", "target"),
     [
-        ("device", {"exchange_rate": 1e6, "prices": {"hat": {"prefill": 0.0, "decode": 0.0}}}, "device", "hat"),
-        ("cloud", {"exchange_rate": 0.0, "prices": {"hat": {"prefill": 0.0, "decode": 1000.0}}}, "hat", "device"),
+        # DiSCo with no budget for its constrained side starts on the other endpoint, and moves when that pays.
+        ("disco-s", {"exchange_rate": 1e6, "prices": {"hat": {"prefill": 0.0, "decode": 0.0}}}, "device", "hat"),
+        ("disco-d", {"exchange_rate": 0.0, "prices": {"hat": {"prefill": 0.0, "decode": 1000.0}}}, "hat", "device"),
     ],
 )
 def test_migration_between_device_and_hat(hat_gateway, policy, patch, source, target):
     # HAT decodes at ~3 tok/s on this CPU, slower than a 4.8 tok/s reader: the client would never
     # be B tokens ahead, so DiSCo would (rightly) never start a migration. A slow reader lets it.
-    _knobs(hat_gateway, migration=True, consumption_rate=1.0, **patch)
+    _knobs(hat_gateway, migration=True, budget=0.0, consumption_rate=1.0, **patch)
     rid, pieces, finish = stream_chunks(hat_gateway, MESSAGES, policy=policy, max_tokens=12)
     t = trace(hat_gateway, rid)
     assert finish in ("stop", "length")

@@ -37,7 +37,7 @@ SMOLLM = "smollm2-135m-instruct"
 def gw(llama_server_smollm) -> Iterator[GatewayProcess]:
     process = start_gateway(f"""
 [gateway]
-policy = "device"
+policy = "disco-s"     # DiSCo-S with no server budget: answers start on the device and move when that pays
 cloud = "prefill"
 stall_timeout = 60     # a shared test machine: never a fault here
 [device]
@@ -46,6 +46,7 @@ model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
 [disco]
 profile_device = false
+budget = 0
 consumption_rate = 0.2  # a slow reader: the move comes within a few tokens
 [clouds.prefill]
 base_url = "{llama_server_smollm.v1}"

@@ -54,7 +54,7 @@ def cost_gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
     # SmolLM2 is so small that only a high λ makes its decoding dearer than the cloud's.
     process = start_gateway(f"""
 [gateway]
-policy = "device"
+policy = "disco-s"     # DiSCo-S with no server budget: answers start on the device and move when that pays
 stall_timeout = 5
 [device]
 reproducible = true   # greedy text is compared across requests: one evaluation path
@@ -62,6 +62,7 @@ model = "smollm2-135m-instruct"
 n_ctx = 2048
 [disco]
 profile_device = false
+budget = 0
 exchange_rate = 50
 consumption_rate = 1    # a slow reader: the client's lead, and so the move, comes within a few tokens
 [clouds.cloud]
@@ -135,7 +136,7 @@ def real_gw() -> Iterator[GatewayProcess]:
     port = free_port()
     process = start_gateway(f"""
 [gateway]
-policy = "device"
+policy = "disco-s"     # DiSCo-S with no server budget: answers start on the device and move when that pays
 stall_timeout = 10     # the patience for a migration target's first token: the 1.5B prefills on shared cores
 [device]
 reproducible = true   # greedy text is compared across requests: one evaluation path
@@ -143,6 +144,7 @@ model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
 [disco]
 profile_device = false
+budget = 0
 consumption_rate = 1
 [clouds.cloud]
 model = "qwen2.5-coder-1.5b-instruct"

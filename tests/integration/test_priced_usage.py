@@ -39,13 +39,14 @@ def gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
     # reader, so an answer the device starts moves to "cloud" within a few tokens.
     process = start_gateway(f"""
 [gateway]
-policy = "device"
+policy = "disco-s"     # DiSCo-S with no server budget: answers start on the device and move when that pays
 stall_timeout = 5
 [device]
 model = "smollm2-135m-instruct"
 n_ctx = 2048
 [disco]
 profile_device = false
+budget = 0
 exchange_rate = 50
 consumption_rate = 1
 [clouds.cloud]

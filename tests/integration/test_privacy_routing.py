@@ -25,7 +25,7 @@ MESSAGES = [{"role": "user", "content": "Tell me a long story about a cat who le
 def gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
     process = start_gateway(f"""
 [gateway]
-policy = "device"
+policy = "disco-s"     # DiSCo-S with no server budget: answers start on the device and move when that pays
 stall_timeout = 5
 api_keys = ["{OPEN_KEY}", {{ key = "{DEVICE_KEY}", privacy = "device" }}]
 admin_keys = ["{ADMIN_KEY}"]
@@ -34,6 +34,7 @@ model = "smollm2-135m-instruct"
 n_ctx = 2048
 [disco]
 profile_device = false
+budget = 0
 exchange_rate = 50
 consumption_rate = 1
 [clouds.cloud]
@@ -78,7 +79,7 @@ def test_the_premise_without_a_privacy_level_the_answer_does_move_to_the_cloud(g
     assert [m["to"] for m in t["migrations"]] == ["cloud"] and upstream.requests and t["privacy"] == "any"
 
 
-@pytest.mark.parametrize("policy", ["device", "cloud"])  # a device start (then a cost move), a cloud start
+@pytest.mark.parametrize("policy", ["disco-s", "cloud"])  # a device start (then a cost move), a cloud start
 def test_device_level_never_reaches_the_cloud(gw, upstream, policy):
     r = ask(gw, policy=policy, privacy="device")
     assert served_by(gw, r) == ["device"]

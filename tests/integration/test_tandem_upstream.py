@@ -59,7 +59,7 @@ profile_device = false
 def tandem_a(tandem_b: GatewayProcess) -> Iterator[GatewayProcess]:
     process = start_gateway(f"""
 [gateway]
-policy = "device"
+policy = "disco-s"     # DiSCo-S with no server budget: answers start on the device and move when that pays
 cloud = "prefixflag"
 stall_timeout = 60     # a shared test machine: two llama.cpp models on the same cores
 [device]
@@ -68,6 +68,7 @@ model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
 [disco]
 profile_device = false
+budget = 0
 consumption_rate = 0.2  # a slow reader: the move comes within a few tokens, however slow B's first token was
 [clouds.prefixflag]
 base_url = "{tandem_b.v1}"

@@ -91,7 +91,7 @@ def llama_gw(llama_server_smollm) -> Iterator[GatewayProcess]:
     # and a slow reader, so DiSCo moves an answer that starts on the device to llama-server within a few tokens.
     gw = start_gateway(f"""
 [gateway]
-policy = "device"
+policy = "disco-s"     # DiSCo-S with no server budget: answers start on the device and move when that pays
 cloud = "llama"
 stall_timeout = 10
 [device]
@@ -100,6 +100,7 @@ model = "smollm2-135m-instruct"
 n_ctx = 2048
 [disco]
 profile_device = false
+budget = 0
 exchange_rate = 50
 consumption_rate = 1
 [clouds.llama]

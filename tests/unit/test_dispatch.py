@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from policies.dispatch import (
-    ALIASES,
+    DECLARATIONS,
     POLICY_NAMES,
     DeviceOnly,
     Disco,
@@ -213,9 +213,9 @@ def test_server_only_and_device_only():
 
 def test_registry_names_and_aliases():
     assert set(POLICY_NAMES) == {
-        "disco", "disco-s", "disco-d", "server-only", "device-only", "stoch-s", "stoch-d", "cloud", "device",
+        "disco", "disco-s", "disco-d", "quality", "server-only", "device-only", "stoch-s", "stoch-d", "cloud", "device",
     }  # fmt: skip
-    assert ALIASES == {"cloud": "server-only", "device": "device-only"}
+    assert {a: d.name for d in DECLARATIONS for a in d.aliases} == {"cloud": "server-only", "device": "device-only"}
     assert isinstance(make_policy("cloud"), ServerOnly)
     assert isinstance(make_policy("Device"), DeviceOnly)
     assert isinstance(make_policy("disco-d"), DiscoD)

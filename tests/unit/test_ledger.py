@@ -358,6 +358,7 @@ def test_snapshot_keys_and_json(ledger):
         "exchange_rate",
         "consumption_rate",
         "migration",
+        "quality_threshold",
         "prices",
         "settings_source",
         "primary_cloud",

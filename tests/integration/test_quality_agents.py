@@ -1,0 +1,75 @@
+"""The quality policy on a real agent loop: the OpenAI Agents SDK, one `add(a, b)` tool, `tool_choice` left at auto.
+
+Handed the tool's result, Qwen2.5-Coder-0.5B calls `add` again rather than answering, whatever the instructions say,
+until the turn limit (tests/integration/test_agents_sdk.py stops the agent at its first call for that reason); the
+1.5B stand-in cloud, told to tell the user the result, tells it. Under the quality policy the device's repeated call is
+never delivered: the answer goes on on the cloud. The run completes with the tool called once and the answer given.
+τ = 0 here, so only the repeated call can escalate.
+
+Real parts: the embedded default gateway (session fixture: the 0.5B device in reproducible mode, the 1.5B stand-in
+cloud, llama-cpp-python's server), the real `openai-agents` SDK over the real `openai` client on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+from tests.integration.disco_helpers import trace
+
+set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
+
+QUALITY = {"tandem": {"policy": "quality", "quality_threshold": 0}}
+
+
+def run_agent(gw, extra_body: dict, max_turns: int = 4) -> tuple[str, list, list]:
+    """(the run's final output, the tool's calls, the gateway's request ids)."""
+    calls: list[tuple[int, int]] = []
+    ids: list[str] = []
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append((a, b))
+        return a + b
+
+    async def remember(response) -> None:
+        ids.append(response.headers["x-request-id"])
+
+    async def main() -> str:
+        client = AsyncOpenAI(
+            base_url=gw.v1,
+            api_key="unused",
+            max_retries=0,
+            timeout=180,
+            http_client=DefaultAsyncHttpxClient(event_hooks={"response": [remember]}),
+        )
+        agent = Agent(
+            name="calculator",
+            instructions="You are a calculator. Use the add tool to add numbers, then tell the user the result.",
+            tools=[add],
+            model=OpenAIChatCompletionsModel(model="tandem", openai_client=client),
+            model_settings=ModelSettings(max_tokens=40, temperature=0, extra_body=extra_body),
+        )
+        result = await Runner.run(agent, "What is 17 + 25?", max_turns=max_turns)
+        return result.final_output
+
+    return asyncio.run(main()), calls, ids
+
+
+def test_a_repeated_tool_call_escalates_to_the_cloud_and_the_run_completes(gateway):
+    output, calls, ids = run_agent(gateway, QUALITY)
+    assert calls == [(17, 25)]
+    assert "42" in str(output)
+    first, second = (trace(gateway, rid) for rid in ids)  # the call, then the answer: no third turn
+    assert first["policy"] == "quality" and first["migrations"] == []
+    assert [e["backend"] for e in first["endpoints"]] == ["device"]  # the call itself, written on the device
+    (move,) = second["migrations"]
+    assert (move["from"], move["to"], move["reason"], move["at_token"]) == ("device", "cloud", "quality", 0)
+    assert [(e["backend"], e["outcome"]) for e in second["endpoints"]] == [
+        ("device", "migrated-from"),
+        ("cloud", "finished"),
+    ]
+    assert gateway.metric("tandem_migrations_total", source="device", target="cloud", reason="quality") >= 1
