@@ -10,13 +10,14 @@ import random
 
 import pytest
 
-from app.serving.budget import BudgetSettings, Price
+from app.serving.budget import CONSUMPTION_RATE_RANGE, BudgetSettings, Price
 from app.serving.disco import DiscoRuntime
 from app.serving.job import Job
 from app.serving.ledger import Ledger
 from app.serving.metrics import Metrics
 from app.serving.orchestrator import Orchestrator
 from clients.base import GenerationRequest, TokenEvent
+from clients.dialects import LLAMA_CPP
 from policies.cost import QWEN2_5_0_5B
 from policies.quality import TokenConfidence, call_key
 
@@ -31,7 +32,7 @@ class Scripted:
     def __init__(self, name: str, locality: str, words: list[str], sure: list[float] | None = None) -> None:
         self.name, self.locality, self.model_id = name, locality, name
         self.words, self.sure = words, sure or [0.99] * len(words)
-        self.structured_output, self.dialect = "grammar", "tokens"
+        self.structured_output, self.dialect = "grammar", LLAMA_CPP  # continues from token ids
         self.can_continue = self.accepts_token_ids = self.device_vocabulary = True
         self.evaluations = 0
         self.requests: list[GenerationRequest] = []
@@ -71,7 +72,7 @@ def moves(job: Job) -> list[tuple[str, str, str]]:
 
 def knobs(**kw) -> BudgetSettings:
     # A reader so slow that the migration buffer is full at once: a move that pays starts at the next token.
-    return BudgetSettings(consumption_rate=1e-6, **kw)
+    return BudgetSettings(consumption_rate=CONSUMPTION_RATE_RANGE[0], **kw)
 
 
 DEAR_CLOUD = {"exchange_rate": 0.0, "prices": {"cloud": Price(0.0, 1000.0)}}
