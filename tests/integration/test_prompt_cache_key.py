@@ -5,7 +5,8 @@ client's own passed as is, and nothing sent to a cloud whose dialect does not ta
 Real parts: `tandem serve` in a subprocess with the bundled SmolLM2 on llama.cpp as its device and two API keys, real
 HTTP, and the scripted OpenAI-compatible upstream on loopback (tests/integration/scripted_upstream.py), which records
 every body it receives, configured under the `openai` provider's dialect (with a prefill continuation, so an answer
-can migrate onto it) and under llama-server's.
+can migrate onto it), under OpenRouter's and under llama-server's. The Anthropic door's `cache_control` goes to
+OpenRouter as its top-level hint and is reported ignored where no dialect takes it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ provider = "openai"
 continuation = "prefill"
 base_url = "{upstream.base_url}"
 model = "oai-model"
+connect_timeout = 2
+read_timeout = 5
+[clouds.router]
+provider = "openrouter"
+base_url = "{upstream.base_url}"
+model = "router-model"
 connect_timeout = 2
 read_timeout = 5
 [clouds.llama]
@@ -122,3 +129,39 @@ def test_a_cloud_that_does_not_take_the_field_gets_no_derived_key_and_nothing_is
     assert "prompt_cache_key" not in upstream.requests[-1].body
     assert "prompt_cache_key" in r.headers["x-tandem-ignored-fields"]
 
+
+def messages(gw: GatewayProcess, cloud: str, **fields) -> httpx.Response:
+    body = {
+        "model": "tandem",
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": SYSTEM["content"], "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        "messages": [FIRST],
+        "tandem": {"policy": "cloud", "cloud": cloud},
+        **fields,
+    }
+    r = httpx.post(gw.v1 + "/messages", json=body, headers={"x-api-key": KEYS[0]}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_anthropic_cache_control_reaches_openrouter_as_its_top_level_hint(gw, upstream):
+    r = messages(gw, "router")
+    (sent,) = upstream.requests
+    assert sent.body["model"] == "router-model"
+    assert sent.body["cache_control"] == {"type": "ephemeral", "ttl": "1h"}
+    assert "cache_control" not in r.headers.get("x-tandem-ignored-fields", "")
+
+
+def test_anthropic_cache_control_is_ignored_visibly_where_no_dialect_takes_it_and_the_key_still_goes(gw, upstream):
+    r = messages(gw, "oai", cache_control={"type": "ephemeral"})
+    (sent,) = upstream.requests
+    assert "cache_control" not in sent.body
+    assert "cache_control" in r.headers["x-tandem-ignored-fields"]
+    # The Messages door's conversation keys as chat's does: the same system prompt and first user message.
+    assert sent.body["prompt_cache_key"] == sent_key(gw, upstream, [SYSTEM, FIRST])
+
+
+def test_the_device_needs_no_cache_hint_and_reports_none_ignored(gw, upstream):
+    r = messages(gw, "oai", tandem={"policy": "device"})
+    assert upstream.requests == []
+    assert "x-tandem-ignored-fields" not in r.headers
