@@ -139,6 +139,9 @@ class GatewaySettings(_Strict):
     # Keys that may change the budget (PUT / DELETE /v1/budget). Whenever the gateway has any key, only these may;
     # a gateway with no key at all (loopback, one user) lets anyone.
     admin_keys: list[SecretStr] = []
+    # Keys the prompt-cache keys derived for conversations (app/serving/cache_key.py): set it to keep clouds' caches
+    # warm across restarts and shared by a fleet's gateways; unset, one is drawn at start-up.
+    prompt_cache_secret: SecretStr | None = None
     # Where budget settings changed over HTTP are kept across restarts.
     state_file: str = "~/.local/state/tandem/budget.json"
     policy: str = "disco"

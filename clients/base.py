@@ -43,6 +43,9 @@ class GenerationRequest:
     # Fields beyond the core, as the client sent them (clients/dialects.py: OpenAI's platform fields, llama.cpp's
     # sampling extras; top_k among them when asked): an endpoint applies or forwards those its dialect takes.
     extras: Mapping[str, object] = field(default_factory=dict)
+    # The conversation's prompt-cache key the gateway derived where the client sent none (app/serving/cache_key.py):
+    # forwarded as `prompt_cache_key` where the dialect takes that field, never reported as ignored.
+    cache_key: str | None = None
     stop: tuple[str, ...] = ()  # enforced by the gateway's relay, not by backends (why: clients/token_emitter.py)
     seed: int | None = None
     # Tools and structured output (app/serving/structured.py). The tools are in `prompt_text` already; a chat
@@ -71,6 +74,14 @@ class GenerationRequest:
     # The request this generation serves (its id, the client's x-request-id): a backend's own events name it (a HAT
     # session's, so its span events land on the request's trace). Never sent upstream.
     request_id: str = ""
+
+    @property
+    def forwardable(self) -> Mapping[str, object]:
+        """The fields beyond the core an upstream may take: the client's, and the derived prompt-cache key where the
+        client sent no key of its own (the client's wins)."""
+        if self.cache_key is None or "prompt_cache_key" in self.extras:
+            return self.extras
+        return {**self.extras, "prompt_cache_key": self.cache_key}
 
     @property
     def min_p(self) -> float:

@@ -99,6 +99,9 @@ PLATFORM_FIELDS = (
 # ... and llama.cpp's sampling extras, which the device applies and some upstreams take.
 SAMPLING_EXTRAS = ("top_k", "min_p", "typical_p", "repeat_penalty", "mirostat_mode", "mirostat_tau", "mirostat_eta")
 LLAMA_SAMPLING = _frozen({name: name for name in SAMPLING_EXTRAS})
+# Prompt-caching hints (the Anthropic door's `cache_control`, one hint for the request): an endpoint that keeps the
+# longest prefix it evaluated by itself (the device) needs none; an upstream takes them where its dialect says.
+CACHE_HINTS = ("cache_control",)
 # Fields Tandem honours itself, whichever endpoint serves: the request's trace records them (who asked, and the
 # client's tags for it); forwarded besides to an upstream that takes them.
 RECORDED_FIELDS = ("user", "metadata")
@@ -115,6 +118,8 @@ class Dialect:
     # It reports usage in a stream only when asked with `stream_options` (False: it refuses the field and sends
     # usage unasked).
     stream_usage: bool = True
+    # It reuses the longest prefix it evaluated before by itself: a prompt-caching hint is honoured without being sent.
+    reuses_prefix: bool = False
 
     def takes(self, name: str) -> bool:
         return name in self.forwards
@@ -129,7 +134,9 @@ class Dialect:
         return {
             name: f"{endpoint} ({self.name}) does not take it"
             for name in fields
-            if name not in self.forwards and name not in RECORDED_FIELDS
+            if name not in self.forwards
+            and name not in RECORDED_FIELDS
+            and not (self.reuses_prefix and name in CACHE_HINTS)
         }
 
     def with_settings(self, continuation: str | None = None, stream_usage: bool | None = None) -> Dialect:
@@ -144,7 +151,7 @@ class Dialect:
 
 # The device's llama.cpp applies its sampling extras; the torch backends and HAT's device half sample with
 # clients/sampling.py, which cuts to the top k and by min_p.
-LLAMA_CPP = Dialect("llama.cpp", CONTINUATIONS["tokens"], forwards=LLAMA_SAMPLING)
+LLAMA_CPP = Dialect("llama.cpp", CONTINUATIONS["tokens"], forwards=LLAMA_SAMPLING, reuses_prefix=True)
 TORCH = Dialect("torch", CONTINUATIONS["tokens"], forwards=_frozen({"top_k": "top_k", "min_p": "min_p"}))
 
 _VLLM_SAMPLING = {"top_k": "top_k", "min_p": "min_p", "repeat_penalty": "repetition_penalty"}
@@ -175,7 +182,13 @@ PROVIDERS: Mapping[str, Dialect] = _frozen(
                 CONTINUATIONS["prefill"],
                 forwards=_frozen({**LLAMA_SAMPLING, "mirostat_mode": "mirostat"}),
             ),
-            Dialect("openrouter", CONTINUATIONS["prefill"], forwards=_frozen({**_VLLM_SAMPLING, "user": "user"})),
+            # A top-level `cache_control` asks it for Anthropic's automatic caching (a breakpoint on the last cacheable
+            # block); Anthropic's own OpenAI compatibility layer takes no caching hint.
+            Dialect(
+                "openrouter",
+                CONTINUATIONS["prefill"],
+                forwards=_frozen({**_VLLM_SAMPLING, "user": "user", "cache_control": "cache_control"}),
+            ),
             Dialect("ollama", CONTINUATIONS["prefill"], forwards=_frozen({"reasoning_effort": "reasoning_effort"})),
         )
     }

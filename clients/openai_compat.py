@@ -162,7 +162,7 @@ class OpenAICompatBackend(NoPrefixCache):
         if request.seed is not None:
             common["seed"] = request.seed
         # Fields beyond the core (reasoning_effort, llama.cpp's min_p, ...) go where the dialect takes them.
-        common.update(self.dialect.forwarded(request.extras))
+        common.update(self.dialect.forwarded(request.forwardable))
         self._sampling_fields(request, common)
         continuing = bool(request.prefill or request.prefix_text or request.prefix_ids)
         continuation = self.dialect.continuation

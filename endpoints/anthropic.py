@@ -128,6 +128,8 @@ def messages_input(body: Conversation, key: KeyAccess | None) -> ChatInput:
     extra = {}
     if isinstance(body, MessagesRequest):
         extra = {"stop": tuple(body.stop_sequences or ()), "top_k": body.top_k}
+    if (hint := body.cache_hint()) is not None:
+        extra["extras"] = {**chat.extras, "cache_control": hint}
     return replace(chat, continue_final=body.prefill, **extra)
 
 

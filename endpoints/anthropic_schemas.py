@@ -20,7 +20,9 @@ _MAX_STOPS = 16
 
 
 class CacheControl(_Request):
-    """A prompt-caching hint; accepted and not needed: the device reuses the longest cached prefix by itself."""
+    """A prompt-caching hint. The device needs none (it reuses the longest cached prefix by itself); an upstream whose
+    dialect takes one gets the request's as one top-level hint, and any other reports it ignored
+    (clients/dialects.py: CACHE_HINTS)."""
 
     type: Literal["ephemeral"]
     ttl: str | None = None
@@ -179,6 +181,18 @@ class Conversation(_Request):
     def prefill(self) -> bool:
         """The last message is the assistant's answer begun: the answer continues it."""
         return self.messages[-1].role == "assistant"
+
+    def cache_hint(self) -> dict | None:
+        """The request's prompt-caching hint: its own `cache_control`, else the first block's or tool's that has one
+        (chat's shapes carry no per-block markers: an upstream places its breakpoint itself)."""
+        marked = [
+            self,
+            *(self.system if isinstance(self.system, list) else ()),
+            *(self.tools or ()),
+            *(block for message in self.messages for block in message.blocks),
+        ]
+        hint = next((m.cache_control for m in marked if getattr(m, "cache_control", None) is not None), None)
+        return None if hint is None else hint.model_dump(exclude_none=True)
 
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import anyio
 import numpy as np
 
+from app.serving.cache_key import ConversationKeys
 from app.serving.disco import DiscoRuntime
 from app.serving.errors import InvalidRequest, NotFound, NotReady, RateLimited, Unavailable
 from app.serving.events import EventBus
@@ -59,6 +60,8 @@ class CoreOptions:
     n_ctx: int  # the device's context window
     privacy: str  # the gateway's privacy level
     decoding: str  # sequential | outline | auto, unless a request says
+    # Keys the conversations' derived prompt-cache keys (app/serving/cache_key.py); None: one drawn at start-up.
+    prompt_cache_secret: bytes | None = None
 
 
 class Readiness(NamedTuple):
@@ -92,6 +95,7 @@ class ServingCore:
         self._embedder_lock = asyncio.Lock()
         self.created = created
         self.state = state
+        self.conversation_keys = ConversationKeys(options.prompt_cache_secret)
         self.events = events if events is not None else EventBus()  # the live feed (GET /v1/events)
         # Set by the start-up (app/serving/gateway.py): requests wait for `loaded`, readiness reports the error.
         self.loaded = asyncio.Event()
@@ -277,6 +281,7 @@ class ServingCore:
         if job.pinned is not None and job.pinned != self.device.name:
             raise refusal
         job.privacy = "device"
+        job.gen = replace(job.gen, cache_key=None)
 
     def _worst_case(self, job: Job, ceiling: int) -> float:
         """What the job may cost at most, its output capped at the key's per-request ceiling: the device's work and
@@ -542,7 +547,8 @@ class ServingCore:
         prompt_ids = await self._tokenize_prompt(prompt_text)
         # A chat upstream gets the conversation as the client sent it (tool calls and results included).
         gen = self._generation(chat, prompt_text, prompt_ids, messages, structure)
-        job = self._job(chat.id_prefix, replace(gen, prefill=prefill), len(prompt_ids), route)
+        gen = replace(gen, prefill=prefill, cache_key=self._cache_key(chat, route[3]))
+        job = self._job(chat.id_prefix, gen, len(prompt_ids), route)
         job.migrate_after_tokens = self._forced_migration(chat, route)
         job.call_grammar, job.call_gbnf = structure.call_grammar, structure.call_gbnf
         job.prefill_held = held
@@ -550,6 +556,13 @@ class ServingCore:
         if not chat.continue_final:  # outline decoding writes an answer of its own, never the client's
             self._decoding(job, chat)
         return job
+
+    def _cache_key(self, chat: ChatInput, privacy: str) -> str | None:
+        """The conversation's prompt-cache key for the clouds that take one, where the client sent none; never for a
+        request kept on the device."""
+        if privacy == "device" or "prompt_cache_key" in chat.extras:
+            return None
+        return self.conversation_keys.key(chat.key_limits.name if chat.key_limits else "", chat.messages)
 
     def _decoding(self, job: Job, chat: ChatInput) -> None:
         """Outline decoding's gate (policies/outline.py), when the request or the gateway asks for it."""

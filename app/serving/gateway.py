@@ -179,7 +179,14 @@ class Gateway:
         self.embedder = SentenceEmbedder(emb.model, model_path(emb.model), emb.max_tokens) if emb.enabled else None
         gw = settings.gateway
         self.core = ServingCore(
-            CoreOptions(gw.model_name, gw.default_max_tokens, settings.device.n_ctx, gw.privacy, gw.decoding),
+            CoreOptions(
+                gw.model_name,
+                gw.default_max_tokens,
+                settings.device.n_ctx,
+                gw.privacy,
+                gw.decoding,
+                gw.prompt_cache_secret.get_secret_value().encode() if gw.prompt_cache_secret else None,
+            ),
             self.device,
             self.backends,
             self.orchestrator,
