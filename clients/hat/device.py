@@ -134,7 +134,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         --save-draft-vocab`): drafts are chosen among these tokens (plus the end tokens) only, so a draft step's
         LM head multiplies a few thousand rows instead of the whole vocabulary. Verification always uses the
         full head, so the output is unchanged (greedy) or still exactly the LLM's distribution (sampling: the
-        draft distribution is simply zero outside the subset). None = draft over the full vocabulary.
+        draft distribution is simply zero outside the subset). None = draft over the full vocabulary. The draft
+        head's rows and the adapter's projections run as int8 unless options.draft_precision = "fp32".
     """
 
     can_continue = True
@@ -295,6 +296,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self._grammars = HFTokenizerGrammars(self.tokenizer, self.eos_ids, self._tok_lock)
         if self._draft_vocab_path:
             half.load_draft_vocab(self._draft_vocab_path, self.eos_ids)
+        if o.draft_precision == "int8" and not half.quantize_drafting():
+            log.warning("%s: this torch has no CPU int8 kernel: the draft head stays fp32", self.name)
         if o.drafting == "batched":
             self.station = DraftingStation(half, self.thread, self.rule, self.token_bytes)
         self.link_model.state_bytes = half.hidden_size * torch.empty((), dtype=self.wire_dtype).element_size()

@@ -51,6 +51,10 @@ class HATOptions(BaseModel):
         w - 1 tokens a round, the fixed chain ARCA modelled (replacing max_draft; under draft_length "eq7" /
         "eq7+eta", l* and that mode's confidence stop act within the cap), a tree is verified in greedy rounds
         (max_draft raised to its depth if need be); overrides tree_width / tree_paths.
+    draft_precision: "int8": the drafting-only weights — the draft head's rows and the adapter's projections — run
+        as weight-only int8 with bfloat16 activations (clients/hat/quant.py; ~4× cheaper a draft-head row on an
+        AVX-512 CPU, the same draft picks at ~99% of positions); "fp32": as the model stores them. Verification and
+        the input layers are fp32 either way, so the output is the same under both (greedy: token for token).
     drafting: "batched": concurrent streams' device work — draft steps, verification heads, prefill chunks — runs
         batched at the drafting station (clients/hat/station.py), streams grouped by SD-edge's Alg. 1 and
         pipelined against the worker; each stream's output is what it would be alone. "solo": each stream's own
@@ -106,6 +110,7 @@ class HATOptions(BaseModel):
     tree_width: Annotated[int, Field(ge=0, le=64)] = 0
     tree_paths: tuple[tuple[int, ...], ...] | None = None
     arca: bool = False
+    draft_precision: Literal["int8", "fp32"] = "int8"
     drafting: Literal["batched", "solo"] = "batched"
     chunking: Literal["eq3", "dp"] = "eq3"
     chunk_size: Annotated[int, Field(ge=1)] | None = None
