@@ -33,7 +33,9 @@ migration moves the answer to another endpoint.
    relative), which can flip an exact near-tie between the top two logits. Tests report such ties' gaps.
 
 4. Parallel drafting (HAT §3.5, Eq. 6; opt-in, `parallel_drafting=True`; clients/hat/rounds.py): while the worker
-   verifies, the device drafts ahead from the top-k alternatives to the last draft token. It changes no output.
+   verifies, the device drafts ahead from the top-k alternatives to the last draft token. Proactive drafting
+   (SpecEdge; opt-in, `proactive_drafting=True`): it drafts the next round as if all drafts were accepted, from the
+   draft head's guess for the token verification adds. Neither changes the output.
 5. Grammars (tool_choice / response_format: GenerationRequest.grammar, clients/grammar.py). The head's logits are
    masked before every pick, after penalties / logit_bias; the grammar is advanced over the delivered prefix when
    it covers it; the answer ends ("stop") once the grammar is complete, and EOS can only be picked where the
@@ -220,8 +222,12 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             up=MovingAverage(value=(link.up_bandwidth if link and link.up_bandwidth else o.beta_up)),
             down=MovingAverage(value=(link.down_bandwidth if link and link.down_bandwidth else o.beta_down)),
         )
+        if link is not None:
+            self.link_model.latency = link.latency
         if profile is not None:  # measured parts instead of warm-up priors
             self.controller.seed(profile.measured_parts())
+            if link is None:
+                self.link_model.latency = profile.rtt_ms / 2e3
             self.link_model.up = MovingAverage(value=profile.up_bytes_per_s or self.link_model.up.value)
             self.link_model.down = MovingAverage(value=profile.down_bytes_per_s or self.link_model.down.value)
         log.info("%s: verifies %s", name, self.shape)

@@ -33,6 +33,13 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
         assert (r["accept_length"] >= 1.0) if r["sd"] else math.isnan(r["accept_length"]) or r["accept_length"] == 1.0
     t4 = results["table4"]
     assert t4["U-shape"]["accept_length"] == 1.0 and t4["SD"]["accept_length"] >= 1.0 and t4["decode_speedup"] > 0
+    for method in ("U-shape", "SD"):  # the device half's profile of the very rounds Table 4 measured
+        stats = t4[method]["stats"]
+        profile = stats["profile_ms_per_round"]
+        parts = ("input", "drafts", "head", "link", "worker", "other")
+        assert sum(profile[k] for k in parts) == pytest.approx(stats["ms_per_round"], rel=1e-6)
+        assert profile["input"] > 0 and profile["head"] > 0 and profile["link"] > 0 and profile["bottleneck"] in parts
+    assert t4["SD"]["stats"]["profile_ms_per_round"]["drafts"] > 0
     comp = results["components"]
     assert comp["device_ms"]["draft_head_full_vocab"] > 0 and list(comp["worker_ms"]) == [
         "middle_1_tokens",
@@ -50,6 +57,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     assert trees["rows"][2]["chat"]["stats"]["tree_rounds"] >= 1
     printed = capsys.readouterr().out
     assert "Table 5" in printed and "Worker throughput" in printed and "token trees" in printed
+    assert "Rounds' profile" in printed and results["setup"]["created"]
 
 
 def test_train_adapter_subcommand_takes_its_own_options(capsys) -> None:

@@ -49,6 +49,7 @@ import json
 import os
 import sys
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
@@ -67,6 +68,7 @@ from app.tools.bench.hat_sections import (
 from app.tools.bench.hat_setup import TABLE5, U_SHAPE, Bench, RawDevice, add_bench_options
 from app.tools.bench.hat_spec import defaults, eq7, report_defaults, report_eq7, report_widths, widths
 from app.tools.bench.output import cpu_name, write_json
+from clients.hat.options import PROFILE_PARTS
 
 
 def report(results: dict[str, Any]) -> str:
@@ -98,6 +100,7 @@ def report(results: dict[str, Any]) -> str:
                   f"| U-shape | 1.00 | {t['U-shape']['tbt_ms_median']:.1f} | 1.00x |",
                   f"| HAT (SD) | {t['SD']['accept_length']:.2f} | {t['SD']['tbt_ms_median']:.1f} | "
                   f"{t['decode_speedup']:.2f}x |"]  # fmt: skip
+        lines += report_profile(t)
     if "components" in results:
         c = results["components"]
         lines += ["", "Components (ms, medians)", ""]
@@ -153,6 +156,21 @@ def report(results: dict[str, Any]) -> str:
         lines += [f"| {r['devices']} | {r['batched_tok_s']:.1f} | {r['one_at_a_time_tok_s']:.1f} | {r['ratio']:.2f}x |"
                   for r in results["throughput"]["rows"]]  # fmt: skip
     return "\n".join(lines)
+
+
+def report_profile(table: dict[str, Any]) -> list[str]:
+    """The device half's profile of each method's rounds (HATStats.summary's profile_ms_per_round): where a round's
+    time went, so the bottleneck shows in every run."""
+    rows = [(m, r["stats"]["profile_ms_per_round"]) for m, r in table.items() if isinstance(r, dict) and "stats" in r]
+    lines = ["", "Rounds' profile (ms per round; link modelled from the emulated link, worker = wait − link; ahead: "
+             "drafting inside the wait)", "",
+             "| method | " + " | ".join(PROFILE_PARTS) + " | round | ahead | bottleneck |",
+             "|---|" + "---|" * (len(PROFILE_PARTS) + 3)]  # fmt: skip
+    for method, p in rows:
+        total = sum(p[k] for k in PROFILE_PARTS)
+        lines.append(f"| {method} | " + " | ".join(f"{p[k]:.1f}" for k in PROFILE_PARTS) +
+                     f" | {total:.1f} | {p['ahead']:.1f} | {p['bottleneck']} |")  # fmt: skip
+    return lines
 
 
 SECTIONS = {
@@ -224,6 +242,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         async with RawDevice(bench.url, bench) as probe:
             info = probe.info
         bench.results["setup"] = {
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "model": args.model, "m": args.m, "link": args.link,
             "link_parsed": LinkProfile.parse(args.link).__dict__,
             "worker_compute_device": info.get("compute_device"), "worker_core": args.worker_core,
