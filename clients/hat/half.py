@@ -29,6 +29,8 @@ from clients.hat.quant import Int8Rows, int8_available, quantize_projections
 from clients.hat.ragged import rows_linear
 from clients.hat.split import InputSubmodel, OutputSubmodel, split_model
 
+REFINED = 8  # the int8 draft head's best rows per position recomputed in fp32 (DeviceHalf._refined)
+
 
 class DeviceHalf:
     """Input submodel + adapter + output submodel of a model split after layer m (see the module docstring)."""
@@ -109,7 +111,7 @@ class DeviceHalf:
             return self.head_rows(feats)
         normed = self.output.norm(feats.to(head.weight.dtype))
         if self.draft_int8 is not None:
-            scores = self.draft_int8(normed)
+            scores = self._refined(self.draft_int8(normed), normed)
         else:
             assert self.draft_weight is not None
             scores = rows_linear(normed, self.draft_weight).float()
@@ -120,6 +122,16 @@ class DeviceHalf:
         logits = torch.full((feats.shape[0], self.vocab_size), float("-inf"))
         logits[:, self.draft_ids] = scores
         return logits
+
+    def _refined(self, scores: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The int8 head's scores with its REFINED best rows recomputed in fp32 from the stored weights: the int8
+        kernel returns bfloat16 (steps of 0.125 at a logit of 20, so near the top many logits tie exactly and the
+        draft would pick by token id), while the draft's pick and its confidence (Eq. 5) come from the top few. A row's
+        result still does not depend on the other rows (an elementwise product and a sum per row)."""
+        weight = self.draft_weight if self.draft_weight is not None else self.output.lm_head.weight
+        top = scores.topk(min(REFINED, scores.shape[-1]), dim=-1).indices
+        exact = (weight[top] * normed[:, None, :]).sum(-1)
+        return scores.scatter(-1, top, exact)
 
     def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output submodel (final norm + LM head) over rows, batch-invariant (ragged.rows_linear): float logits."""

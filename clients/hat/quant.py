@@ -12,6 +12,8 @@ projection 0.036 / 0.075 ms against 0.21 / 0.20 (F.linear 0.10 / 0.20). The same
 is slower than fp32 (4.6 ms a row: no vectorised path), with float16 far slower (11 ms), so bfloat16 it is.
 Each row's result does not depend on the other rows of the call (the kernel computes every output element as its
 own dot product; checked for 1-9 rows in tests/unit/test_hat_quant.py), which the drafting station's batching needs.
+The kernel's output is bfloat16 too, coarse near the top of a draft distribution (exact ties), so the draft head
+recomputes its few best rows in fp32 (clients/hat/half.py, DeviceHalf._refined).
 
 What stays fp32, and why: the input layers (their shallow states go to the worker: they are the LLM's own
 computation, and every verified token depends on them) and the verification head (it decides the output).

@@ -237,7 +237,8 @@ async def test_offline_replay_of_acceptance_equals_the_live_runs(replay_worker: 
             ids = prompt_ids(tok, prompt)
             got = token_ids(await collect(backend, ids, max_tokens=REPLAY_TOKENS))
             assert len(got) == REPLAY_TOKENS  # cut by the length limit (RankedText.capped, the default)
-            texts.append(rp.rank_text(split, backend.half.adapter, ids + got, len(ids), backend.half.draft_ids))
+            half = backend.half
+            texts.append(rp.rank_text(split, half.adapter, ids + got, len(ids), lambda f, h=half: h.draft_logits(f, 0)))
         await backend.close()
         replayed = offline(texts)
         print(f"{name}: live {backend.accepted_per_round}, replayed {replayed.per_round}")

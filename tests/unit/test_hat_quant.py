@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from clients.hat.half import DeviceHalf
+from clients.hat.half import REFINED, DeviceHalf
 from clients.hat.quant import Int8Linear, Int8Rows, int8_available, quantize_projections
 from clients.hat.ragged import project_rows
 
@@ -68,10 +68,15 @@ def test_quantize_drafting_touches_only_drafting_weights(tiny, tmp_path) -> None
     fp32_draft = half.draft_logits(feats, 0)
     fp32_verify = half.head_rows(feats)
     input_params = {k: v.clone() for k, v in half.input.state_dict().items()}
+    shallow = torch.randn(1, 5, half.hidden_size)
+    fp32_adapted = half.adapter(shallow)
 
     assert half.quantize_drafting()
     attn = half.adapter.block.self_attn
     assert all(isinstance(getattr(attn, p), Int8Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    adapted = half.adapter(shallow)  # the model's own attention forward, through the int8 projections
+    assert adapted.dtype == torch.float32 and torch.allclose(adapted, fp32_adapted, atol=0.05)
+    assert not torch.equal(adapted, fp32_adapted)
     draft = half.draft_logits(feats, 0)
     outside = torch.ones(half.vocab_size, dtype=torch.bool)
     outside[half.draft_ids] = False
@@ -83,3 +88,22 @@ def test_quantize_drafting_touches_only_drafting_weights(tiny, tmp_path) -> None
     assert all(torch.equal(v, input_params[k]) for k, v in half.input.state_dict().items())
     # the model's own layer m (the adapter was copied from it) keeps its fp32 projections
     assert isinstance(tiny.model.layers[2].self_attn.q_proj, nn.Linear)
+
+
+def test_the_int8_draft_heads_best_rows_are_exact_fp32(tiny) -> None:
+    """The int8 kernel's bfloat16 scores tie near the top; the best rows are recomputed in fp32, so the draft's pick
+    and confidence are the fp32 head's wherever its argmax is among them — row by row, whatever else is in the call."""
+    half = DeviceHalf.load(tiny, 2)
+    torch.manual_seed(4)
+    feats = torch.randn(6, half.hidden_size)
+    fp32 = half.draft_logits(feats, 0)
+    assert half.quantize_drafting()
+    got = half.draft_logits(feats, 0)
+    top = got.topk(REFINED, dim=-1).indices
+    normed = half.output.norm(feats)
+    exact = (half.output.lm_head.weight[top] * normed[:, None, :]).sum(-1)
+    assert torch.equal(got.gather(1, top), exact)
+    assert torch.allclose(exact, fp32.gather(1, top), atol=1e-5)
+    assert torch.equal(got.argmax(-1), fp32.argmax(-1))
+    alone = torch.cat([half.draft_logits(feats[i : i + 1], 0) for i in range(6)])
+    assert torch.equal(got, alone)

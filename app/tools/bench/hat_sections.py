@@ -13,6 +13,7 @@ import torch
 
 from app.tools.bench.hat_setup import SD_ONLY, SD_PD, TABLE5, U_SHAPE, Bench, RawDevice, Variant, run_request, started
 from app.tools.profiling.measure import median_ms
+from clients.hat.ragged import rows_linear
 
 REPEATS = 7  # timed calls per device component (after one untimed)
 
@@ -122,6 +123,10 @@ async def components(bench: Bench) -> dict[str, Any]:
         feats = torch.randn(1, hidden)
         dev["draft_head_reduced_vocab"] = median_ms(lambda: half.draft_logits(feats, 0), REPEATS)
         dev["draft_head_full_vocab"] = median_ms(lambda: full_half.draft_logits(feats, 0), REPEATS)
+        if half.draft_weight is not None:  # the same rows in fp32 (draft_precision = "fp32"), beside the default
+            normed = half.output.norm(feats)
+            weight = half.draft_weight
+            dev["draft_head_reduced_vocab_fp32"] = median_ms(lambda: rows_linear(normed, weight), REPEATS)
         acache = half.adapter.new_cache()
         shallow = half.input(torch.tensor([ids[:256]]), None, positions=0)
         half.adapter(shallow, acache, positions=0)
