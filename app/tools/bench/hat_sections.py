@@ -68,9 +68,17 @@ def summarize_table5(length: int, configs: list[tuple[str, Variant]], runs: dict
     return rows
 
 
+PROACTIVE = "SD+proactive"  # Table 4's optional row (--table4-proactive): SD with proactive drafting
+
+
 async def table4(bench: Bench) -> dict[str, Any]:
-    out = await table4_rows(bench, [(v.name, v, {}) for v in (U_SHAPE, SD_ONLY)])
+    configs: list[Config] = [(v.name, v, {}) for v in (U_SHAPE, SD_ONLY)]
+    if bench.args.table4_proactive:
+        configs.append((PROACTIVE, SD_ONLY, {"proactive_drafting": True}))
+    out = await table4_rows(bench, configs)
     out["decode_speedup"] = out[U_SHAPE.name]["tbt_ms_median"] / out[SD_ONLY.name]["tbt_ms_median"]
+    if PROACTIVE in out:
+        out["proactive_speedup"] = out[U_SHAPE.name]["tbt_ms_median"] / out[PROACTIVE]["tbt_ms_median"]
     return out
 
 
