@@ -246,8 +246,9 @@ class DecodeRounds:
         *,
         proactive: bool,
     ) -> tuple[Branches | None, Branches | None]:
-        """The device's work while a round is at the worker: proactive drafting first (the all-accepted case is the
-        likelier one to pay), then, with time left, parallel drafting's branches."""
+        """The device's work while a round is at the worker: proactive drafting first (one row a step, the cheaper of
+        the two; they cover different outcomes: all drafts accepted, or all but the last), then, with time left,
+        parallel drafting's branches."""
         start = time.perf_counter()
         guessed = await self._proactive(st, draft, position, sampling, stop, stats) if proactive else None
         branches = None
