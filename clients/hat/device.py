@@ -33,7 +33,9 @@ migration moves the answer to another endpoint.
    relative), which can flip an exact near-tie between the top two logits. Tests report such ties' gaps.
 
 4. Parallel drafting (HAT §3.5, Eq. 6; opt-in, `parallel_drafting=True`; clients/hat/rounds.py): while the worker
-   verifies, the device drafts ahead from the top-k alternatives to the last draft token. It changes no output.
+   verifies, the device drafts ahead from the top-k alternatives to the last draft token. Proactive drafting
+   (SpecEdge; opt-in, `proactive_drafting=True`): it drafts the next round as if all drafts were accepted, from the
+   draft head's guess for the token verification adds. Neither changes the output.
 5. Grammars (tool_choice / response_format: GenerationRequest.grammar, clients/grammar.py). The head's logits are
    masked before every pick, after penalties / logit_bias; the grammar is advanced over the delivered prefix when
    it covers it; the answer ends ("stop") once the grammar is complete, and EOS can only be picked where the
@@ -135,7 +137,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         --save-draft-vocab`): drafts are chosen among these tokens (plus the end tokens) only, so a draft step's
         LM head multiplies a few thousand rows instead of the whole vocabulary. Verification always uses the
         full head, so the output is unchanged (greedy) or still exactly the LLM's distribution (sampling: the
-        draft distribution is simply zero outside the subset). None = draft over the full vocabulary.
+        draft distribution is simply zero outside the subset). None = draft over the full vocabulary. The draft
+        head's rows and the adapter's projections run as int8 unless options.draft_precision = "fp32".
     """
 
     can_continue = True
@@ -220,8 +223,12 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             up=MovingAverage(value=(link.up_bandwidth if link and link.up_bandwidth else o.beta_up)),
             down=MovingAverage(value=(link.down_bandwidth if link and link.down_bandwidth else o.beta_down)),
         )
+        if link is not None:
+            self.link_model.latency = link.latency
         if profile is not None:  # measured parts instead of warm-up priors
             self.controller.seed(profile.measured_parts())
+            if link is None:
+                self.link_model.latency = profile.rtt_ms / 2e3
             self.link_model.up = MovingAverage(value=profile.up_bytes_per_s or self.link_model.up.value)
             self.link_model.down = MovingAverage(value=profile.down_bytes_per_s or self.link_model.down.value)
         log.info("%s: verifies %s", name, self.shape)
@@ -296,6 +303,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self._grammars = HFTokenizerGrammars(self.tokenizer, self.eos_ids, self._tok_lock)
         if self._draft_vocab_path:
             half.load_draft_vocab(self._draft_vocab_path, self.eos_ids)
+        if o.draft_precision == "int8" and not half.quantize_drafting():
+            log.warning("%s: this torch has no CPU int8 kernel: the draft head stays fp32", self.name)
         if o.drafting == "batched":
             self.station = DraftingStation(half, self.thread, self.rule, self.token_bytes)
         self.link_model.state_bytes = half.hidden_size * torch.empty((), dtype=self.wire_dtype).element_size()

@@ -4,11 +4,13 @@ The input submodel w^m and the adapter Lambda each keep a KV cache per generatio
 is the device half's (clients/hat/half.py; a reduced draft vocabulary lives there). Drafting stops by the Eq. 5
 rule. Parallel drafting forks the caches into one batch row per top-k alternative to the last draft and drafts all
 rows at once; when the verified correction is one of them, that row becomes the generation's state and its drafts
-the next draft. Everything here runs on the backend's model thread.
+the next draft. Proactive drafting's branch (Drafter.ahead) is one such row, continuing after the last draft from the
+draft head's guess for the token an all-accepted verification adds. Everything here runs on the backend's model thread.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +27,10 @@ class Draft:
     tokens: list[int]
     dists: list[torch.Tensor]  # the distribution each draft was chosen from (softmax at temperature 0)
     shallow: torch.Tensor  # [k+1, hidden]: last accepted token + drafts
+    input_seconds: float = 0.0  # of its drafting, the time in the input layers (the round's profile)
+    # the adapter's features [1, hidden] of the last token fed (the last draft): the draft head's input for the token
+    # after it, which proactive drafting guesses (None: not kept, e.g. a prepared draft cut to a shorter cap)
+    last_feats: torch.Tensor | None = None
 
 
 @dataclass
@@ -39,6 +45,7 @@ class Branches:
     probs: list[list[float]] = field(default_factory=list)  # per step: their probabilities
     dists: list[torch.Tensor] = field(default_factory=list)  # per step: [K, vocab]
     shallows: list[torch.Tensor] = field(default_factory=list)  # per fed step: [K, hidden] (step 0 = candidates)
+    feats: list[torch.Tensor] = field(default_factory=list)  # per fed step: the adapter's features [K, hidden]
 
 
 @dataclass
@@ -69,10 +76,14 @@ class DraftRun:
         self.shallows: list[torch.Tensor] = []
         self.stop = cap <= 0  # the token being fed is the last one: no head call after it
         self.done = False
+        self.input_seconds = 0.0  # in the input layers (its share, when fed beside other streams)
+        self.last_feats: torch.Tensor | None = None
 
-    def fed(self, shallow: torch.Tensor) -> bool:
-        """The fed token's shallow state [1, hidden]; True when the head's logits at its position are wanted next."""
+    def fed(self, shallow: torch.Tensor, feats: torch.Tensor | None = None) -> bool:
+        """The fed token's shallow state [1, hidden] (and its adapter features); True when the head's logits at its
+        position are wanted next."""
         self.shallows.append(shallow)
+        self.last_feats = feats
         if self.stop:
             self.done = True
         return not self.done
@@ -110,7 +121,7 @@ class DraftRun:
     def finish(self) -> Draft:
         if self.mask is not None:
             self.mask.rollback(len(self.tokens))
-        return Draft(self.tokens, self.dists, torch.cat(self.shallows))
+        return Draft(self.tokens, self.dists, torch.cat(self.shallows), self.input_seconds, self.last_feats)
 
 
 class Drafter:
@@ -126,10 +137,19 @@ class Drafter:
         return DraftState(self.half.input.new_cache(), self.half.adapter.new_cache())
 
     def _feed(
-        self, ids: torch.Tensor, input_cache: SplitKVCache, adapter_cache: SplitKVCache, position: int
+        self,
+        ids: torch.Tensor,
+        input_cache: SplitKVCache,
+        adapter_cache: SplitKVCache,
+        position: int,
+        run: DraftRun | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids [rows, n] at `position` -> (shallow states, adapter features), appending to both caches."""
+        """Token ids [rows, n] at `position` -> (shallow states, adapter features), appending to both caches; the
+        input layers' time is added to `run`'s."""
+        t0 = time.perf_counter()
         shallow = self.half.input(ids, input_cache, positions=position)
+        if run is not None:
+            run.input_seconds += time.perf_counter() - t0
         return shallow, self.half.adapter(shallow, adapter_cache, positions=position)
 
     def prefill(self, st: DraftState, ids: list[int], start: int) -> torch.Tensor:
@@ -148,8 +168,8 @@ class Drafter:
         with torch.inference_mode():
             while not run.done:
                 ids = torch.tensor([[run.token]], dtype=torch.long)
-                shallow, feats = self._feed(ids, st.input_cache, st.adapter_cache, run.position)
-                if run.fed(shallow[0]):
+                shallow, feats = self._feed(ids, st.input_cache, st.adapter_cache, run.position, run)
+                if run.fed(shallow[0], feats[:, -1]):
                     run.decide(self.half.draft_logits(feats[:, -1], run.position)[0])
         return run.finish()
 
@@ -160,7 +180,8 @@ class Drafter:
         k = min(len(draft.tokens), max(cap, 0))
         if k < len(draft.tokens):
             st.crop(position + k + 1)
-        return Draft(draft.tokens[:k], draft.dists[:k], draft.shallow[: k + 1])
+            return Draft(draft.tokens[:k], draft.dists[:k], draft.shallow[: k + 1])
+        return draft
 
     def branch(self, st: DraftState, draft: Draft, position: int) -> Branches | None:
         """Candidates: the top alternatives to the last draft at its position; caches forked before that position."""
@@ -172,6 +193,25 @@ class Drafter:
         if not rows:
             return None
         return Branches(at, candidates, st.input_cache.fork(rows, at), st.adapter_cache.fork(rows, at))
+
+    def ahead(self, st: DraftState, draft: Draft, position: int) -> Branches | None:
+        """Proactive drafting (SpecEdge): one branch continuing the draft as if the worker accepted all of it. Its
+        candidate is the draft head's top pick after the last draft — the guess for the token verification adds
+        after an all-accepted draft — and its caches are forked after the last draft. None when there is nothing to
+        continue from."""
+        if not draft.tokens or draft.last_feats is None:
+            return None
+        at = position + len(draft.tokens) + 1
+        with torch.inference_mode():
+            guess = int(self.half.draft_logits(draft.last_feats, at - 1)[0].argmax())
+        return Branches(at, [guess], st.input_cache.fork(1, at), st.adapter_cache.fork(1, at))
+
+    def branch_done(self, b: Branches) -> bool:
+        """Whether a one-row branch's draft is complete: the stop rule (Eq. 5) or the cap ended it."""
+        if not b.tokens:
+            return False
+        keep, stop = self.rule.decide(b.probs[-1][0], len(b.tokens) - 1)
+        return not keep or stop or len(b.tokens) >= self.rule.max_draft
 
     def step(self, b: Branches, sampling: Sampling) -> None:
         """Feed every branch's newest token (the candidates first) and draft one more token per branch."""
@@ -190,6 +230,7 @@ class Drafter:
                 probs.append(float(dist[d]))
                 dists.append(dist)
         b.shallows.append(shallow[:, -1])
+        b.feats.append(feats[:, -1])
         b.tokens.append(chosen)
         b.probs.append(probs)
         b.dists.append(torch.stack(dists))
@@ -210,12 +251,15 @@ class Drafter:
         st.adapter_cache = b.adapter_cache.row(row)
         tokens = [b.tokens[i][row] for i in range(n)]
         shallows = [b.shallows[i][row : row + 1] for i in range(min(n + 1, len(b.shallows)))]
+        last_feats = b.feats[n][row : row + 1] if len(b.feats) > n else None
         with torch.inference_mode():
             keep_len = b.position + len(shallows)
             st.crop(keep_len)
             if len(shallows) < n + 1:  # the last draft was chosen but never fed: its shallow state is one step away
                 ids = torch.tensor([[tokens[-1]]], dtype=torch.long)
-                fed, _ = self._feed(ids, st.input_cache, st.adapter_cache, keep_len)
+                fed, feats = self._feed(ids, st.input_cache, st.adapter_cache, keep_len)
                 shallows.append(fed[0])
-        st.prepared = Draft(tokens, [b.dists[i][row] for i in range(n)], torch.cat(shallows))
+                last_feats = feats[:, -1]
+        dists = [b.dists[i][row] for i in range(n)]
+        st.prepared = Draft(tokens, dists, torch.cat(shallows), last_feats=last_feats)
         st.prepared_at = (b.candidates[row], b.position)

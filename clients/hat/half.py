@@ -2,7 +2,9 @@
 Lambda and the output submodel (final norm + LM head), with the two heads made of them.
 
 - The draft head H o Lambda o w^m's last step, `draft_logits`: over a reduced draft vocabulary when one is loaded
-  (only its rows of the LM head are multiplied; the other logits are -inf), else the full head.
+  (only its rows of the LM head are multiplied; the other logits are -inf), else the full head; after
+  `quantize_drafting`, its rows and the adapter's projections as weight-only int8 (clients/hat/quant.py: drafts only
+  propose, so their precision moves the accept length, never the output).
 - The verification head, `head_rows`: the output submodel over rows through ragged.rows_linear, batch-invariant (the
   drafting station computes several streams' rows in one call and each row is what it would be alone), and `head`,
   the output submodel's own forward (one stream's rows at a time: the solo path and the prefill's last position).
@@ -23,8 +25,11 @@ import torch
 from torch import nn
 
 from clients.hat.adapter import Adapter
+from clients.hat.quant import Int8Rows, int8_available, quantize_projections
 from clients.hat.ragged import rows_linear
 from clients.hat.split import InputSubmodel, OutputSubmodel, split_model
+
+REFINED = 8  # the int8 draft head's best rows per position recomputed in fp32 (DeviceHalf._refined)
 
 
 class DeviceHalf:
@@ -46,6 +51,7 @@ class DeviceHalf:
         self.hidden_size, self.num_layers, self.vocab_size = hidden_size, num_layers, vocab_size
         self.draft_ids: torch.Tensor | None = None  # the reduced draft vocabulary (sorted token ids), if any
         self.draft_weight: torch.Tensor | None = None  # the LM head's rows for them
+        self.draft_int8: Int8Rows | None = None  # the draft head's rows as int8 (quantize_drafting)
 
     @classmethod
     def load(
@@ -78,22 +84,54 @@ class DeviceHalf:
         chosen = torch.tensor(sorted(set(ids) | set(eos_ids)), dtype=torch.long)
         self.draft_ids = chosen
         self.draft_weight = self.output.lm_head.weight[chosen].contiguous()
+        if self.draft_int8 is not None:
+            self.draft_int8 = Int8Rows(self.draft_weight)
+
+    def quantize_drafting(self) -> bool:
+        """Run the drafting-only weights as weight-only int8 (clients/hat/quant.py): the draft head's rows (the
+        reduced vocabulary's, else the whole head's: 136 MB more for Qwen2.5-0.5B's) and the adapter's projections.
+        The input layers and the verification head stay fp32: they make the output. False (all fp32 kept) where this
+        torch has no int8 kernel on the CPU."""
+        if not int8_available():
+            return False
+        self.draft_int8 = Int8Rows(self.draft_weight if self.draft_weight is not None else self.output.lm_head.weight)
+        quantize_projections(self.adapter.block)
+        return True
 
     def draft_logits(self, feats: torch.Tensor, position: int | list[int]) -> torch.Tensor:
         """Draft head: adapter features [rows, hidden] of tokens fed at `position` (one for all rows, or one per row)
         -> logits [rows, vocab] for the next position.
 
         With a reduced draft vocabulary only its rows of the head are computed; the other logits are -inf. Rows go
-        through ragged.rows_linear: batch-invariant (the drafting station batches streams' rows) and, for a few
-        rows, faster than a plain linear. `position` does not change the logits here; a subclass may use it (the
-        tests' oracle draft heads)."""
-        if self.draft_ids is None:
+        through the int8 head (quantize_drafting) or ragged.rows_linear: either way a row's logits do not depend on
+        the other rows (the drafting station batches streams' rows). `position` does not change the logits here; a
+        subclass may use it (the tests' oracle draft heads)."""
+        head = self.output.lm_head
+        if self.draft_int8 is None and self.draft_ids is None:
             return self.head_rows(feats)
-        assert self.draft_weight is not None
-        normed = self.output.norm(feats.to(self.draft_weight.dtype))
+        normed = self.output.norm(feats.to(head.weight.dtype))
+        if self.draft_int8 is not None:
+            scores = self._refined(self.draft_int8(normed), normed)
+        else:
+            assert self.draft_weight is not None
+            scores = rows_linear(normed, self.draft_weight).float()
+        if head.bias is not None:
+            scores = scores + (head.bias if self.draft_ids is None else head.bias[self.draft_ids])
+        if self.draft_ids is None:
+            return scores
         logits = torch.full((feats.shape[0], self.vocab_size), float("-inf"))
-        logits[:, self.draft_ids] = rows_linear(normed, self.draft_weight).float()
+        logits[:, self.draft_ids] = scores
         return logits
+
+    def _refined(self, scores: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The int8 head's scores with its REFINED best rows recomputed in fp32 from the stored weights: the int8
+        kernel returns bfloat16 (steps of 0.125 at a logit of 20, so near the top many logits tie exactly and the
+        draft would pick by token id), while the draft's pick and its confidence (Eq. 5) come from the top few. A row's
+        result still does not depend on the other rows (an elementwise product and a sum per row)."""
+        weight = self.draft_weight if self.draft_weight is not None else self.output.lm_head.weight
+        top = scores.topk(min(REFINED, scores.shape[-1]), dim=-1).indices
+        exact = (weight[top] * normed[:, None, :]).sum(-1)
+        return scores.scatter(-1, top, exact)
 
     def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output submodel (final norm + LM head) over rows, batch-invariant (ragged.rows_linear): float logits."""

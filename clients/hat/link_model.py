@@ -23,6 +23,7 @@ class LinkModel:
     up: MovingAverage  # upload bandwidth, bytes/s
     down: MovingAverage  # download bandwidth, bytes/s
     state_bytes: int = 0  # one hidden state on the wire (hidden size x the wire dtype's size), set at load
+    latency: float = 0.0  # one-way, seconds: an emulated link's, else a profile's measured round trip / 2
 
     @property
     def beta_up(self) -> float:
@@ -56,6 +57,11 @@ class LinkModel:
         g = self.worker_seconds(info, k + 1)
         transfer = (k + 1) * self.state_bytes * (1 / self.beta_up + 1 / self.beta_down)
         return g, transfer + g
+
+    def round_trip_seconds(self, positions: int) -> float:
+        """The link's share of a round trip of `positions` rows up and their deep states down: two latencies and both
+        transfers at the current estimates (with an emulated link, what the emulator adds, jitter aside)."""
+        return 2 * self.latency + positions * self.state_bytes * (1 / self.beta_up + 1 / self.beta_down)
 
     def observe_upload(self, tokens: int, rtt: float, info: dict[str, Any]) -> None:
         """Refine the upload bandwidth from a chunk's round trip minus the worker's predicted compute."""

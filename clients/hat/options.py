@@ -40,6 +40,11 @@ class HATOptions(BaseModel):
     parallel_drafting: while the worker verifies, draft ahead from the top `parallel_candidates` alternatives to
         the last draft token, for as many steps as Eq. 6 says fit in the round trip (and never past the reply);
         when the verified correction is one of them, the next round starts with that branch's drafts ready.
+    proactive_drafting: while the worker verifies, draft the next round as if it accepted every draft (SpecEdge's
+        proactive drafting): the draft head's guess for the token after the last draft, then drafts after it, until
+        the stop rule ends them or the reply arrives; the next round starts with them when verification accepted all
+        and added that very token, else they are dropped. Greedy rounds without a grammar, and at the station only
+        while it serves this one stream. Before parallel drafting's branches when both are on. No output changes.
     tree_width: verify a token tree of this many positions (the last accepted token + tree_width - 1 drafts over
         the draft head's top-k) in greedy rounds (clients/hat/tree.py); 0 = chains (the draft_length rule). Rounds
         that sample, penalise, follow a grammar or return logprobs stay chains. Greedy output is unchanged. Faster
@@ -51,6 +56,10 @@ class HATOptions(BaseModel):
         w - 1 tokens a round, the fixed chain ARCA modelled (replacing max_draft; under draft_length "eq7" /
         "eq7+eta", l* and that mode's confidence stop act within the cap), a tree is verified in greedy rounds
         (max_draft raised to its depth if need be); overrides tree_width / tree_paths.
+    draft_precision: "int8": the drafting-only weights — the draft head's rows and the adapter's projections — run
+        as weight-only int8 with bfloat16 activations (clients/hat/quant.py; ~4× cheaper a draft-head row on an
+        AVX-512 CPU, the same draft picks at ~99% of positions); "fp32": as the model stores them. Verification and
+        the input layers are fp32 either way, so the output is the same under both (greedy: token for token).
     drafting: "batched": concurrent streams' device work — draft steps, verification heads, prefill chunks — runs
         batched at the drafting station (clients/hat/station.py), streams grouped by SD-edge's Alg. 1 and
         pipelined against the worker; each stream's output is what it would be alone. "solo": each stream's own
@@ -102,10 +111,12 @@ class HATOptions(BaseModel):
     draft_length: Literal["eta", "eq7", "eq7+eta"] = "eta"
     speculative: bool = True
     parallel_drafting: bool = False
+    proactive_drafting: bool = False
     parallel_candidates: Annotated[int, Field(ge=1)] = 3
     tree_width: Annotated[int, Field(ge=0, le=64)] = 0
     tree_paths: tuple[tuple[int, ...], ...] | None = None
     arca: bool = False
+    draft_precision: Literal["int8", "fp32"] = "int8"
     drafting: Literal["batched", "solo"] = "batched"
     chunking: Literal["eq3", "dp"] = "eq3"
     chunk_size: Annotated[int, Field(ge=1)] | None = None
@@ -174,11 +185,20 @@ class HATStats:
     round_seconds: float = 0.0
     draft_seconds: float = 0.0  # device: input submodel + adapter + head while drafting
     wait_seconds: float = 0.0  # send -> deep states back (link + worker)
-    verify_seconds: float = 0.0  # device: head over the deep states + acceptance
+    verify_seconds: float = 0.0  # device: head over the deep states + acceptance, rollback, adoption
+    # The rounds' profile (round_profile): of draft_seconds, the input layers'; of verify_seconds, the verification
+    # head's (+ acceptance); of wait_seconds, the link's (modelled: LinkModel.round_trip_seconds, at most the wait)
+    input_seconds: float = 0.0
+    head_seconds: float = 0.0
+    link_seconds: float = 0.0
+    ahead_seconds: float = 0.0  # device drafting done while a round waited (parallel / proactive drafting)
     bytes_up: int = 0
     bytes_down: int = 0
     parallel_steps: int = 0  # batched parallel-drafting steps run while waiting for the worker
-    parallel_hits: int = 0  # rounds whose draft came ready-made from parallel drafting
+    parallel_hits: int = 0  # rounds whose draft came ready-made (parallel or proactive drafting)
+    proactive_steps: int = 0  # proactive drafting's steps run while waiting for the worker
+    proactive_hits: int = 0  # rounds whose proactive branch was adopted (all accepted, the guess right)
+    proactive_misses: int = 0  # rounds whose proactive branch was dropped (a rejection, or a wrong guess)
     draft_cap_sum: int = 0  # sum over rounds of the draft cap used (max_draft under "eta", else l*)
     longest_draft: int = 0  # the most drafts a chain round sent
     status_updates: int = 0  # STATUS frames (the worker's mu and g) received mid-session
@@ -187,6 +207,20 @@ class HATStats:
     last_chunks: list[int] = field(default_factory=list)  # the last prefill's chunk lengths
     # chunking = "dp": the worker stage's τ(x | y) the last plan used (its prefill_tau, or g when it sent none)
     last_worker_tau: ChunkCost | None = None
+
+    def add_round(
+        self, draft_s: float, wait_s: float, verify_s: float, input_s: float, head_s: float, link_s: float
+    ) -> None:
+        """A round's times: drafting (of it, input_s in the input layers), the wait from send to reply (of it, the
+        link's modelled share link_s, at most the wait: the rest is the worker's), verification (of it, head_s in
+        the head and acceptance). The round's count is the caller's."""
+        self.draft_seconds += draft_s
+        self.wait_seconds += wait_s
+        self.verify_seconds += verify_s
+        self.round_seconds += draft_s + wait_s + verify_s
+        self.input_seconds += input_s
+        self.head_seconds += head_s
+        self.link_seconds += min(link_s, wait_s)
 
     def summary(self) -> dict[str, float]:
         r = max(self.rounds, 1)
@@ -203,8 +237,37 @@ class HATStats:
             "prefill_seconds": self.prefill_seconds,
             "parallel_hits": self.parallel_hits,
             "parallel_steps": self.parallel_steps,
+            "proactive_steps": self.proactive_steps,
+            "proactive_hits": self.proactive_hits,
+            "proactive_misses": self.proactive_misses,
             "mean_draft_cap": self.draft_cap_sum / r,
             "longest_draft": self.longest_draft,
             "status_updates": self.status_updates,
             "tree_rounds": self.tree_rounds,
+            "profile_ms_per_round": round_profile(self),
         }
+
+
+PROFILE_PARTS = ("input", "drafts", "head", "link", "worker", "other")
+
+
+def round_profile(stats: HATStats) -> dict[str, float | str]:
+    """Where a round's time went, ms per round: the device's input layers and the rest of drafting (adapter, draft
+    head), the verification head, the link and the worker (the wait minus the link's modelled share), and the
+    rest of the round (rollback, adoption, hand-offs between the event loop and the model thread). The parts sum
+    to ms_per_round; `bottleneck` names the largest, `device` sums the device's parts, `ahead` is drafting the
+    device did inside the wait (not part of the sum)."""
+    r = max(stats.rounds, 1)
+    parts = {
+        "input": stats.input_seconds,
+        "drafts": stats.draft_seconds - stats.input_seconds,
+        "head": stats.head_seconds,
+        "link": stats.link_seconds,
+        "worker": stats.wait_seconds - stats.link_seconds,
+        "other": stats.verify_seconds - stats.head_seconds,
+    }
+    out: dict[str, float | str] = {k: 1e3 * v / r for k, v in parts.items()}
+    out["device"] = 1e3 * (parts["input"] + parts["drafts"] + parts["head"] + parts["other"]) / r
+    out["ahead"] = 1e3 * stats.ahead_seconds / r
+    out["bottleneck"] = max(PROFILE_PARTS, key=lambda k: parts[k]) if stats.rounds else ""
+    return out

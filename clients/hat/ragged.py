@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from clients.hat.quant import Int8Linear
 from clients.hat.split import LayerStack, SplitKVCache
 from policies.trees import ancestor_mask, tree_depths
 
@@ -230,7 +231,10 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def project_rows(linear: Any, x: torch.Tensor) -> torch.Tensor:
     """A RaggedMiddle `project`: nn.Linear `linear` over x [1, rows, in] through rows_linear (batch-invariant, and
-    for a few rows as fast as a one-row linear: the drafting station's draft steps)."""
+    for a few rows as fast as a one-row linear: the drafting station's draft steps). A quantized projection
+    (clients/hat/quant.py's Int8Linear, the adapter's) computes its rows itself, just as batch-invariantly."""
+    if isinstance(linear, Int8Linear):
+        return linear(x)
     out = rows_linear(x[0], linear.weight)
     if linear.bias is not None:
         out = out + linear.bias

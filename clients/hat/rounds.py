@@ -14,6 +14,15 @@ station only while it serves this one stream (with more, the device's waiting ti
 changes no output (drafts are only proposals); with sampling, it makes seeded runs timing-dependent (not
 reproducible run to run), while keeping the output distribution exact.
 
+Proactive drafting (SpecEdge; `proactive_drafting`): while the worker verifies, the device drafts the next round as
+if this one were accepted whole — from the draft head's guess for the token verification adds after the last draft
+(clients/hat/drafting.py, Drafter.ahead), on a copy of the caches, until the stop rule ends it or the reply arrives.
+If verification accepted all drafts and added the guessed token, the next round starts with those drafts; otherwise
+they are dropped. Greedy rounds without a grammar, alone at the station; before parallel drafting when both are on.
+
+Every round's times go into HATStats.add_round: drafting (of it, the input layers), the wait (of it, the link's
+modelled share), verification (of it, the head), and the drafting done ahead inside the wait (the rounds' profile).
+
 A tree round (`tree_width`, clients/hat/tree.py): for plain greedy rounds whose cap allows the tree's depth and
 whose context has room for all its nodes, a tree of w nodes drafted over the draft head's top-k (one batched step
 per depth), its structure sent (TREE: parent indices, no tokens) before its DRAFT, the verified tree walked from
@@ -114,20 +123,24 @@ class DecodeRounds:
         t1 = time.perf_counter()
         k = len(draft.tokens)
         seq = link.send_tensor(wire.Kind.DRAFT, draft.shallow, position)
-        parallel: asyncio.Task[Branches | None] | None = None
+        ahead: asyncio.Task[tuple[Branches | None, Branches | None]] | None = None
         stop = threading.Event()
         alone = slot is None or self.station is None or self.station.alone(slot)
-        if self.options.parallel_drafting and k >= 1 and sampling.mask is None and alone:
+        may = k >= 1 and sampling.mask is None and alone
+        proactive = self.options.proactive_drafting and may and sampling.greedy
+        if proactive or (self.options.parallel_drafting and may):
             timing = self.link.reply_window(k, link.info)
-            parallel = asyncio.create_task(self._parallel(st, draft, position, sampling, stop, timing, stats))
+            ahead = asyncio.create_task(
+                self._ahead(st, draft, position, sampling, stop, timing, stats, proactive=proactive)
+            )
         try:
             frame = await link.reply(seq, wire.Kind.VERIFY_RESULT)
         finally:
-            stop.set()  # parallel drafting never delays verification by more than one step
+            stop.set()  # drafting ahead never delays verification by more than one step
         t2 = time.perf_counter()
         if slot is not None and self.station is not None:
             self.station.observe_wait(slot, t2 - t1)
-        branches = await parallel if parallel is not None else None
+        guessed, branches = await ahead if ahead is not None else (None, None)
         deep = frame.tensor().reshape(-1, self.half.hidden_size)
         if frame.arg != position or deep.shape[0] != k + 1:
             raise BackendError(
@@ -157,18 +170,20 @@ class DecodeRounds:
         )
         if accepted < k:
             link.send_control(wire.Kind.ROLLBACK, position + accepted + 1)
-        if branches is not None and accepted == k - 1 and new[-1] in branches.candidates and branches.shallows:
+        if guessed is not None and accepted == k and new[-1] == guessed.candidates[0] and guessed.shallows:
+            await self.thread.run(self.drafter.adopt, st, guessed, 0)
+            stats.proactive_hits += 1
+        elif branches is not None and accepted == k - 1 and new[-1] in branches.candidates and branches.shallows:
             await self.thread.run(self.drafter.adopt, st, branches, branches.candidates.index(new[-1]))
+        elif guessed is not None:  # the guess was wrong (or never drafted): its drafts are dropped unseen
+            stats.proactive_misses += 1
         t3 = time.perf_counter()
         stats.rounds += 1
         stats.drafted += k
         stats.longest_draft = max(stats.longest_draft, k)
         stats.accepted += accepted
         stats.round_tokens += len(new)
-        stats.draft_seconds += t1 - t0
-        stats.wait_seconds += t2 - t1
-        stats.verify_seconds += t3 - t2
-        stats.round_seconds += t3 - t0
+        stats.add_round(t1 - t0, t2 - t1, t3 - t2, draft.input_seconds, t_head, self.link.round_trip_seconds(k + 1))
         if k and t1 - t0 > 1e-3:
             self.gamma.update((t1 - t0) / k)
         return new, lps
@@ -205,6 +220,7 @@ class DecodeRounds:
                 self.name,
             )
         new, path = await self.thread.run(verify_tree, self.half, st, deep, draft, position)
+        t_head = time.perf_counter() - t2
         link.send_indices(wire.Kind.KEEP, path, position)
         t3 = time.perf_counter()
         stats.rounds += 1
@@ -212,13 +228,49 @@ class DecodeRounds:
         stats.drafted += tree.width - 1
         stats.accepted += len(path) - 1
         stats.round_tokens += len(new)
-        stats.draft_seconds += t1 - t0
-        stats.wait_seconds += t2 - t1
-        stats.verify_seconds += t3 - t2
-        stats.round_seconds += t3 - t0
+        link_s = self.link.round_trip_seconds(tree.width)
+        stats.add_round(t1 - t0, t2 - t1, t3 - t2, draft.input_seconds, t_head, link_s)
         return new
 
     # --- parallel drafting (Eq. 6) --------------------------------------------------------------
+
+    async def _ahead(
+        self,
+        st: DraftState,
+        draft: Draft,
+        position: int,
+        sampling: Sampling,
+        stop: threading.Event,
+        timing: tuple[float, float],
+        stats: HATStats,
+        *,
+        proactive: bool,
+    ) -> tuple[Branches | None, Branches | None]:
+        """The device's work while a round is at the worker: proactive drafting first (one row a step, the cheaper of
+        the two; they cover different outcomes: all drafts accepted, or all but the last), then, with time left,
+        parallel drafting's branches."""
+        start = time.perf_counter()
+        guessed = await self._proactive(st, draft, position, sampling, stop, stats) if proactive else None
+        branches = None
+        if self.options.parallel_drafting and not stop.is_set():
+            branches = await self._parallel(st, draft, position, sampling, stop, timing, stats, start)
+        return guessed, branches
+
+    async def _proactive(
+        self, st: DraftState, draft: Draft, position: int, sampling: Sampling, stop: threading.Event, stats: HATStats
+    ) -> Branches | None:
+        """Proactive drafting (SpecEdge): the next round's draft, from the guess that all of this one is accepted and
+        of the token verification adds after it, drafted step by step until its stop rule ends it or the reply
+        arrives (at most one step late)."""
+        t = time.perf_counter()
+        guessed = await self.thread.run(self.drafter.ahead, st, draft, position)
+        stats.ahead_seconds += time.perf_counter() - t
+        while guessed is not None and not stop.is_set() and not self.drafter.branch_done(guessed):
+            t = time.perf_counter()
+            await self.thread.run(self.drafter.step, guessed, sampling)
+            stats.ahead_seconds += time.perf_counter() - t
+            stats.proactive_steps += 1
+        return guessed
 
     async def _parallel(
         self,
@@ -229,10 +281,12 @@ class DecodeRounds:
         stop: threading.Event,
         timing: tuple[float, float],
         stats: HATStats,
+        start: float,
     ) -> Branches | None:
-        start = time.perf_counter()
         g, window = timing
+        t = time.perf_counter()
         branches = await self.thread.run(self.drafter.branch, st, draft, position)
+        stats.ahead_seconds += time.perf_counter() - t
         if branches is None:
             return None
         step = self.pd_gamma.get(self.gamma.get(0.05))
@@ -251,6 +305,7 @@ class DecodeRounds:
             t = time.perf_counter()
             await self.thread.run(self.drafter.step, branches, sampling)
             self.pd_gamma.update(time.perf_counter() - t)
+            stats.ahead_seconds += time.perf_counter() - t
             stats.parallel_steps += 1
             step = self.pd_gamma.get(step)
         return branches

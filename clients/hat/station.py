@@ -306,13 +306,14 @@ class DraftingStation:
 
     def _feed(
         self, items: list[tuple[list[int], DraftState, int]], draft_step: bool = False
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
         """Token ids of several streams, each at its position: shallow states and adapter features per stream, in
         one ragged forward of the input layers and one of the adapter (appending to each stream's caches).
 
         Draft steps (one row per stream) project through ragged.project_rows: fixed 4-row chunks, a one-row linear's
         cost; prefill chunks through the layers' own linears (blocked GEMM over >= 4 rows). Either way a row's
-        result does not depend on the other rows, and a row is a draft step's or a prefill's whatever else runs."""
+        result does not depend on the other rows, and a row is a draft step's or a prefill's whatever else runs.
+        Also returns the seconds the input layers took (the rounds' profile)."""
         for _, st, position in items:
             if len(st.input_cache) != position or len(st.adapter_cache) != position:
                 raise RuntimeError(f"drafting station: caches hold {len(st.input_cache)} positions, fed at {position}")
@@ -320,17 +321,19 @@ class DraftingStation:
         flat = torch.tensor([t for ids, _, _ in items for t in ids], dtype=torch.long)
         embedded = self.half.input.embed_tokens(flat).split(sizes)
         project = project_rows if draft_step else None
+        t0 = time.perf_counter()
         shallow = self._input.forward(
             [(e, st.input_cache) for e, (_, st, _) in zip(embedded, items, strict=True)], project=project
         )
+        input_seconds = time.perf_counter() - t0
         feats = self._adapter.forward(
             [(s, st.adapter_cache) for s, (_, st, _) in zip(shallow, items, strict=True)], project=project
         )
-        return [s.clone() for s in shallow], feats
+        return [s.clone() for s in shallow], feats, input_seconds
 
     def _prefill_batch(self, jobs: list[tuple[DraftState, list[int], int]]) -> list[torch.Tensor]:
         with torch.inference_mode():
-            shallow, _ = self._feed([(ids, st, start) for st, ids, start in jobs])
+            shallow, _, _ = self._feed([(ids, st, start) for st, ids, start in jobs])
         return shallow
 
     def _draft_batch(self, jobs: list[tuple[Any, ...]]) -> list[Draft]:
@@ -343,12 +346,14 @@ class DraftingStation:
                 active = [i for i, r in enumerate(runs) if not r.done]
                 if not active:
                     break
-                shallow, feats = self._feed(
+                shallow, feats, input_seconds = self._feed(
                     [([runs[i].token], states[i], runs[i].position) for i in active], draft_step=True
                 )
+                for i in active:  # each stream's share of the shared pass
+                    runs[i].input_seconds += input_seconds / len(active)
                 fed += len(active)
                 self.stats.draft_steps += 1
-                want = [(i, f) for i, s, f in zip(active, shallow, feats, strict=True) if runs[i].fed(s)]
+                want = [(i, f) for i, s, f in zip(active, shallow, feats, strict=True) if runs[i].fed(s, f[-1:])]
                 if want:
                     rows = torch.cat([f[-1:] for _, f in want])
                     logits = self.half.draft_logits(rows, [runs[i].position for i, _ in want])

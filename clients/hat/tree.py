@@ -15,6 +15,7 @@ the chain with rejection sampling (multi-candidate rejection sampling over a tre
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class TreeDraft:
     tree: DraftTree
     tokens: list[int]  # per node; tokens[0] is the root (the last accepted token)
     shallow: torch.Tensor  # [w, hidden], node order
+    input_seconds: float = 0.0  # of its drafting, the time in the input layers (the round's profile)
 
 
 def check_level_ordered(tree: DraftTree) -> None:
@@ -49,6 +51,7 @@ def draft_tree(drafter: Drafter, st: DraftState, token: int, position: int, tree
     for p in tree.parents[1:]:
         has_children[p] = True
     shallows: list[torch.Tensor] = []
+    input_seconds = 0.0
     with torch.inference_mode():
         for depth, level in enumerate(tree.levels()):
             ids = torch.tensor([[tokens[i] for i in level]], dtype=torch.long)
@@ -57,7 +60,9 @@ def draft_tree(drafter: Drafter, st: DraftState, token: int, position: int, tree
             mask = torch.ones(len(level), cached + len(level), dtype=torch.bool)
             mask[:, position:] = ancestors[first:last, :last]  # the tree's nodes: own ancestors only
             positions = torch.full((len(level),), position + depth, dtype=torch.long)
+            t0 = time.perf_counter()
             shallow = drafter.half.input(ids, st.input_cache, positions=positions, attention_mask=mask)
+            input_seconds += time.perf_counter() - t0
             feats = drafter.half.adapter(shallow, st.adapter_cache, positions=positions, attention_mask=mask)
             shallows.append(shallow[0])
             parents = [i for i in level if has_children[i]]
@@ -71,7 +76,7 @@ def draft_tree(drafter: Drafter, st: DraftState, token: int, position: int, tree
             for row, parent in enumerate(parents):
                 for rank, child in children(parent).items():
                     tokens[child] = top[row][rank]
-    return TreeDraft(tree, tokens, torch.cat(shallows))
+    return TreeDraft(tree, tokens, torch.cat(shallows), input_seconds)
 
 
 def walk_greedy(head_rows: Callable[[list[int]], torch.Tensor], draft: TreeDraft) -> tuple[list[int], list[int]]:

@@ -17,7 +17,8 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     out = tmp_path / "hat.json"
     code = tandem([
         "bench", "hat", "--model", "smollm2-135m-instruct", "--lengths", "96", "--decode-tokens", "6",
-        "--table5-prompts", "1", "--table4-prompts", "1", "--table4-tokens", "8", "--worker-counts", "1", "8", "64",
+        "--table5-prompts", "1", "--table4-prompts", "1", "--table4-tokens", "8", "--table4-proactive",
+        "--worker-counts", "1", "8", "64",
         "--sweep-rtt-ms", "40", "--sweep-up-mbps", "5",
         "--sweep-prompt", "160", "--sweep-tokens", "6", "--throughput-devices", "1", "2", "--throughput-tokens", "4",
         "--tree-widths", "4", "--tree-code-lengths", "96", "--draft-length-rtt-ms", "0", "--draft-length-tokens", "6",
@@ -33,6 +34,14 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
         assert (r["accept_length"] >= 1.0) if r["sd"] else math.isnan(r["accept_length"]) or r["accept_length"] == 1.0
     t4 = results["table4"]
     assert t4["U-shape"]["accept_length"] == 1.0 and t4["SD"]["accept_length"] >= 1.0 and t4["decode_speedup"] > 0
+    assert t4["proactive_speedup"] > 0
+    for method in ("U-shape", "SD", "SD+proactive"):  # the device half's profile of the very rounds Table 4 measured
+        stats = t4[method]["stats"]
+        profile = stats["profile_ms_per_round"]
+        parts = ("input", "drafts", "head", "link", "worker", "other")
+        assert sum(profile[k] for k in parts) == pytest.approx(stats["ms_per_round"], rel=1e-6)
+        assert profile["input"] > 0 and profile["head"] > 0 and profile["link"] > 0 and profile["bottleneck"] in parts
+    assert t4["SD"]["stats"]["profile_ms_per_round"]["drafts"] > 0
     comp = results["components"]
     assert comp["device_ms"]["draft_head_full_vocab"] > 0 and list(comp["worker_ms"]) == [
         "middle_1_tokens",
@@ -50,6 +59,22 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     assert trees["rows"][2]["chat"]["stats"]["tree_rounds"] >= 1
     printed = capsys.readouterr().out
     assert "Table 5" in printed and "Worker throughput" in printed and "token trees" in printed
+    assert "Rounds' profile" in printed and "proactive drafting" in printed and results["setup"]["created"]
+
+    # the GPU projection reads this very run: its rounds, accept length and device costs (worker passes made up here)
+    fit = {"a": 0.01, "b": 1e-4, "c": 0.0, "d": 0.0}
+    passes = {"128": {"1": 5.0, "4": 6.0, "16": 8.0}}
+    device, other = tmp_path / "device.json", tmp_path / "other.json"
+    device.write_text(json.dumps({"setup": {"device_name": "cpu"}, "middle_ms": passes, "middle_tau": {"fit": fit},
+                                  "input_tau": {"fit": fit}}))  # fmt: skip
+    other.write_text(json.dumps({"setup": {"device_name": "fast"}, "middle_ms": passes, "middle_tau": {"fit": fit}}))
+    code = tandem(
+        ["bench", "worker-compute", "--project", str(device), str(other), "--hat", str(out), "--lengths", "96"]
+    )
+    assert code == 0
+    projected = capsys.readouterr().out
+    assert f"rounds from {out} (created {results['setup']['created']}" in projected
+    assert "| SD+proactive |" in projected and "The rounds' profile" in projected
 
 
 def test_train_adapter_subcommand_takes_its_own_options(capsys) -> None:

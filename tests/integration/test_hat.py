@@ -948,6 +948,45 @@ async def test_accepted_drafts_and_parallel_drafting_keep_greedy_exact(worker: W
         check_against_reference(outputs[parallel], ref, gaps)
 
 
+async def test_proactive_drafts_dropped_on_a_mismatch_never_reach_the_client(
+    worker: WorkerServer, smol, reference
+) -> None:
+    """Proactive drafting (SpecEdge): while the worker verifies, the device drafts the next round as if all of this
+    one were accepted. The oracle's one-draft rounds make both outcomes certain: from a position p = 1 (mod 3) the
+    draft is right and so is the guess after it (a hit: the next round's draft is ready); from p = 2 the draft is
+    right but the guess is not, from p = 0 the draft is rejected (misses: the drafted-ahead tokens are dropped).
+    Solo drafting is one computation path for both runs (the ahead branch runs the same one-row forwards on a copy
+    of the same caches), so the output is the plain run's token for token; at the station, the U-shape rule."""
+    model, tok = smol
+    ref, gaps = reference
+    ids = prompt_ids(tok)
+    answer = {len(ids) + i: t for i, t in enumerate(ref)}
+    for drafting in ("solo", "batched"):
+        outputs = {}
+        for proactive in (False, True):
+            options = HATOptions(
+                worker_url=worker.ws, auth_token=TOKEN, max_draft=1, drafting=drafting, proactive_drafting=proactive
+            )
+            backend = OracleHAT(options, model_id=SMOL, model=model, tokenizer=tok, answer=answer)
+            await backend.start()
+            outputs[proactive] = token_ids(await collect(backend, ids))
+            stats = backend.stats
+            print(f"oracle drafts, {drafting}, proactive {proactive}: {stats.summary()}")
+            if proactive:
+                assert stats.proactive_hits >= 2 and stats.proactive_misses >= 2 and stats.proactive_steps >= 2
+                # each hit's draft was the next round's (unless the answer ended right after it)
+                assert stats.proactive_hits - 1 <= stats.parallel_hits <= stats.proactive_hits
+                assert stats.summary()["profile_ms_per_round"]["ahead"] > 0
+            else:
+                assert stats.proactive_steps == stats.proactive_hits == stats.parallel_hits == 0
+            await backend.close()
+        if drafting == "solo":
+            assert outputs[True] == outputs[False]
+        else:
+            check_against_reference(outputs[True], outputs[False], gaps)
+        check_against_reference(outputs[True], ref, gaps)
+
+
 class PlanRecorder(OracleHAT):
     """OracleHAT that records, each round, the worker's mu and g it plans with, and the draft cap it chose."""
 

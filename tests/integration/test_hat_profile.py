@@ -220,29 +220,28 @@ RANKED = len(STAR) + 1  # the tree's ranks and the first past them; a chain's (r
 
 
 @torch.inference_mode()
-def near_ties(split: Any, adapter: Any, ids: list[int], draft_ids: torch.Tensor | None) -> set[int]:
+def near_ties(split: Any, adapter: Any, ids: list[int], draft_head: Any) -> set[int]:
     """Positions q (predicting q + 1) where a live run and the replay's one teacher-forced pass, two computation paths,
     may decide otherwise (hf_fixtures' near-tie rule): the LLM's top two logits within NEAR_TIE (its token), the text's
     next token among the draft's top RANKED and its draft logit within NEAR_TIE of a neighbour's (its rank, where a
-    round's acceptance can turn on it), or the draft's top probability within NEAR_TIE of eta (the confidence stop)."""
+    round's acceptance can turn on it), or the draft's top probability within NEAR_TIE of eta (the confidence stop).
+    `draft_head`: the device half's own (features -> logits, -inf outside its reduced vocabulary), as live drafting
+    and the replay use it."""
     shallow = split.input(torch.tensor([ids]))
     llm = split.output(split.middle(shallow))[0].float()
-    weight = split.output.lm_head.weight if draft_ids is None else split.output.lm_head.weight[draft_ids]
-    draft = torch.nn.functional.linear(split.output.norm(adapter(shallow)[0]), weight).float()
-    column = {int(t): i for i, t in enumerate(draft_ids.tolist())} if draft_ids is not None else None
+    draft = draft_head(adapter(shallow)[0]).float()
     ties = set()
     for q in range(len(ids) - 1):
         row = draft[q]
         if top2_gap(llm[q]) < NEAR_TIE or abs(float(row.softmax(-1).max()) - DEFAULT_ETA) < NEAR_TIE:
             ties.add(q)
-        col = ids[q + 1] if column is None else column.get(ids[q + 1])
-        if col is None:
-            continue
+        if not torch.isfinite(row[ids[q + 1]]):
+            continue  # outside the draft vocabulary: never drafted
         top = torch.topk(row, RANKED + 1).values
-        rank = int((row > row[col]).sum())
+        rank = int((row > row[ids[q + 1]]).sum())
         if rank < RANKED:
             neighbours = top[max(rank - 1, 0) : rank + 2]
-            if float(torch.sort((neighbours - row[col]).abs()).values[1]) < NEAR_TIE:  # [0]: the token itself
+            if float(torch.sort((neighbours - row[ids[q + 1]]).abs()).values[1]) < NEAR_TIE:  # [0]: the token itself
                 ties.add(q)
     return ties
 
@@ -283,8 +282,10 @@ async def test_offline_replay_of_acceptance_equals_the_live_runs(replay_worker: 
             ids = prompt_ids(tok, prompt)
             got = token_ids(await collect(backend, ids, max_tokens=REPLAY_TOKENS))
             assert len(got) == REPLAY_TOKENS  # cut by the length limit (RankedText.capped, the default)
-            texts.append(rp.rank_text(split, backend.half.adapter, ids + got, len(ids), backend.half.draft_ids))
-            ties.append(near_ties(split, backend.half.adapter, ids + got, backend.half.draft_ids))
+            half = backend.half
+            head = lambda f, h=half: h.draft_logits(f, 0)  # noqa: E731 - the device half's own draft head
+            texts.append(rp.rank_text(split, half.adapter, ids + got, len(ids), head))
+            ties.append(near_ties(split, half.adapter, ids + got, head))
             print(f"{name}: near ties at {sorted(ties[-1])} of positions {len(ids)}..{len(ids) + len(got) - 2}")
         await backend.close()
         replayed = offline(texts)

@@ -75,10 +75,14 @@ HAT = {
         "device_ms": {"lm_head_1_rows": 40.0},
     },
     "table4": {
-        "U-shape": {"tbt_ms_median": 250.0, "stats": {"ms_per_round": 250.0, "drafted_per_round": 0.0,
-                                                       "accept_length": 1.0}},
-        "SD": {"tbt_ms_median": 150.0, "stats": {"ms_per_round": 320.0, "drafted_per_round": 2.0,
-                                                  "accept_length": 2.0}},
+        "U-shape": {"tbt_ms_median": 250.0, "stats": {
+            "ms_per_round": 250.0, "drafted_per_round": 0.0, "accept_length": 1.0,
+            "profile_ms_per_round": {"input": 14.0, "drafts": 1.0, "head": 40.0, "link": 20.5, "worker": 170.0,
+                                     "other": 4.5, "device": 59.5, "ahead": 0.0, "bottleneck": "worker"}}},
+        "SD": {"tbt_ms_median": 150.0, "stats": {
+            "ms_per_round": 320.0, "drafted_per_round": 2.0, "accept_length": 2.0,
+            "profile_ms_per_round": {"input": 42.0, "drafts": 6.0, "head": 70.0, "link": 21.5, "worker": 175.0,
+                                     "other": 5.5, "device": 123.5, "ahead": 0.0, "bottleneck": "worker"}}},
         "decode_speedup": 1.67,
     },
 }  # fmt: skip
@@ -92,15 +96,37 @@ def test_rows_ms_interpolates_at_the_nearest_measured_context() -> None:
         wc.rows_ms(run, 5, 128)
 
 
-def test_tbt_projection_swaps_only_the_workers_pass_for_the_rounds_rows() -> None:
-    """Out: the pass the hat run's own components measured for the round's rows; in: the other worker's."""
+def test_tbt_projection_swaps_only_the_workers_share_of_the_runs_own_rounds() -> None:
+    """Out: the worker's share of the hat run's own rounds (its profile); in: the other worker's pass for the
+    round's rows. The accept length and the device's and link's shares are that run's, unchanged."""
     gpu = _run("gpu", {1: 10.0, 2: 12.0, 4: 14.0}, {})
     rows = {r["method"]: r for r in wc.project_tbt(HAT, gpu, context=128)}
     assert set(rows) == {"U-shape", "SD"}
     assert rows["U-shape"]["model_tbt_ms_cpu_worker"] == 250.0
     assert rows["U-shape"]["model_tbt_ms_other_worker"] == pytest.approx(250 - 170 + 10)
-    assert rows["SD"]["rows_per_round"] == 3.0
-    assert rows["SD"]["model_tbt_ms_other_worker"] == pytest.approx((320 - 170 + 13) / 2)
+    assert rows["SD"]["rows_per_round"] == 3.0 and rows["SD"]["accept_length"] == 2.0
+    assert rows["SD"]["model_tbt_ms_other_worker"] == pytest.approx((320 - 175 + 13) / 2)
+    other = rows["SD"]["other_profile_ms_per_round"]
+    assert other == {"input": 42.0, "drafts": 6.0, "head": 70.0, "link": 21.5, "other": 5.5, "worker": 13.0}
+    assert rows["SD"]["other_bottleneck"] == "head"  # with a fast worker the device's head is what a round waits on
+    assert rows["SD"]["measured_profile_ms_per_round"]["bottleneck"] == "worker"
+
+
+def test_projection_refuses_a_run_without_the_rounds_profile(tmp_path) -> None:
+    """A run from before the profile cannot separate its device's costs from its worker's: refused, not guessed."""
+    old = json.loads(json.dumps(HAT))
+    del old["table4"]["SD"]["stats"]["profile_ms_per_round"]
+    gpu = _run("gpu", {1: 10.0, 2: 12.0, 4: 14.0}, {})
+    with pytest.raises(ValueError, match="SD has no rounds' profile"):
+        wc.project_tbt(old, gpu, context=128)
+    with pytest.raises(ValueError, match="no table4"):
+        wc.project_tbt({"setup": {}}, gpu, context=128)
+    device, worker = tmp_path / "device.json", tmp_path / "worker.json"
+    device.write_text(json.dumps(_run("cpu", {1: 100.0, 4: 150.0}, {})))
+    worker.write_text(json.dumps(gpu))
+    args = wc.build_parser().parse_args(["--project", str(device), str(worker)])
+    with pytest.raises(SystemExit, match="needs --hat"):  # no default to an older run's file
+        wc.project(args)
 
 
 def test_ttft_projection_a_faster_worker_shortens_one_frame_and_chunking_never_loses() -> None:
@@ -124,3 +150,25 @@ def test_project_refuses_a_device_run_without_the_input_layers(tmp_path) -> None
     args = argparse.Namespace(project=[tmp_path / "cpu.json", tmp_path / "gpu.json"], hat=tmp_path / "hat.json")
     with pytest.raises(SystemExit, match="--device-half"):
         wc.project(args)
+
+
+def test_project_reports_the_runs_profile_beside_the_projection(tmp_path) -> None:
+    hat = json.loads(json.dumps(HAT))
+    hat["setup"].update({"created": "2026-11-27T11:00:00+00:00", "cpu": "x", "link": "latency=10ms"})
+    files = {"device.json": _run("cpu", {1: 100.0, 4: 150.0}, {"a": 0.16, "b": 0.0085, "c": 2e-6, "d": 1e-6}),
+             "gpu.json": _run("gpu", {1: 10.0, 2: 12.0, 4: 14.0}, {"a": 0.02, "b": 5e-6, "c": 0.0, "d": 0.0}),
+             "hat.json": hat}  # fmt: skip
+    for name, run in files.items():
+        (tmp_path / name).write_text(json.dumps(run))
+    args = wc.build_parser().parse_args(
+        ["--project", str(tmp_path / "device.json"), str(tmp_path / "gpu.json"), "--hat", str(tmp_path / "hat.json"),
+         "--lengths", "128"]
+    )  # fmt: skip
+    res = wc.project(args)
+    assert res["hat_run"]["created"] == "2026-11-27T11:00:00+00:00"
+    text = wc.report_project(res)
+    assert "created 2026-11-27T11:00:00+00:00" in text
+    assert (
+        "| SD | 42.0 → 42.0 | 6.0 → 6.0 | 70.0 → 70.0 | 21.5 → 21.5 | 175.0 → 13.0 | 5.5 → 5.5 | worker → head |"
+        in text
+    )

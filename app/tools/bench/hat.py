@@ -18,7 +18,9 @@ Sections (`--sections`, all by default):
   and TBT (mean time per token after the first).
 - table4: accept length (tokens per verification round) and decode speedup (U-shape TBT / HAT TBT) on the first
   --table4-prompts (24) held-out prompts of deploy/adapter_prompts.txt, SD alone, as in the paper's Table 4 (the
-  first 8 alone were an easy sample: accept 2.15 where the first 16 gave 1.90).
+  first 8 alone were an easy sample: accept 2.15 where the first 16 gave 1.90); with --table4-proactive also SD with
+  proactive drafting. Under it, each method's rounds' profile (input layers, drafts, head, link, worker: where a
+  round's time went, and the bottleneck), which `bench worker-compute --project --hat` takes from the --out JSON.
 - components: the device's input submodel, draft step (reduced and full vocabulary), LM head; the worker's
   middle compute per token count (timed as loopback round trips on a raw session, minus the loopback's own
   round trip); the link model's upload / download time for the same payloads.
@@ -49,12 +51,14 @@ import json
 import os
 import sys
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
 
 from app.tools.bench.hat_sections import (
     DRAFT_LENGTH_MODES,
+    PROACTIVE,
     chunks,
     components,
     draft_length,
@@ -67,6 +71,7 @@ from app.tools.bench.hat_sections import (
 from app.tools.bench.hat_setup import TABLE5, U_SHAPE, Bench, RawDevice, add_bench_options
 from app.tools.bench.hat_spec import defaults, eq7, report_defaults, report_eq7, report_widths, widths
 from app.tools.bench.output import cpu_name, write_json
+from clients.hat.options import PROFILE_PARTS
 
 
 def report(results: dict[str, Any]) -> str:
@@ -98,6 +103,11 @@ def report(results: dict[str, Any]) -> str:
                   f"| U-shape | 1.00 | {t['U-shape']['tbt_ms_median']:.1f} | 1.00x |",
                   f"| HAT (SD) | {t['SD']['accept_length']:.2f} | {t['SD']['tbt_ms_median']:.1f} | "
                   f"{t['decode_speedup']:.2f}x |"]  # fmt: skip
+        if "proactive_speedup" in t:
+            p = t[PROACTIVE]
+            lines.append(f"| HAT (SD, proactive drafting) | {p['accept_length']:.2f} | {p['tbt_ms_median']:.1f} | "
+                         f"{t['proactive_speedup']:.2f}x |")  # fmt: skip
+        lines += report_profile(t)
     if "components" in results:
         c = results["components"]
         lines += ["", "Components (ms, medians)", ""]
@@ -155,6 +165,21 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def report_profile(table: dict[str, Any]) -> list[str]:
+    """The device half's profile of each method's rounds (HATStats.summary's profile_ms_per_round): where a round's
+    time went, so the bottleneck shows in every run."""
+    rows = [(m, r["stats"]["profile_ms_per_round"]) for m, r in table.items() if isinstance(r, dict) and "stats" in r]
+    lines = ["", "Rounds' profile (ms per round; link modelled from the emulated link, worker = wait − link; ahead: "
+             "drafting inside the wait)", "",
+             "| method | " + " | ".join(PROFILE_PARTS) + " | round | ahead | bottleneck |",
+             "|---|" + "---|" * (len(PROFILE_PARTS) + 3)]  # fmt: skip
+    for method, p in rows:
+        total = sum(p[k] for k in PROFILE_PARTS)
+        lines.append(f"| {method} | " + " | ".join(f"{p[k]:.1f}" for k in PROFILE_PARTS) +
+                     f" | {total:.1f} | {p['ahead']:.1f} | {p['bottleneck']} |")  # fmt: skip
+    return lines
+
+
 SECTIONS = {
     "components": components,
     "table5": table5,
@@ -183,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="code-reading prompts per length (the default's 4 lengths: 24 prompts)")  # fmt: skip
     p.add_argument("--table4-prompts", type=int, default=24, help="held-out chat prompts (Table 4, widths)")
     p.add_argument("--table4-tokens", type=int, default=64)
+    p.add_argument("--table4-proactive", action="store_true", help="Table 4: also SD with proactive drafting")
     p.add_argument(
         "--worker-counts", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 1024],
         help="components: positions per frame at which the worker's middle is timed",
@@ -224,6 +250,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         async with RawDevice(bench.url, bench) as probe:
             info = probe.info
         bench.results["setup"] = {
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "model": args.model, "m": args.m, "link": args.link,
             "link_parsed": LinkProfile.parse(args.link).__dict__,
             "worker_compute_device": info.get("compute_device"), "worker_core": args.worker_core,

@@ -13,6 +13,7 @@ import torch
 
 from app.tools.bench.hat_setup import SD_ONLY, SD_PD, TABLE5, U_SHAPE, Bench, RawDevice, Variant, run_request, started
 from app.tools.profiling.measure import median_ms
+from clients.hat.ragged import rows_linear
 
 REPEATS = 7  # timed calls per device component (after one untimed)
 
@@ -67,9 +68,17 @@ def summarize_table5(length: int, configs: list[tuple[str, Variant]], runs: dict
     return rows
 
 
+PROACTIVE = "SD+proactive"  # Table 4's optional row (--table4-proactive): SD with proactive drafting
+
+
 async def table4(bench: Bench) -> dict[str, Any]:
-    out = await table4_rows(bench, [(v.name, v, {}) for v in (U_SHAPE, SD_ONLY)])
+    configs: list[Config] = [(v.name, v, {}) for v in (U_SHAPE, SD_ONLY)]
+    if bench.args.table4_proactive:
+        configs.append((PROACTIVE, SD_ONLY, {"proactive_drafting": True}))
+    out = await table4_rows(bench, configs)
     out["decode_speedup"] = out[U_SHAPE.name]["tbt_ms_median"] / out[SD_ONLY.name]["tbt_ms_median"]
+    if PROACTIVE in out:
+        out["proactive_speedup"] = out[U_SHAPE.name]["tbt_ms_median"] / out[PROACTIVE]["tbt_ms_median"]
     return out
 
 
@@ -122,6 +131,10 @@ async def components(bench: Bench) -> dict[str, Any]:
         feats = torch.randn(1, hidden)
         dev["draft_head_reduced_vocab"] = median_ms(lambda: half.draft_logits(feats, 0), REPEATS)
         dev["draft_head_full_vocab"] = median_ms(lambda: full_half.draft_logits(feats, 0), REPEATS)
+        if half.draft_weight is not None:  # the same rows in fp32 (draft_precision = "fp32"), beside the default
+            normed = half.output.norm(feats)
+            weight = half.draft_weight
+            dev["draft_head_reduced_vocab_fp32"] = median_ms(lambda: rows_linear(normed, weight), REPEATS)
         acache = half.adapter.new_cache()
         shallow = half.input(torch.tensor([ids[:256]]), None, positions=0)
         half.adapter(shallow, acache, positions=0)

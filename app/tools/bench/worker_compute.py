@@ -16,9 +16,12 @@ Measured (`measure`):
 - with --device-half (on the CPU the device half runs on): the same τ profile of the input submodel (the first m
   layers), which Table 5's chunked prefill pipelines against the upload and the worker.
 
-`--project DEVICE_JSON WORKER_JSON --hat HAT_JSON`: Tables 4 and 5 with the worker's compute swapped. TBT: each method's
-measured rounds (HAT_JSON's table4 stats: ms per round, drafted per round, accept length) with the worker's pass for
-that round's rows as the same run measured it (HAT_JSON's components) replaced by WORKER_JSON's. TTFT: the device ->
+`--project DEVICE_JSON WORKER_JSON --hat HAT_JSON`: Tables 4 and 5 with the worker's compute swapped. HAT_JSON is the
+`tandem bench hat --out` run to project (required: the accept length and the device's costs come from that run, never
+from an older one). TBT: each method's measured rounds (HAT_JSON's table4 stats: ms per round, drafted per round,
+accept length, and the rounds' profile: input layers, drafts, head, link, worker) with the worker's share of those very
+rounds replaced by WORKER_JSON's pass for the round's rows; the device's and the link's shares stay as measured, and
+are printed beside it (the bottleneck with the other worker). TTFT: the device ->
 link -> worker flow-shop (policies.sequence_partition.compare_device_prefill) for one frame, HAT's Eq. 3 chunks and the
 planned chunks, with the device's τ and each worker's τ, plus the reply's tail (download one token, LM head one row)
 from HAT_JSON. The same model on the CPU worker is printed beside the measured Table 5, so the model's error is in view.
@@ -41,6 +44,7 @@ import torch
 from app.tools.bench.output import cpu_name, write_json
 
 Points = list[tuple[int, int, float]]
+PARTS = ("input", "drafts", "head", "link", "worker", "other")  # a round's profile (clients/hat/options.round_profile)
 
 
 def random_model(config_path: Path, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Any:
@@ -222,30 +226,39 @@ def rows_ms(run: dict[str, Any], rows: float, context: int) -> float:
     raise ValueError(f"{rows} rows is outside the measured rows {[r for r, _ in grid]}")
 
 
-def components_run(hat: dict[str, Any]) -> dict[str, Any]:
-    """The worker's pass times a `bench hat` run measured beside its rounds (components: a fresh session, so context
-    0), in this module's `middle_ms` form: what its rounds' worker time was, on that machine that hour."""
-    worker = hat["components"]["worker_ms"]
-    rows = {key.split("_")[1]: ms for key, ms in worker.items() if key.startswith("middle_")}
-    return {"middle_ms": {"0": rows}}
+def table4_rounds(hat: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(method, its table4 row) of a `bench hat` run, each with the rounds' profile (HATStats.summary): refused for a
+    run from before the profile, whose device costs this projection cannot separate from its worker's."""
+    rows = [(m, row) for m, row in hat.get("table4", {}).items() if isinstance(row, dict) and "stats" in row]
+    if not rows:
+        raise ValueError("the hat run has no table4: run `tandem bench hat --sections table4 --out FILE` and pass it")
+    for method, row in rows:
+        if "profile_ms_per_round" not in row["stats"]:
+            raise ValueError(f"the hat run's {method} has no rounds' profile: rerun `tandem bench hat --out FILE`")
+    return rows
 
 
 def project_tbt(hat: dict[str, Any], other: dict[str, Any], context: int) -> list[dict]:
-    """Table 4's methods with the worker's pass for each round's rows swapped: the pass `hat`'s own run measured
-    (its components) out, `other`'s at `context` in."""
-    cpu = components_run(hat)
+    """Table 4's methods with the worker swapped: each method's rounds as `hat`'s run measured them — accept length,
+    ms per round and its profile — with the worker's share of the round (the wait minus the link's) out and
+    `other`'s pass for the round's rows at `context` in. The device's and the link's shares stay as measured."""
     out = []
-    for method, row in hat["table4"].items():
-        if not isinstance(row, dict) or "stats" not in row:
-            continue
+    for method, row in table4_rounds(hat):
         stats = row["stats"]
+        profile = stats["profile_ms_per_round"]
         rows = 1 + stats["drafted_per_round"]
-        swapped = stats["ms_per_round"] - rows_ms(cpu, rows, 0) + rows_ms(other, rows, context)
+        worker = rows_ms(other, rows, context)
+        swapped = stats["ms_per_round"] - profile["worker"] + worker
+        parts = {k: round(profile[k], 1) for k in ("input", "drafts", "head", "link", "other")}
+        parts["worker"] = round(worker, 1)
         out.append({
             "method": method, "rows_per_round": round(rows, 2), "accept_length": round(stats["accept_length"], 3),
             "measured_tbt_ms": round(row["tbt_ms_median"], 1),
             "model_tbt_ms_cpu_worker": round(stats["ms_per_round"] / stats["accept_length"], 1),
             "model_tbt_ms_other_worker": round(swapped / stats["accept_length"], 1),
+            "measured_profile_ms_per_round": {k: v if isinstance(v, str) else round(v, 1) for k, v in profile.items()},
+            "other_profile_ms_per_round": parts,
+            "other_bottleneck": max(parts, key=lambda k: parts[k]),
         })  # fmt: skip
     return out
 
@@ -279,9 +292,15 @@ def project_ttft(
 
 def project(args: argparse.Namespace) -> dict[str, Any]:
     device, worker = (json.loads(Path(p).read_text()) for p in args.project)
+    if not args.hat:
+        raise SystemExit("--project needs --hat: the `tandem bench hat --out` run whose rounds to project")
     hat = json.loads(Path(args.hat).read_text())
     if "input_tau" not in device:
         raise SystemExit(f"{args.project[0]} has no input_tau: measure it with --device-half on the device's CPU")
+    try:
+        tbt = project_tbt(hat, worker, args.tbt_context)
+    except ValueError as e:
+        raise SystemExit(f"{args.hat}: {e}") from None
     measured: dict[str, float] = {}  # prompt length -> measured PC TTFT / U-shape TTFT
     if args.table5:
         ttft = {
@@ -292,7 +311,8 @@ def project(args: argparse.Namespace) -> dict[str, Any]:
             if variant == "PC" and (n, "U-shape") in ttft:
                 measured[str(n)] = round(ms / ttft[n, "U-shape"], 3)
     return {
-        "tbt": project_tbt(hat, worker, args.tbt_context),
+        "hat_run": {"file": str(args.hat), **{k: hat["setup"].get(k) for k in ("created", "cpu", "link")}},
+        "tbt": tbt,
         "ttft": project_ttft(hat, device, {"cpu": device, "other": worker}, args.lengths),
         "measured_table5": measured,
         "workers": {"cpu": device["setup"], "other": worker["setup"]},
@@ -326,8 +346,10 @@ def report_measure(results: dict[str, Any]) -> str:
 
 
 def report_project(p: dict[str, Any]) -> str:
+    run = p["hat_run"]
     lines = [
         f"worker 'cpu': {p['workers']['cpu']['device_name']}; 'other': {p['workers']['other']['device_name']}",
+        f"rounds from {run['file']} (created {run.get('created') or 'unknown'}, link {run.get('link')})",
         "",
         "| method | rows/round | accept | measured TBT | model, CPU worker | model, other worker | speedup (other) |",
         "|---|---|---|---|---|---|---|",
@@ -338,6 +360,14 @@ def report_project(p: dict[str, Any]) -> str:
         lines.append(
             f"| {r['method']} | {r['rows_per_round']} | {r['accept_length']} | {r['measured_tbt_ms']} | "
             f"{r['model_tbt_ms_cpu_worker']} | {r['model_tbt_ms_other_worker']} | {speed:.2f}× |"
+        )
+    lines += ["", "The rounds' profile, ms per round: as measured (CPU worker) → with the other worker", "",
+              "| method | " + " | ".join(PARTS) + " | bottleneck |", "|---|" + "---|" * (len(PARTS) + 1)]  # fmt: skip
+    for r in p["tbt"]:
+        measured, other = r["measured_profile_ms_per_round"], r["other_profile_ms_per_round"]
+        cells = [f"{measured[k]} → {other[k]}" for k in PARTS]
+        lines.append(
+            f"| {r['method']} | " + " | ".join(cells) + f" | {measured['bottleneck']} → {r['other_bottleneck']} |"
         )
     lines += ["", "| worker | prompt | one frame ms | Eq. 3 chunks ms (ratio) | planned ms (ratio) | measured PC / U |",
               "|---|---|---|---|---|---|"]  # fmt: skip
@@ -368,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device-half", action="store_true", help="also profile the input layers' τ (the device half)")
     p.add_argument("--project", nargs=2, metavar=("DEVICE_JSON", "WORKER_JSON"), default=None)
-    p.add_argument("--hat", default="docs/bench/hat.json", help="--project: a `bench hat` run (table4, components)")
+    p.add_argument("--hat", default=None, help="--project: the `bench hat --out` run to project (table4 with the "
+                   "rounds' profile, components); required")  # fmt: skip
     p.add_argument("--table5", default=None, help="--project: a `bench hat` run whose Table 5 to set beside")
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
     p.add_argument("--tbt-context", type=int, default=128, help="--project: the context Table 4's rounds run at")

@@ -364,9 +364,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     texts = calibration_texts(args, model, tok, eos)
     split = split_model(model, args.m)
     half = backend.half
+
+    def draft_head(feats: torch.Tensor) -> torch.Tensor:
+        return half.draft_logits(feats, 0)
+
     ranked = {
         name: [
-            rp.rank_text(split, half.adapter, p + a, len(p), half.draft_ids, capped=not a or a[-1] not in eos)
+            rp.rank_text(split, half.adapter, p + a, len(p), draft_head, capped=not a or a[-1] not in eos)
             for p, a in pairs
         ]
         for name, pairs in texts.items()

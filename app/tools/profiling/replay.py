@@ -24,7 +24,7 @@ a near-tie broke the other way) ends a round there and is counted as a tie break
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,29 +80,28 @@ def rank_text(
     adapter: Any,
     ids: Sequence[int],
     prompt_len: int,
-    draft_vocab: torch.Tensor | None = None,
+    draft_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     chunk: int = 256,
     capped: bool = True,
 ) -> RankedText:
-    """Teacher-forced LLM argmax and draft ranks along `ids` (fp32 split model; draft head on `draft_vocab` only)."""
+    """Teacher-forced LLM argmax and draft ranks along `ids` (fp32 split model). `draft_head`: adapter features
+    [rows, hidden] -> draft logits [rows, vocab], -inf outside a reduced draft vocabulary: the device half's own
+    (DeviceHalf.draft_logits: its reduced vocabulary and int8 rows, so the replay ranks what live drafting picks
+    from); None = the fp32 full head."""
     t = torch.tensor([list(ids)], dtype=torch.long)
     shallow = split.input(t)
     llm_top1 = split.output(split.middle(shallow)).argmax(-1)[0]
     feats = adapter(shallow)[0]
-    normed = split.output.norm(feats)
-    weight = split.output.lm_head.weight if draft_vocab is None else split.output.lm_head.weight[draft_vocab]
     ranks, maxp = [], []
-    for s in range(0, normed.shape[0], chunk):
-        logits = torch.nn.functional.linear(normed[s : s + chunk], weight).float()
-        target = llm_top1[s : s + chunk]
-        if draft_vocab is None:
-            where = target
-            inside = torch.ones_like(target, dtype=torch.bool)
+    for s in range(0, feats.shape[0], chunk):
+        rows = feats[s : s + chunk]
+        if draft_head is not None:
+            logits = draft_head(rows).float()
         else:
-            where = torch.searchsorted(draft_vocab, target).clamp(max=draft_vocab.numel() - 1)
-            inside = draft_vocab[where] == target
-        true_logit = logits.gather(1, where[:, None])
+            logits = torch.nn.functional.linear(split.output.norm(rows), split.output.lm_head.weight).float()
+        true_logit = logits.gather(1, llm_top1[s : s + chunk, None])
         rank = (logits > true_logit).sum(-1)
+        inside = torch.isfinite(true_logit[:, 0])  # the LLM's token is one the draft head can propose
         ranks += torch.where(inside, rank, torch.full_like(rank, MISS)).tolist()
         maxp += torch.softmax(logits, -1).max(-1).values.tolist()
     return RankedText(list(ids), prompt_len, llm_top1.tolist(), ranks, maxp, capped)

@@ -1,0 +1,113 @@
+"""The device half's cheap drafting (issue 40) on real weights (Qwen2.5-Coder-0.5B, the shipped adapter and reduced
+draft vocabulary, a real worker on loopback): drafts from the int8 draft head leave greedy output what verification
+makes it.
+
+What is exact by construction, and asserted as such: every emitted token is the fp32 verification head's argmax over
+the deep states the worker returned for its position (the drafts only decide which positions a round verifies). What
+is not: two runs whose drafts differ verify different row counts per pass, so the worker's deep states may differ in
+the last bits and an exact near-tie may flip (README, "What is exact"); across runs the output is compared with
+U-shape's as the rest of the suite does (test_hat.check_against_reference: equal, or a documented near-tie flip).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from clients.hat import rounds, station
+from clients.hat.adapter import draft_files
+from clients.hat.quant import Int8Linear
+from clients.hat.verify import verify_round
+from tests.integration.hf_fixtures import QWEN05, load
+from tests.integration.test_hat import (
+    WorkerServer,
+    check_against_reference,
+    collect,
+    prompt_ids,
+    token_ids,
+    u_shape_greedy,
+)
+
+TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def qwen() -> tuple[Any, Any]:
+    return load(QWEN05)
+
+
+@pytest.fixture(scope="module")
+def server(qwen) -> Iterator[WorkerServer]:
+    s = WorkerServer(qwen[0], QWEN05, max_sessions=2).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(qwen) -> tuple[list[int], list[float]]:
+    model, tok = qwen
+    return u_shape_greedy(model, prompt_ids(tok), TOKENS)
+
+
+@pytest.fixture
+def verdicts(monkeypatch) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+    """Every verification the device half runs: (the deep states it verified, the draft, the tokens it emitted)."""
+    seen: list[tuple[torch.Tensor, list[int], list[int]]] = []
+
+    def recorded(job, head, token_bytes):
+        verdict, lps = verify_round(job, head, token_bytes)
+        seen.append((job.deep.clone(), list(job.draft.tokens), list(verdict.tokens)))
+        return verdict, lps
+
+    monkeypatch.setattr(station, "verify_round", recorded)
+    monkeypatch.setattr(rounds, "verify_round", recorded)
+    return seen
+
+
+async def generate(server: WorkerServer, qwen, **options: Any) -> tuple[list[int], Any]:
+    model, tok = qwen
+    adapter, vocab = draft_files(QWEN05, 2)
+    backend = server.backend(model, tok, QWEN05, adapter_path=adapter, draft_vocab_path=vocab, **options)
+    await backend.start()
+    try:
+        got = token_ids(await collect(backend, prompt_ids(tok), max_tokens=TOKENS))
+    finally:
+        await backend.close()
+    return got, backend
+
+
+def assert_verification_decided(got: list[int], backend, seen) -> None:
+    """Each round's tokens are the fp32 verification head's argmax over the deep states it verified (recomputed here:
+    head_rows is batch-invariant, so the rows are the ones the station computed), and the output is the prefill's
+    token followed by the rounds' tokens."""
+    assert seen, "no verification round ran"
+    emitted = got[:1]
+    with torch.inference_mode():
+        for deep, draft, tokens in seen:
+            argmax = backend.half.head_rows(deep).argmax(-1).tolist()
+            assert tokens == argmax[: len(tokens)]
+            assert tokens[:-1] == draft[: len(tokens) - 1]  # accepted drafts, then the head's own token
+            emitted += tokens
+    assert got == emitted[: len(got)]
+
+
+async def test_int8_draft_head_keeps_greedy_output(server, qwen, reference, verdicts) -> None:
+    ref, gaps = reference
+    cheap, backend = await generate(server, qwen)  # the default: draft_precision = "int8"
+    assert backend.half.draft_int8 is not None and isinstance(backend.half.adapter.block.self_attn.q_proj, Int8Linear)
+    assert backend.stats.accepted > 0  # the cheap head's drafts were accepted: the rounds did verify them
+    assert_verification_decided(cheap, backend, verdicts)
+    cheap_rounds = len(verdicts)
+
+    verdicts.clear()
+    exact, fp32 = await generate(server, qwen, draft_precision="fp32")
+    assert fp32.half.draft_int8 is None and isinstance(fp32.half.adapter.block.self_attn.q_proj, torch.nn.Linear)
+    assert_verification_decided(exact, fp32, verdicts)
+    print(f"rounds: int8 drafts {cheap_rounds}, fp32 drafts {len(verdicts)}")
+
+    check_against_reference(cheap, ref, gaps)
+    check_against_reference(exact, ref, gaps)
+    check_against_reference(cheap, exact, gaps)
