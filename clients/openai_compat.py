@@ -304,10 +304,10 @@ class OpenAICompatBackend(NoPrefixCache):
                 if response.status_code != 429 and response.status_code < 500:
                     raise error  # the request's own fault, or auth trouble: another try will not differ
                 retry_after = parse_retry_after(response.headers.get("retry-after"), time.time())
-            self.breaker.failed(str(error), retry_after)
+            self.breaker.failed(str(error), time.monotonic(), retry_after)
             wait = retry_wait(self.options.retry, retry, waited, retry_after, self._jitter.random())
             if wait is None:
-                cooling = self.breaker.cooling()
+                cooling = self.breaker.cooling(time.monotonic(), time.time())
                 if cooling is not None:
                     error = BackendError(f"{error}; {cooling}", error.status, self.name)
                 raise error

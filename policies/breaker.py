@@ -1,5 +1,5 @@
 """Endpoints that fail are remembered: a retry schedule for failures before the first token, and a circuit breaker
-per endpoint with a cool-down (pure logic; the clock is passed in).
+per endpoint with a cool-down (pure logic: the time is an argument).
 
 Retries (`retry_wait`): a failure a retry may cure (429, 5xx, a refused connection) is tried again after an
 exponential backoff with jitter, at most `retries` times and never past the request's retry budget; a
@@ -73,28 +73,21 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
 
 
 class CircuitBreaker:
-    """One endpoint's breaker. `clock` is monotonic (what the cool-down is measured on), `wall` is Unix time (what
-    a cool-down's end is shown in)."""
+    """One endpoint's breaker. `now` is monotonic seconds (what the cool-down is measured on); `wall` is Unix time,
+    only to show when a cool-down ends."""
 
-    def __init__(
-        self,
-        settings: BreakerSettings = BreakerSettings(),
-        clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
-    ) -> None:
-        self.settings = settings
-        self.clock = clock
-        self.wall = wall
+    def __init__(self, settings: BreakerSettings | None = None) -> None:
+        self.settings = settings or BreakerSettings()
         self.failures = 0  # in a row
         self.openings = 0  # in a row: the cool-down doubles with each
-        self.open_until = -math.inf  # on `clock`
+        self.open_until = -math.inf  # monotonic
         self.last_error = ""
         self.on_open: Callable[[], None] | None = None  # told each time it opens (a metric counts them)
 
-    def is_open(self) -> bool:
-        return self.clock() < self.open_until
+    def is_open(self, now: float) -> bool:
+        return now < self.open_until
 
-    def failed(self, error: str, retry_after: float | None = None) -> bool:
+    def failed(self, error: str, now: float, retry_after: float | None = None) -> bool:
         """A failure before the first token; True when it opened (or re-opened) the breaker."""
         self.failures += 1
         self.last_error = error
@@ -105,7 +98,7 @@ class CircuitBreaker:
         else:
             cooldown = min(self.settings.max_cooldown_seconds, self.settings.cooldown_seconds * 2**self.openings)
         self.openings += 1
-        self.open_until = max(self.open_until, self.clock() + cooldown)
+        self.open_until = max(self.open_until, now + cooldown)
         if self.on_open is not None:
             self.on_open()
         return True
@@ -115,22 +108,22 @@ class CircuitBreaker:
         self.openings = 0
         self.open_until = -math.inf
 
-    def cooling(self) -> str | None:
+    def cooling(self, now: float, wall: float) -> str | None:
         """Why the endpoint is not used now ("cooling until …"), or None when its breaker is closed."""
-        left = self.open_until - self.clock()
+        left = self.open_until - now
         if left <= 0:
             return None
-        until = time.strftime("%H:%M:%S", time.gmtime(self.wall() + left))
+        until = time.strftime("%H:%M:%S", time.gmtime(wall + left))
         return f"cooling until {until} UTC ({left:.1f} s more)"
 
-    def describe(self) -> dict:
-        left = max(0.0, self.open_until - self.clock())
+    def describe(self, now: float, wall: float) -> dict:
+        left = max(0.0, self.open_until - now)
         return {
             "state": "open" if left > 0 else "closed",
             "cooling_seconds": round(left, 2),
-            "cooling_until": self.wall() + left if left > 0 else None,
+            "cooling_until": wall + left if left > 0 else None,
             "failures": self.failures,
             "openings": self.openings,
             "last_error": self.last_error,
-            "reason": self.cooling(),
+            "reason": self.cooling(now, wall),
         }

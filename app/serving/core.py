@@ -334,7 +334,7 @@ class ServingCore:
             }
             breaker = self.orchestrator.breakers.get(name)
             if breaker is not None:  # a cloud's: whether it cools now, and why
-                row["breaker"] = breaker.describe()
+                row["breaker"] = breaker.describe(time.monotonic(), time.time())
             stats = getattr(backend, "stats", None)
             if stats is not None:  # a HAT device half
                 row["hat"] = {

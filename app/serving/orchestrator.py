@@ -151,7 +151,7 @@ class Orchestrator:
     def _cooling(self, name: str | None) -> str | None:
         """Why endpoint `name` is kept out of plans and migrations now (its breaker is open), or None."""
         breaker = self.breakers.get(name) if name is not None else None
-        cooling = breaker.cooling() if breaker is not None else None
+        cooling = breaker.cooling(time.monotonic(), time.time()) if breaker is not None else None
         return f"{name} {cooling} after: {breaker.last_error}" if cooling is not None else None
 
     def _name_of(self, job: Job, role: str) -> str | None:

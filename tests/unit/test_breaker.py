@@ -1,4 +1,4 @@
-"""policies/breaker.py: the retry schedule, Retry-After, and the circuit breaker's cool-down (an injected clock)."""
+"""policies/breaker.py: the retry schedule, Retry-After, and the circuit breaker's cool-down (time is an argument)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,7 @@ import pytest
 
 from policies.breaker import BreakerSettings, CircuitBreaker, RetrySettings, parse_retry_after, retry_wait
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def breaker(**settings) -> tuple[CircuitBreaker, Clock]:
-    clock = Clock()
-    return CircuitBreaker(BreakerSettings(**settings), clock=clock, wall=lambda: 1_700_000_000.0 + clock.now), clock
+WALL = 1_700_000_000.0  # Unix time at monotonic 0, for what the breaker shows
 
 
 # -- retry schedule ---------------------------------------------------------------------------------------------------
@@ -61,50 +50,54 @@ def test_retry_after_in_seconds_or_as_an_http_date():
 
 # -- circuit breaker --------------------------------------------------------------------------------------------------
 def test_consecutive_failures_open_it_and_a_success_closes_it():
-    b, clock = breaker(failures_to_open=3, cooldown_seconds=2.0)
-    assert not b.failed("503") and not b.failed("503")
-    assert not b.is_open() and b.cooling() is None
-    assert b.failed("answered 503")
-    assert b.is_open()
-    assert b.cooling().startswith("cooling until ") and "(2.0 s more)" in b.cooling()
-    assert b.describe()["state"] == "open" and b.describe()["last_error"] == "answered 503"
-    clock.now += 2.0
-    assert not b.is_open()  # cooled: the next request is the probe
+    b = CircuitBreaker(BreakerSettings(failures_to_open=3, cooldown_seconds=2.0))
+    now = 100.0
+    assert not b.failed("503", now) and not b.failed("503", now)
+    assert not b.is_open(now) and b.cooling(now, WALL + now) is None
+    assert b.failed("answered 503", now)
+    assert b.is_open(now)
+    assert b.cooling(now, WALL + now) == "cooling until 22:15:02 UTC (2.0 s more)"  # WALL + 102 s
+    shown = b.describe(now, WALL + now)
+    assert shown["state"] == "open" and shown["last_error"] == "answered 503" and shown["cooling_seconds"] == 2.0
+    now += 2.0
+    assert not b.is_open(now)  # cooled: the next request is the probe
     b.succeeded()
-    assert b.failures == 0 and b.describe()["state"] == "closed"
-    assert not b.failed("503")  # counting starts again from zero
+    assert b.failures == 0 and b.describe(now, WALL + now)["state"] == "closed"
+    assert not b.failed("503", now)  # counting starts again from zero
 
 
 def test_the_cool_down_doubles_with_each_opening_up_to_the_cap():
-    b, clock = breaker(failures_to_open=1, cooldown_seconds=1.0, max_cooldown_seconds=5.0)
+    b = CircuitBreaker(BreakerSettings(failures_to_open=1, cooldown_seconds=1.0, max_cooldown_seconds=5.0))
+    now = 0.0
     lengths = []
     for _ in range(5):
-        assert b.failed("refused")
-        lengths.append(b.open_until - clock.now)
-        clock.now = b.open_until  # the probe after the cool-down fails again
+        assert b.failed("refused", now)
+        lengths.append(b.open_until - now)
+        now = b.open_until  # the probe after the cool-down fails again
     assert lengths == [1.0, 2.0, 4.0, 5.0, 5.0]
     b.succeeded()
-    b.failed("refused")
-    assert b.open_until - clock.now == 1.0  # a success reset the doubling
+    b.failed("refused", now)
+    assert b.open_until - now == 1.0  # a success reset the doubling
 
 
 def test_retry_after_opens_it_at_once_for_that_long():
-    b, clock = breaker(failures_to_open=3, cooldown_seconds=1.0)
-    assert b.failed("429", retry_after=30.0)
-    assert b.describe()["cooling_seconds"] == 30.0
-    assert b.describe()["cooling_until"] == pytest.approx(1_700_000_000.0 + clock.now + 30.0)
-    clock.now += 29.9
-    assert b.is_open()
-    clock.now += 0.1
-    assert not b.is_open()
+    b = CircuitBreaker(BreakerSettings(failures_to_open=3, cooldown_seconds=1.0))
+    now = 50.0
+    assert b.failed("429", now, retry_after=30.0)
+    shown = b.describe(now, WALL + now)
+    assert shown["cooling_seconds"] == 30.0 and shown["cooling_until"] == pytest.approx(WALL + now + 30.0)
+    assert b.is_open(now + 29.9)
+    assert not b.is_open(now + 30.0)
+    b.failed("429", now, retry_after=5.0)
+    assert b.open_until == now + 30.0  # a shorter Retry-After does not cut a cool-down short
 
 
 def test_it_tells_each_opening():
-    b, _ = breaker(failures_to_open=2)
+    b = CircuitBreaker(BreakerSettings(failures_to_open=2))
     openings = []
     b.on_open = lambda: openings.append(1)
-    b.failed("x")
+    b.failed("x", 0.0)
     assert openings == []
-    b.failed("x")
-    b.failed("x", retry_after=1.0)
+    b.failed("x", 0.0)
+    b.failed("x", 0.0, retry_after=1.0)
     assert len(openings) == 2
