@@ -310,7 +310,11 @@ class Orchestrator:
             cloud=job.cloud,
             pinned=job.pinned,
         )
-        keeps = [n for n in (self.device, job.cloud) if n is not None and self._keeps_calls_whole(job, n)]
+        keeps = [
+            n
+            for n in (self.device, job.cloud)
+            if n is not None and self._keeps_calls_whole(job, n) and not self._cooling(n)
+        ]
         if job.pinned is not None:
             names = [job.pinned]
         elif len(keeps) == 1 and self._serves(job, keeps[0]) and canonical_name(job.policy).startswith("disco"):
@@ -560,6 +564,7 @@ class Orchestrator:
         failed = {a.name for a in job.attempts if a.outcome == "failed"}
         pair = job.cloud if source.role == "device" else self.device
         order = [pair, *(n for n in self.backends if n != pair)]
+        order.sort(key=lambda n: self._cooling(n) is not None)  # a cooling cloud only when nothing else can
         return [
             n
             for n in order
