@@ -122,3 +122,25 @@ def test_a_long_retry_after_cools_the_cloud_and_the_device_answers_until_it_reco
     assert len(upstream.completions()) == sent + 1
     (cloud,) = [e for e in t["endpoints"] if e["backend"] == "cloud"]
     assert cloud["outcome"] != "failed"
+
+
+def test_5xx_in_a_row_are_retried_with_backoff_and_open_the_breaker(gw, upstream):
+    ask(gw, model="cloud")  # an answer from the cloud closes its breaker: this test counts from zero
+    assert cloud_row(gw)["breaker"]["failures"] == 0
+    upstream.reset()
+    retries = gw.metric("tandem_cloud_retries_total", backend="cloud")
+    openings = gw.metric("tandem_breaker_openings_total", backend="cloud")
+    upstream.push(Answer(status=503), Answer(status=502), Answer(status=500))
+    body = {"model": "cloud", "messages": MESSAGES, "max_tokens": 4}
+    r = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=120)
+    assert r.status_code == 502  # pinned: no other endpoint may answer
+    sent = upstream.completions()
+    assert len(sent) == 3  # the first try and the two retries
+    assert sent[1].at - sent[0].at > 0 and sent[2].at - sent[1].at > 0
+    assert gw.metric("tandem_cloud_retries_total", backend="cloud") == retries + 2
+    # Three failures in a row (the default failures_to_open) opened it for the default 1 s cool-down.
+    assert gw.metric("tandem_breaker_openings_total", backend="cloud") == openings + 1
+    t = httpx.get(f"{gw.v1}/requests/{r.headers['x-request-id']}", timeout=10).json()
+    assert "answered 500" in t["error"] and "cooling until" in t["error"]
+    breaker = cloud_row(gw)["breaker"]
+    assert breaker["failures"] == 3 and breaker["openings"] == 1 and "answered 500" in breaker["last_error"]
