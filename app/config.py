@@ -272,6 +272,16 @@ class CloudSettings(_Strict):
     pool_timeout: Annotated[float, Field(gt=0)] = 5.0
     max_connections: Annotated[int, Field(gt=0)] = 64
     stall_timeout: Annotated[float, Field(gt=0)] | None = None  # as [device]'s: unset, [gateway] stall_timeout
+    # Failures before the first token (429, 5xx, a refused connection; policies/breaker.py): tried again up to
+    # `retries` times after a backoff from `retry_backoff_seconds` (doubling, with jitter) or the upstream's
+    # Retry-After, waiting at most `retry_budget_seconds` in all; `failures_to_open` in a row cool the cloud for
+    # `cooldown_seconds`, doubling with each opening up to `max_cooldown_seconds` (a Retry-After: that long).
+    retries: Annotated[int, Field(ge=0, le=10)] = 2
+    retry_backoff_seconds: Annotated[float, Field(ge=0)] = 0.25
+    retry_budget_seconds: Annotated[float, Field(ge=0)] = 4.0
+    failures_to_open: Annotated[int, Field(ge=1)] = 3
+    cooldown_seconds: Annotated[float, Field(gt=0)] = 1.0
+    max_cooldown_seconds: Annotated[float, Field(gt=0)] = 60.0
     price: PriceSettings = PriceSettings()
     embedded: EmbeddedServerSettings | None = None
     # It computes on the device's own hardware (an embedded server does, by construction: unset follows `embedded`):
@@ -309,6 +319,15 @@ class CloudSettings(_Strict):
         """Whether continuations go as the gateway's own rendered prompt (a completions upstream with the device's
         tokenizer), not in a dialect of the upstream's."""
         return self.continuation == "completions" and self.tokenizer == "device"
+
+    @model_validator(mode="after")
+    def _cooldown_within_cap(self) -> CloudSettings:
+        if self.cooldown_seconds > self.max_cooldown_seconds:
+            raise ValueError(
+                f"cooldown_seconds ({self.cooldown_seconds:g}) is longer than max_cooldown_seconds "
+                f"({self.max_cooldown_seconds:g}): the cool-down doubles from the first up to the cap"
+            )
+        return self
 
     @model_validator(mode="after")
     def _completions_needs_template(self) -> CloudSettings:
@@ -374,6 +393,16 @@ class HATCloudSettings(HATOptions):
     # so prompts and migrations go by token ids.
     tokenizer: Literal["device", "own"] = "device"
     stall_timeout: Annotated[float, Field(gt=0)] | None = None  # as [device]'s: unset, [gateway] stall_timeout
+    # Failures before the first token (429, 5xx, a refused connection; policies/breaker.py): tried again up to
+    # `retries` times after a backoff from `retry_backoff_seconds` (doubling, with jitter) or the upstream's
+    # Retry-After, waiting at most `retry_budget_seconds` in all; `failures_to_open` in a row cool the cloud for
+    # `cooldown_seconds`, doubling with each opening up to `max_cooldown_seconds` (a Retry-After: that long).
+    retries: Annotated[int, Field(ge=0, le=10)] = 2
+    retry_backoff_seconds: Annotated[float, Field(ge=0)] = 0.25
+    retry_budget_seconds: Annotated[float, Field(ge=0)] = 4.0
+    failures_to_open: Annotated[int, Field(ge=1)] = 3
+    cooldown_seconds: Annotated[float, Field(gt=0)] = 1.0
+    max_cooldown_seconds: Annotated[float, Field(gt=0)] = 60.0
     price: PriceSettings = PriceSettings()
     # A profile (HATOptions.profile) also reaches an embedded worker, which starts from its measured times.
     embedded: EmbeddedWorkerSettings | None = None

@@ -19,8 +19,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import jsonschema
@@ -39,6 +41,7 @@ from clients.continuation import completions_prompt
 from clients.dialects import GENERIC, Dialect
 from clients.http_transport import AsyncioHTTPTransport
 from clients.tokencount import estimate_tokens
+from policies.breaker import BreakerSettings, CircuitBreaker, RetrySettings, parse_retry_after, retry_wait
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,9 @@ class UpstreamOptions:
     write_timeout: float = 10.0
     pool_timeout: float = 5.0
     max_connections: int = 64
+    # Failures before the first token: retried (429, 5xx, a refused connection), and remembered (policies/breaker.py).
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
 
     def __repr__(self) -> str:  # never the key
         return f"UpstreamOptions(base_url={self.base_url!r}, model={self.model!r})"
@@ -124,6 +130,9 @@ class OpenAICompatBackend(NoPrefixCache):
         self._urls = {path: httpx.URL(options.base_url + path) for path in ("/chat/completions", "/completions")}
         self.active = 0
         self.tokens_generated = 0  # streamed text pieces received from upstream
+        self.breaker = CircuitBreaker(options.breaker)  # the orchestrator's planner reads it too
+        self.on_retry: Callable[[], None] | None = None  # told before each retry (a metric counts them)
+        self._jitter = random.Random()
 
     async def start(self) -> None:
         pass
@@ -248,21 +257,12 @@ class OpenAICompatBackend(NoPrefixCache):
         url = self._urls[path]
         self.active += 1
         try:
-            response = await self._transport.handle_async_request(self._client.build_request("POST", url, json=body))
+            response = await self._answer(url, body)
             try:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise self._upstream_error(response)
                 async for event in self._events(response, request):
                     yield event
             finally:
                 await response.aclose()
-        except httpx.ConnectError as exc:
-            raise BackendError(f"cloud backend {self.name!r} is unreachable at {url}: {exc}", 503, self.name) from exc
-        except httpx.ConnectTimeout as exc:
-            raise BackendError(
-                f"cloud backend {self.name!r} did not accept a connection in time", 504, self.name
-            ) from exc
         except httpx.ReadTimeout as exc:
             raise BackendError(
                 f"cloud backend {self.name!r} sent nothing for {self.options.read_timeout:g} s (stalled)",
@@ -275,6 +275,48 @@ class OpenAICompatBackend(NoPrefixCache):
             raise BackendError(f"cloud backend {self.name!r} failed: {exc!r}", 502, self.name) from exc
         finally:
             self.active -= 1
+
+    async def _answer(self, url: httpx.URL, body: dict) -> httpx.Response:
+        """The upstream's 200 answer (its body not read yet). A failure a retry may cure (429, 5xx, a refused
+        connection) is tried again on the retry schedule, honouring `Retry-After`; each such failure is told to the
+        breaker, and a 200 closes it."""
+        waited = 0.0
+        retry = 0
+        while True:
+            retry_after = None
+            try:
+                response = await self._transport.handle_async_request(
+                    self._client.build_request("POST", url, json=body)
+                )
+            except httpx.ConnectError as exc:
+                error = BackendError(f"cloud backend {self.name!r} is unreachable at {url}: {exc}", 503, self.name)
+            except httpx.ConnectTimeout:
+                error = BackendError(f"cloud backend {self.name!r} did not accept a connection in time", 504, self.name)
+            else:
+                if response.status_code == 200:
+                    self.breaker.succeeded()
+                    return response
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+                error = self._upstream_error(response)
+                if response.status_code != 429 and response.status_code < 500:
+                    raise error  # the request's own fault, or auth trouble: another try will not differ
+                retry_after = parse_retry_after(response.headers.get("retry-after"), time.time())
+            self.breaker.failed(str(error), time.monotonic(), retry_after)
+            wait = retry_wait(self.options.retry, retry, waited, retry_after, self._jitter.random())
+            if wait is None:
+                cooling = self.breaker.cooling(time.monotonic(), time.time())
+                if cooling is not None:
+                    error = BackendError(f"{error}; {cooling}", error.status, self.name)
+                raise error
+            log.info("cloud backend %s: %s; retrying in %.2f s", self.name, error, wait)
+            if self.on_retry is not None:
+                self.on_retry()
+            await asyncio.sleep(wait)
+            waited += wait
+            retry += 1
 
     def _upstream_error(self, response: httpx.Response) -> BackendError:
         try:

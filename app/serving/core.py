@@ -339,6 +339,9 @@ class ServingCore:
                 "active": backend.active,
                 "tokens_generated": backend.tokens_generated,
             }
+            breaker = self.orchestrator.breakers.get(name)
+            if breaker is not None:  # a cloud's: whether it cools now, and why
+                row["breaker"] = breaker.describe(time.monotonic(), time.time())
             stats = getattr(backend, "stats", None)
             if stats is not None:  # a HAT device half
                 row["hat"] = {

@@ -37,6 +37,7 @@ from endpoints import anthropic, budget, dashboard, embeddings, events, ollama, 
 from endpoints.api_options import ApiOptions
 from endpoints.errors import install_error_handlers
 from endpoints.guard import RequestGuard
+from policies.breaker import BreakerSettings, RetrySettings
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ def upstream_options(cloud: CloudSettings) -> UpstreamOptions:
         write_timeout=cloud.write_timeout,
         pool_timeout=cloud.pool_timeout,
         max_connections=cloud.max_connections,
+        retry=RetrySettings(cloud.retries, cloud.retry_backoff_seconds, budget_seconds=cloud.retry_budget_seconds),
+        breaker=BreakerSettings(cloud.failures_to_open, cloud.cooldown_seconds, cloud.max_cooldown_seconds),
     )
 
 
@@ -131,7 +134,11 @@ class Gateway:
                 server = EmbeddedServer(cloud.embedded, resolve_model(cloud.embedded.model), alias=cloud.model)
                 cloud = cloud.model_copy(update={"base_url": server.base_url})
                 self.embedded.append(server)
-            self.backends[name] = OpenAICompatBackend(name, upstream_options(cloud), count_exact=self._count_device)
+            backend = self.backends[name] = OpenAICompatBackend(
+                name, upstream_options(cloud), count_exact=self._count_device
+            )
+            backend.on_retry = self.metrics.cloud_retries.labels(backend=name).inc
+            backend.breaker.on_open = self.metrics.breaker_openings.labels(backend=name).inc
         for name, backend in self.backends.items():
             self.metrics.backend_active.labels(backend=name).set_function(lambda b=backend: b.active)
             self.metrics.backend_generated.labels(backend=name).set_function(lambda b=backend: b.tokens_generated)
@@ -167,6 +174,7 @@ class Gateway:
             history=settings.gateway.trace_history,
             trace_file=settings.gateway.trace_file,
             events=self.events,
+            breakers={n: b.breaker for n, b in self.backends.items() if isinstance(b, OpenAICompatBackend)},
         )
         tel = settings.telemetry
         self.telemetry = start_telemetry(

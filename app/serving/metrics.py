@@ -36,6 +36,18 @@ class Metrics:
         self.migrations = Counter(
             "tandem_migrations", "Mid-answer migrations", ["source", "target", "reason"], registry=r
         )
+        self.cloud_retries = Counter(
+            "tandem_cloud_retries",
+            "Cloud requests tried again before their first token (429, 5xx, refused)",
+            ["backend"],
+            registry=r,
+        )
+        self.breaker_openings = Counter(
+            "tandem_breaker_openings",
+            "Times a cloud's circuit breaker opened (it cools: nothing starts there)",
+            ["backend"],
+            registry=r,
+        )
         self.failed_migrations = Counter(
             "tandem_migrations_failed",
             "Migrations whose target failed or stayed silent before its first token (the answer stayed put)",

@@ -52,6 +52,7 @@ from app.serving.seam import Seam, split_trailing_whitespace, through_seam
 from app.serving.traces import ms, plan_kind, replay_row, trace_of
 from clients.base import Backend, BackendError, GenerationRequest, TokenEvent, Usage
 from clients.deadline import Deadline
+from policies.breaker import CircuitBreaker
 from policies.dispatch import DispatchPlan
 from policies.estimate import MovingAverage
 from policies.privacy import allows
@@ -79,6 +80,7 @@ class Orchestrator:
         history: int = 1000,
         trace_file: str = "",
         events: EventBus | None = None,
+        breakers: dict[str, CircuitBreaker] | None = None,
     ):
         self.events = events if events is not None else EventBus()
         self.backends = backends
@@ -92,6 +94,7 @@ class Orchestrator:
         self.stall_timeout = stall_timeout
         self.stall_timeouts = stall_timeouts or {}  # an endpoint's own, where it has one
         self.traces: OrderedDict[str, dict] = OrderedDict()
+        self.breakers = breakers or {}  # a cloud's, where it has one: while it cools, nothing starts or moves there
         # A shared store's copy of each trace (app/serving/state.py's keep_trace), so any replica can answer for it.
         self.keep_trace: Callable[[str, dict], None] | None = None
         # Seconds between two tokens of each endpoint (outline decoding places points by predicted finish time).
@@ -148,6 +151,12 @@ class Orchestrator:
         if kind == "native":
             return not continuing
         return kind == "grammar" and (self._takes_ids(name) or "<[" not in job.gen.tool_grammar)
+
+    def _cooling(self, name: str | None) -> str | None:
+        """Why endpoint `name` is kept out of plans and migrations now (its breaker is open), or None."""
+        breaker = self.breakers.get(name) if name is not None else None
+        cooling = breaker.cooling(time.monotonic(), time.time()) if breaker is not None else None
+        return f"{name} {cooling} after: {breaker.last_error}" if cooling is not None else None
 
     def _name_of(self, job: Job, role: str) -> str | None:
         return self.device if role == "device" else job.cloud
@@ -284,7 +293,11 @@ class Orchestrator:
             return DispatchPlan(role == "cloud", role == "device", None, "pinned", f"model names {job.pinned}")
         if self._looping(job):
             return DispatchPlan(True, False, None, job.declared.name, "an agent loop: a tool call answered twice")
-        return self.disco.plan(job.policy, job.prompt_tokens, job.cloud)
+        plan = self.disco.plan(job.policy, job.prompt_tokens, job.cloud)
+        # DiSCo starts nothing on a cloud that cools: the device answers. A baseline keeps its plan (an operator who
+        # chose server-only chose where answers go; its client still retries and fails fast).
+        cooling = self._cooling(job.cloud) if plan.start_cloud and job.declared.by_disco else None
+        return plan if cooling is None else DispatchPlan(False, True, None, plan.policy, cooling)
 
     async def _start(self, job: Job) -> tuple[Attempt, TokenEvent]:
         plan = job.plan = self._plan(job)
@@ -303,7 +316,11 @@ class Orchestrator:
             cloud=job.cloud,
             pinned=job.pinned,
         )
-        keeps = [n for n in (self.device, job.cloud) if n is not None and self._keeps_calls_whole(job, n)]
+        keeps = [
+            n
+            for n in (self.device, job.cloud)
+            if n is not None and self._keeps_calls_whole(job, n) and not self._cooling(n)
+        ]
         if job.pinned is not None:
             names = [job.pinned]
         elif len(keeps) == 1 and self._serves(job, keeps[0]) and job.declared.by_disco and not self._looping(job):
@@ -523,7 +540,7 @@ class Orchestrator:
             return None
         target_role = "cloud" if attempt.role == "device" else "device"
         target = self._name_of(job, target_role)
-        if not self._can_continue(target) or not self._serves(job, target, continuing=True):
+        if not self._can_continue(target) or not self._serves(job, target, continuing=True) or self._cooling(target):
             return None
         if not self._keeps_calls_whole(job, target, continuing=True) and self._keeps_calls_whole(job, attempt.name):
             return None  # saving money is no reason to lose the guarantee that a call comes out whole
@@ -619,6 +636,7 @@ class Orchestrator:
         failed = {a.name for a in job.attempts if a.outcome == "failed"}
         pair = job.cloud if source.role == "device" else self.device
         order = [pair, *(n for n in self.backends if n != pair)]
+        order.sort(key=lambda n: self._cooling(n) is not None)  # a cooling cloud only when nothing else can
         return [
             n
             for n in order

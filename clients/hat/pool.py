@@ -6,8 +6,9 @@ it (the OPEN round trip) + the worker's predicted compute g(μ + 1) from the μ 
 (clients/hat/link_model.py) scaled by the sessions it will be serving, + a penalty when its last reply said it
 had no free session. A worker this device has not opened yet predicts no delay, so each is tried once.
 
-A circuit breaker per worker: a failed OPEN, or a session lost mid-answer, keeps it out of placement for a backoff
-that doubles with each failure in a row (1 s, 2 s, ... 30 s); a successful OPEN closes it. When every worker's
+A circuit breaker per worker (policies/breaker.py, as a cloud's): a failed OPEN, or a session lost mid-answer, keeps it
+out of placement for a backoff that doubles with each failure in a row (1 s, 2 s, ... 30 s); a successful OPEN closes
+it. When every worker's
 breaker is open, the one that opens first is tried anyway (half-open): a pool never refuses outright.
 
 Members: the static `worker_urls`, and with a registry (`worker_registry`, clients/hat/registry.py) every live
@@ -34,12 +35,13 @@ from clients.base import Concurrency
 from clients.hat.link_model import LinkModel
 from clients.hat.registry import WorkerRegistry
 from clients.hat.transport import WorkerAddress
+from policies.breaker import BreakerSettings, CircuitBreaker
 from policies.estimate import MovingAverage
 
 log = logging.getLogger(__name__)
 
-BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 30.0
+WORKER_BREAKER = BreakerSettings(failures_to_open=1, cooldown_seconds=1.0, max_cooldown_seconds=MAX_BACKOFF_SECONDS)
 FULL_PENALTY_SECONDS = 10.0  # a worker that said it is full: placed only when every other is worse
 
 
@@ -50,8 +52,15 @@ class PoolWorker:
     sessions: int = 0  # this device's sessions on it now
     rtt: MovingAverage = field(default_factory=lambda: MovingAverage(alpha=0.3))
     info: dict[str, Any] = field(default_factory=dict)  # its last OPEN reply
-    failures: int = 0  # in a row
-    closed_until: float = 0.0  # monotonic: not placed on before this (the breaker is open)
+    breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(WORKER_BREAKER))
+
+    @property
+    def failures(self) -> int:  # in a row
+        return self.breaker.failures
+
+    @property
+    def closed_until(self) -> float:  # monotonic: not placed on before this (the breaker is open)
+        return self.breaker.open_until
 
     def predicted_delay(self) -> float:
         """Seconds this worker is predicted to take for a new session's round."""
@@ -130,13 +139,11 @@ class WorkerPool:
     def opened(self, worker: PoolWorker, rtt: float, info: dict[str, Any]) -> None:
         worker.rtt.update(rtt)
         worker.info = dict(info)
-        worker.failures = 0
-        worker.closed_until = 0.0
+        worker.breaker.succeeded()
 
     def failed(self, worker: PoolWorker, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        worker.failures += 1
-        worker.closed_until = now + min(MAX_BACKOFF_SECONDS, BACKOFF_SECONDS * 2 ** (worker.failures - 1))
+        worker.breaker.failed("its OPEN failed or its session was lost", now)
 
     def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()

@@ -364,6 +364,13 @@ async function loadHealth() {
       card.appendChild(el("h3", `${e.name} (${e.role}, ${e.locality})`));
       card.appendChild(el("p", `${e.model} · ${up ? "ready" : "not ready"} · ${e.active} streams · ${e.tokens_generated} tokens generated`,
         up ? "ok" : "error"));
+      if (e.breaker) {  // a cloud's circuit breaker (policies/breaker.py): while open, DiSCo does not start it
+        const b = e.breaker;
+        const line = el("p", b.state === "open" ? `breaker open: ${b.reason}, after: ${b.last_error}`
+          : `breaker closed${b.failures ? ` (${b.failures} failures in a row)` : ""}`, b.state === "open" ? "error" : "ok");
+        line.dataset.breaker = b.state;
+        card.appendChild(line);
+      }
       card.appendChild(histogramFigure("TTFT", ttft[e.name] || []));
       card.appendChild(histogramFigure("Inter-token", itl[e.name] || []));
       if (e.hat) card.appendChild(el("p", `HAT: worker ${e.hat.workers.map((w) => w.url).join(", ")}, ${e.hat.sessions} sessions, ` +

@@ -14,6 +14,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ class Answer:
     """
 
     status: int = 200
+    retry_after: str | None = None  # the `Retry-After` header of a non-200 answer
     before: str = ""
     pieces: tuple[str, ...] = PIECES
     gap: float = 0.01
@@ -50,6 +52,7 @@ class Answer:
 class Request:
     path: str
     body: dict = field(default_factory=dict)
+    at: float = field(default_factory=time.monotonic)  # when it arrived
 
 
 class ScriptedUpstream:
@@ -130,7 +133,8 @@ class ScriptedUpstream:
         """Writes one answer; False when the connection is finished with."""
         if answer.status != 200:
             err = {"error": {"message": f"scripted {answer.status}", "type": "server_error", "code": None}}
-            writer.write(_response(answer.status, "application/json", json.dumps(err).encode()))
+            extra = f"retry-after: {answer.retry_after}\r\n" if answer.retry_after is not None else ""
+            writer.write(_response(answer.status, "application/json", json.dumps(err).encode(), extra))
             await writer.drain()
             return True
         if answer.before == "hang":
@@ -196,8 +200,9 @@ class ScriptedUpstream:
         return False
 
 
-def _response(status: int, kind: str, body: bytes) -> bytes:
-    return f"HTTP/1.1 {status} Scripted\r\ncontent-type: {kind}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body
+def _response(status: int, kind: str, body: bytes, extra_headers: str = "") -> bytes:
+    head = f"HTTP/1.1 {status} Scripted\r\ncontent-type: {kind}\r\ncontent-length: {len(body)}\r\n{extra_headers}\r\n"
+    return head.encode() + body
 
 
 def _chunked(data: bytes) -> bytes:

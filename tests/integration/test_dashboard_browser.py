@@ -80,6 +80,7 @@ tokenizer = "device"
 continuation = "completions"
 connect_timeout = 2
 read_timeout = 3
+retries = 0   # a scripted failure is the cloud's one answer: the device takes over
 """)
     yield process
     stop_gateway(process)

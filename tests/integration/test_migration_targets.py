@@ -71,6 +71,7 @@ model = "scripted"
 tokenizer = "device"
 continuation = "completions"
 price = {CHEAP_CLOUD}
+retries = 0   # each test scripts one fault: it is the target's failure, not retried
 [clouds.chatcloud]
 base_url = "{upstream.base_url}"
 model = "scripted-chat"

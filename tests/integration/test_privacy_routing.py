@@ -43,6 +43,7 @@ model = "scripted"
 tokenizer = "device"
 continuation = "completions"
 price = {{ prefill_per_million = 0.05, decode_per_million = 0.10 }}
+retries = 0   # a scripted failure is the cloud's one answer
 """)
     yield process
     stop_gateway(process)

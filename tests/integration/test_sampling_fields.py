@@ -45,6 +45,7 @@ tokenizer = "device"
 continuation = "completions"
 connect_timeout = 2
 read_timeout = 3
+retries = 0   # a scripted failure is the one answer a choice gets
 """)
     yield process
     stop_gateway(process)

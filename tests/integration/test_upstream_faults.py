@@ -48,6 +48,7 @@ tokenizer = "device"
 continuation = "completions"
 connect_timeout = 2
 read_timeout = 3
+retries = 0   # each test scripts one fault: it falls back, not retried (tests/integration/test_cloud_breaker.py)
 """)
     yield process
     stop_gateway(process)

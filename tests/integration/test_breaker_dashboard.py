@@ -1,0 +1,99 @@
+"""The dashboard shows a cloud's circuit breaker (issue 39, item 4): open while the cloud cools after a 429 with a long
+`Retry-After`, with when it ends and after what error.
+
+Real parts: `tandem serve` with the small Qwen device model, a scripted OpenAI-compatible cloud on loopback sending a
+real 429 with the header, and headless Chromium (Debian's `chromium` + `chromium-driver`) driven by Selenium.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from unittest import mock
+
+import httpx
+import pytest
+
+from app.launcher import GatewayProcess, start_gateway, stop_gateway
+from tests.integration.scripted_upstream import Answer, ScriptedUpstream
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):  # a named, visible reason, never a silent pass
+    pytest.fail(
+        f"the dashboard's browser tests need {CHROMIUM} and {CHROMEDRIVER}: "
+        "sudo apt-get install chromium chromium-driver (make setup does it as root)",
+        pytrace=False,
+    )
+
+from selenium import webdriver  # noqa: E402 (after the check that says what is missing)
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+API_KEY = "breaker-page-key"
+MESSAGES = [{"role": "user", "content": "Name one prime number."}]
+
+
+@pytest.fixture(scope="module")
+def gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
+    process = start_gateway(f"""
+[gateway]
+policy = "disco-s"
+api_keys = ["{API_KEY}"]
+stall_timeout = 30
+[device]
+model = "qwen2.5-coder-0.5b-instruct"
+n_ctx = 2048
+[disco]
+budget = 1.0
+migration = false
+profile_device = false
+[clouds.cloud]
+base_url = "{upstream.base_url}"
+model = "scripted"
+tokenizer = "device"
+continuation = "completions"
+connect_timeout = 2
+read_timeout = 10
+retry_budget_seconds = 1
+""")
+    yield process
+    stop_gateway(process)
+
+
+@pytest.fixture(scope="module")
+def browser(gw: GatewayProcess, tmp_path_factory) -> Iterator[webdriver.Chrome]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--window-size=1280,1000"):
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={profile}")
+    with mock.patch.dict(os.environ, {"SE_OFFLINE": "true"}):  # Selenium Manager must not look for a browser
+        driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.get(gw.url + "/dashboard")
+    driver.find_element(By.ID, "api-key").send_keys(API_KEY)
+    driver.find_element(By.ID, "connect").click()
+    WebDriverWait(driver, 60, poll_frequency=0.1).until(
+        lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-live") == "true"
+    )
+    yield driver
+    driver.quit()
+
+
+def breaker_line(driver) -> tuple[str, str] | None:
+    lines = driver.find_elements(By.CSS_SELECTOR, '[data-endpoint="cloud"] [data-breaker]')
+    return (lines[0].get_attribute("data-breaker"), lines[0].text) if lines else None
+
+
+def test_the_endpoint_card_shows_the_cloud_cooling_and_then_closed(gw, upstream, browser):
+    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    wait.until(lambda d: (breaker_line(d) or ("", ""))[0] == "closed")  # a cloud's card has its breaker
+    upstream.push(Answer(status=429, retry_after="12"))  # longer than the 1 s retry budget: the cloud cools 12 s
+    body = {"model": "tandem", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(gw.v1 + "/chat/completions", json=body, headers={"authorization": f"Bearer {API_KEY}"}, timeout=120)
+    assert r.status_code == 200 and r.headers["x-tandem-backend"] == "device", r.text
+    wait.until(lambda d: (breaker_line(d) or ("", ""))[0] == "open")  # the card refreshes every 5 s
+    _, text = breaker_line(browser)
+    assert text.startswith("breaker open: cooling until ") and "answered 429" in text
+    wait.until(lambda d: (breaker_line(d) or ("", ""))[0] == "closed")  # the cool-down ends on its own
