@@ -252,7 +252,17 @@ class ServingCore:
                 if admission.add(job.cost, job.usage.total_tokens):
                     await self.state.settle(admission)
 
+    def health(self) -> dict:
+        """GET /health: the process serves ("ok"); "degraded" while its shared store is lost or out of step with it
+        (it serves on: bookings and traces wait, budgets on its last good settings)."""
+        condition = self.state.condition()
+        if condition == "connected":
+            return {"status": "ok"}
+        return {"status": "degraded", "store": {"state": condition, "problems": self.state.describe()["problems"]}}
+
     def render_metrics(self) -> bytes:
+        if self.state.backend != "memory":
+            self.metrics.observe_store(self.state.condition(), self.state.describe())
         return self.metrics.render()
 
     def endpoints(self) -> list[dict]:

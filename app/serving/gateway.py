@@ -110,6 +110,7 @@ def _state_store(settings: Settings, ledger: Ledger) -> StateStore:
         poll_seconds=state.poll_seconds,
         timeout=state.timeout,
         ttft_samples=settings.disco.window,
+        trace_queue=state.trace_queue,
     )
 
 
