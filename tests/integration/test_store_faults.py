@@ -20,8 +20,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import openai
@@ -40,6 +41,7 @@ ADMIN = "faults-admin"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 PROMPT = [{"role": "user", "content": "What is the answer?"}]
 TRACE_QUEUE = 3  # replica A's bound on the traces that wait for the store
+T = TypeVar("T")
 PATIENCE = 60.0  # seconds to wait for what must happen (a loaded 2-core machine); never a bound on how fast
 
 
@@ -166,19 +168,19 @@ def test_after_a_restart_concurrent_calls_on_the_store_client_all_find_it(notice
         store = ValkeyStore(ledger, server.url, "r:", "closed", poll_seconds=poll, timeout=0.5)
         await store.start()
         try:
-            assert await asyncio.gather(*(store.may_spend() for _ in range(8))) == [True] * 8
+            assert await bounded(*(store.may_spend() for _ in range(8))) == [True] * 8
             server.stop()
             if noticed:
                 await until(lambda: not store.describe()["connected"])
             await asyncio.to_thread(server.start)
             if noticed:
                 await until(lambda: store.describe()["connected"])
-            assert await asyncio.gather(*(store.may_spend() for _ in range(8))) == [True] * 8
-            verdicts = await asyncio.gather(*(store.admit(key, f"a{i}", time.time(), 10) for i in range(8)))
+            assert await bounded(*(store.may_spend() for _ in range(8))) == [True] * 8
+            verdicts = await bounded(*(store.admit(key, f"a{i}", time.time(), 10) for i in range(8)))
             assert [(v.status, shared) for v, shared in verdicts] == [("ok", True)] * 8
             assert store.describe()["state"] == "connected"
         finally:
-            await store.close()
+            await asyncio.wait_for(store.close(), PATIENCE)
 
     caplog.set_level(logging.WARNING, logger="app.serving.valkey_state")
     try:
@@ -187,6 +189,11 @@ def test_after_a_restart_concurrent_calls_on_the_store_client_all_find_it(notice
         server.close()
     lost = [r for r in caplog.records if " lost (" in r.getMessage()]
     assert len(lost) == (1 if noticed else 0), [r.getMessage() for r in lost]
+
+
+async def bounded(*calls: Awaitable[T]) -> list[T]:
+    """The calls at once, failing (not hanging) if they have not all ended within PATIENCE."""
+    return await asyncio.wait_for(asyncio.gather(*calls), PATIENCE)
 
 
 async def until(condition: Callable[[], bool]) -> None:
@@ -312,7 +319,7 @@ def test_the_store_loop_survives_a_failure_it_did_not_expect_says_so_and_recover
             spend = await store.spend()
             assert spend is not None and (spend["requests"], spend["cost_micro"]) == (3, 3003)
         finally:
-            await store.close()
+            await asyncio.wait_for(store.close(), PATIENCE)
 
     caplog.set_level(logging.INFO, logger="app.serving.valkey_state")
     try:
