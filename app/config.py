@@ -110,6 +110,8 @@ class StateSettings(_Strict):
     trace_ttl: Annotated[float, Field(gt=0)] = 600.0  # seconds a trace stays readable from every replica
     poll_seconds: Annotated[float, Field(gt=0)] = 1.0  # how often a replica checks the budget's version
     timeout: Annotated[float, Field(gt=0)] = 1.0  # a store call's socket timeout: how soon a loss is noticed
+    # Traces that may wait for a lost store (apart from bookings, which all wait); past it the oldest are dropped.
+    trace_queue: Annotated[int, Field(ge=1)] = 1000
     # A running request books what it did so far, settles it into its key's books and renews its hold this often: a
     # replica that dies mid-stream loses at most this long's booking.
     settle_seconds: Annotated[float, Field(ge=0.1, le=60)] = 2.0

@@ -12,8 +12,9 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health():
-    return {"status": "ok"}
+async def health(serving: ServingDep):
+    """Liveness: 200 while the process serves, a degraded shared store included (its body says so)."""
+    return serving.health()
 
 
 @router.get("/health/ready")

@@ -60,6 +60,9 @@ class Serving(Protocol):
 
     async def reset_budget(self) -> None: ...
 
+    def health(self) -> dict:
+        """GET /health's body: "ok", or "degraded" with the shared store's state and problems."""
+
     def render_metrics(self) -> bytes: ...
 
     def endpoints(self) -> list[dict]:

@@ -248,20 +248,27 @@ class BudgetSettings:
 SETTING_FIELDS: tuple[str, ...] = tuple(BudgetSettings.__dataclass_fields__)
 
 
-def apply_patch(base: BudgetSettings, patch: Any, *, unknown_backends: str = "reject") -> BudgetSettings:
+def apply_patch(
+    base: BudgetSettings, patch: Any, *, unknown_backends: str = "reject", unknown_fields: str = "reject"
+) -> BudgetSettings:
     """`base` with the fields of `patch` replaced (prices merged per backend and per field).
 
     unknown_backends: "reject" (a PUT naming a backend the gateway does not have is a
     typo that would otherwise be silently ignored) or "drop" (a state file written
     when a since-removed cloud was configured).
+    unknown_fields: "reject" (a PUT's typo) or "ignore" (settings a newer release wrote to the shared store: the
+    fields it added are ignored here, with a warning, and kept there by app/serving/valkey_state.py).
     """
     if not isinstance(patch, Mapping):
         raise BudgetValidationError(None, f"a budget update must be a JSON object, got {type(patch).__name__}")
-    for key in patch:
-        if key not in SETTING_FIELDS:
-            raise BudgetValidationError(str(key), f"unknown field {key!r}; expected one of {', '.join(SETTING_FIELDS)}")
+    unknown = [str(key) for key in patch if key not in SETTING_FIELDS]
+    if unknown and unknown_fields == "ignore":
+        log.warning("budget settings: ignoring %s, unknown to this release (a newer one's?)", ", ".join(unknown))
+    elif unknown:
+        key = unknown[0]
+        raise BudgetValidationError(key, f"unknown field {key!r}; expected one of {', '.join(SETTING_FIELDS)}")
     fields = {name: getattr(base, name) for name in SETTING_FIELDS}
-    fields.update({k: v for k, v in patch.items() if k != "prices"})
+    fields.update({k: v for k, v in patch.items() if k != "prices" and k in SETTING_FIELDS})
     if "prices" in patch:
         given = patch["prices"]
         if not isinstance(given, Mapping):

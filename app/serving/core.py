@@ -323,7 +323,17 @@ class ServingCore:
                 log.exception("request %s: booking what it did so far failed", job.id)
             self.state.progress(admission, spent_micro, tokens, time.time())
 
+    def health(self) -> dict:
+        """GET /health: the process serves ("ok"); "degraded" while its shared store is lost or out of step with it
+        (it serves on: bookings and traces wait, budgets on its last good settings)."""
+        condition = self.state.condition()
+        if condition == "connected":
+            return {"status": "ok"}
+        return {"status": "degraded", "store": {"state": condition, "problems": self.state.describe()["problems"]}}
+
     def render_metrics(self) -> bytes:
+        if self.state.backend != "memory":
+            self.metrics.observe_store(self.state.condition(), self.state.describe())
         return self.metrics.render()
 
     def endpoints(self) -> list[dict]:

@@ -115,6 +115,7 @@ def _state_store(settings: Settings, ledger: Ledger) -> StateStore:
         ttft_samples=settings.disco.window,
         hold_seconds=state.hold_seconds,
         settle_seconds=state.settle_seconds,
+        trace_queue=state.trace_queue,
     )
 
 

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+STORE_STATES = ("connected", "degraded", "lost")
 
 
 class Metrics:
@@ -74,6 +75,28 @@ class Metrics:
             "Events not delivered to a viewer too slow to read them (that viewer was told), since start",
             registry=r,
         )
+        self.store_state = Gauge(
+            "tandem_store_state", "The shared store as this replica sees it: 1 for its state", ["state"], registry=r
+        )
+        self.store_queued = Gauge(
+            "tandem_store_queued",
+            "Work waiting for the shared store: bookings (never dropped), traces",
+            ["queue"],
+            registry=r,
+        )
+        self.store_traces_dropped = Gauge(
+            "tandem_store_traces_dropped_total",
+            "Traces the full queue dropped while the shared store was away",
+            registry=r,
+        )
+
+    def observe_store(self, condition: str, store: dict) -> None:
+        """A shared store's state (app/serving/state.py's `condition`, its `describe`), read when scraped."""
+        for state in STORE_STATES:
+            self.store_state.labels(state=state).set(float(state == condition))
+        self.store_queued.labels(queue="bookings").set(store["pending"])
+        self.store_queued.labels(queue="traces").set(store["traces_pending"])
+        self.store_traces_dropped.set(store["traces_dropped"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -76,6 +76,10 @@ class StateStore(Protocol):
     async def reset_budget(self) -> None:
         """DELETE /v1/budget: back to the config's settings everywhere."""
 
+    def condition(self) -> str:
+        """ "connected" (a memory store always), "lost" (unreachable: bookings and traces wait) or "degraded" (it
+        answers, but this replica is out of step with it: settings it cannot read, a background task failing)."""
+
     def describe(self) -> dict: ...
 
 
@@ -133,6 +137,9 @@ class MemoryStore:
 
     async def reset_budget(self) -> None:
         self._ledger.reset()
+
+    def condition(self) -> str:
+        return "connected"
 
     def describe(self) -> dict:
         return {"backend": self.backend}

@@ -237,6 +237,7 @@ async function loadBudget() {
     ["Quality τ", b.quality_threshold],
     ["Spent", fmtUsd(b.spend.cost_usd) + " over " + b.spend.requests + " requests"], ["Settings from", b.settings_source],
   ];
+  if (b.store.backend !== "memory") facts.push(["Shared store", storeLine(b.store)]);
   $("budget-facts").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", k), el("dd", v)]));
   const meter = el("meter");
   meter.min = 0; meter.max = 1; meter.value = realised ?? 0;
@@ -264,6 +265,15 @@ async function loadBudget() {
     select.replaceChildren(...b.known_policies.map((p) => { const o = el("option", p); o.value = p; return o; }));
     select.value = b.policy;
   }
+}
+
+// The shared store as this replica sees it: connected, lost (bookings and traces wait) or degraded (it answers, but
+// this replica is out of step: settings it cannot read, a background task failing), and what waits for it.
+function storeLine(store) {
+  const waiting = `${store.pending} bookings, ${store.traces_pending} traces waiting`;
+  const dropped = store.traces_dropped ? `; ${store.traces_dropped} traces dropped` : "";
+  const problems = store.problems.length ? ` (${store.problems.join("; ")})` : "";
+  return `${store.state}${problems}: ${waiting}${dropped}`;
 }
 
 // Spend per API key, by the key's name or a short hash of it (the gateway never sends a key): every key's with the

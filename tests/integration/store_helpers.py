@@ -66,3 +66,37 @@ class StoreServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def replica_config(cloud_url: str, store: StoreServer, prefix: str, on_loss: str, admin: str, state: str = "") -> str:
+    """A gateway replica on `store`: the cloud policy on one priced cloud named "cloud" at `cloud_url`, the SmolLM2
+    device on one thread (replicas share the cores), the store polled often; `state`: more lines of [state]."""
+    return f"""
+[gateway]
+policy = "cloud"
+cloud = "cloud"
+state_file = ""
+stall_timeout = 60  # the device's first answer on a loaded 2-core machine
+admin_keys = ["{admin}"]
+[device]
+model = "smollm2-135m-instruct"
+n_ctx = 2048
+n_threads = 1
+[disco]
+profile_device = false
+migration = false
+[clouds.cloud]
+base_url = "{cloud_url}"
+model = "scripted"
+[clouds.cloud.price]
+prefill_per_million = 150.0
+decode_per_million = 600.0
+[state]
+backend = "valkey"
+url = "{store.url}"
+key_prefix = "{prefix}"
+on_store_loss = "{on_loss}"
+poll_seconds = 0.5
+timeout = 0.5
+{state}
+"""
