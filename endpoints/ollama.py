@@ -47,7 +47,7 @@ from endpoints.ollama_schemas import (
     Options,
     ShowRequest,
 )
-from endpoints.serving import KeyAccess, Serving, ServingDep
+from endpoints.serving import KeyAccess, Serving, ServingDep, routing_fields
 from endpoints.sse import SSEResponse, stream_answer
 
 router = APIRouter()
@@ -142,17 +142,9 @@ def chat_messages(messages: Sequence[Message]) -> tuple[dict, ...]:
 def _sampling(body: ChatRequest | GenerateRequest, model: str, key: KeyAccess | None) -> dict:
     """What chat and completions inputs share: the model, the key, Tandem's own options, the sampling options."""
     options = body.options or Options()
-    tandem = body.tandem
-    key = key or KeyAccess()
     seed = options.seed
     return {
-        "model": model,
-        "key_privacy": key.privacy,
-        "key_limits": key.limits,
-        "policy": tandem.policy if tandem else None,
-        "cloud": tandem.cloud if tandem else None,
-        "privacy": tandem.privacy if tandem else None,
-        "decoding": tandem.decoding if tandem else None,
+        **routing_fields(model, body.tandem, key),
         "max_tokens": options.max_tokens,
         "temperature": options.temperature,
         "top_p": options.top_p,

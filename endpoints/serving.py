@@ -21,7 +21,7 @@ from app.serving.job import Job
 from app.serving.limits import KeyLimits
 from app.serving.relay import Delta
 from app.serving.requests import ChatInput, CompletionInput
-from endpoints.schemas import ChatCompletionRequest, CompletionRequest
+from endpoints.schemas import ChatCompletionRequest, CompletionRequest, TandemOptions
 
 
 class Serving(Protocol):
@@ -77,11 +77,12 @@ async def serving(request: Request) -> Serving:
 ServingDep = Annotated[Serving, Depends(serving)]
 
 
-def _common(body: ChatCompletionRequest | CompletionRequest, key: KeyAccess | None) -> dict:
-    tandem = body.tandem
+def routing_fields(model: str, tandem: TandemOptions | None, key: KeyAccess | None) -> dict:
+    """What every front door passes the core alike: the model, the key's privacy and limits, Tandem's own options
+    (`tandem`: policy, cloud, privacy, decoding, a forced migration, the quality policy's τ)."""
     key = key or KeyAccess()
     return {
-        "model": body.model,
+        "model": model,
         "key_privacy": key.privacy,
         "key_limits": key.limits,
         "policy": tandem.policy if tandem else None,
@@ -90,6 +91,12 @@ def _common(body: ChatCompletionRequest | CompletionRequest, key: KeyAccess | No
         "decoding": tandem.decoding if tandem else None,
         "migrate_after_tokens": tandem.migrate_after_tokens if tandem else None,
         "quality_threshold": tandem.quality_threshold if tandem else None,
+    }
+
+
+def _common(body: ChatCompletionRequest | CompletionRequest, key: KeyAccess | None) -> dict:
+    return {
+        **routing_fields(body.model, body.tandem, key),
         "max_tokens": body.token_limit,
         "temperature": body.temperature,
         "top_p": body.top_p,
