@@ -340,16 +340,7 @@ class ChatCompletionRequest(_Sampling):
 
     _EXTRAS: ClassVar[tuple[str, ...]] = (
         *_Sampling._EXTRAS,
-        "metadata",
-        "store",
-        "reasoning_effort",
-        "verbosity",
-        "service_tier",
-        "prompt_cache_key",
-        "prompt_cache_options",
-        "prompt_cache_retention",
-        "safety_identifier",
-        "prediction",
+        *(name for name in dialects.PLATFORM_FIELDS if name not in _Sampling._EXTRAS),
     )
 
     _metadata = field_validator("metadata")(_metadata_limits)
