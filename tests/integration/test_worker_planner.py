@@ -77,7 +77,7 @@ def result(fut: Any) -> wire.Frame:
     return f
 
 
-def test_verification_first_bit_identical_and_subchunked_prefill_exact(
+def test_verification_first_and_subchunked_prefill_exact(
     engine: Engine, split: SplitModel, shallow: torch.Tensor
 ) -> None:
     prefix, draft, long = shallow[:20], shallow[20:23], shallow[:128]
@@ -103,7 +103,13 @@ def test_verification_first_bit_identical_and_subchunked_prefill_exact(
     got_prefill = result(f_prefill)
 
     assert order == ["verify", "prefill"]
-    assert got_verify.kind == Kind.VERIFY_RESULT and torch.equal(got_verify.tensor(), alone)
+    # The round shared its pass with the prefill's first piece: a ragged pass of other rows, whose matrix products
+    # the CPU's kernels may block and sum otherwise than the round's alone (bit-identical on some CPUs, not on this
+    # project's AVX-512 ones): the same within the engine's tolerance (a round verified at another position or
+    # against another cache is off by far more).
+    assert got_verify.kind == Kind.VERIFY_RESULT
+    diff = float((got_verify.tensor() - alone).abs().max()) / max(1.0, float(alone.abs().max()))
+    assert diff <= TOLERANCE, diff
 
     assert engine.stats.split_frames == split_before + 1 and engine.stats.subchunk_passes >= 2
     assert got_prefill.kind == Kind.DEEP_STATE and got_prefill.arg == 127
