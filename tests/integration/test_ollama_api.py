@@ -48,7 +48,7 @@ EMBEDDER = "all-minilm-l6-v2"
 def gw() -> Iterator[GatewayProcess]:
     process = start_gateway(f"""
 [gateway]
-policy = "device"
+policy = "disco-s"     # DiSCo-S with no server budget: routed answers start on the device and move when that pays
 stall_timeout = 30     # the patience for a token (a migration target's first included) on busy shared cores
 admin_keys = ["{ADMIN}"]
 api_keys = [
@@ -62,12 +62,14 @@ model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
 [disco]
 profile_device = false
+budget = 0.0
 consumption_rate = 0.1   # a slow reader: a routed answer's move to the cheap cloud comes within a few tokens
 [clouds.cloud]
 model = "qwen2.5-coder-1.5b-instruct"
 tokenizer = "device"
 continuation = "completions"
 price = {CHEAP_CLOUD}
+co_located = false     # the race test races it (embedded, it would never be raced against the device)
 [clouds.cloud.embedded]
 port = 0
 n_ctx = 2048
