@@ -110,8 +110,12 @@ def _batched_sessions_equal_running_alone(engine: Engine, batching: str) -> None
         assert engine.stats.batched_forwards == before + 1 and engine.stats.last_rows == 3
     else:  # the planner may run them in several passes; every row's result is the same either way
         assert engine.stats.planned_passes >= 1
+    # Nothing but the weights is shared between rows, yet a batched pass is another computation path: the CPU's
+    # matrix kernels may block and sum a pass of more rows otherwise (bit-identical with this machine's AVX-512
+    # kernels, not with torch's generic ones in `make test-portable`). So: equal within float rounding, and equal to
+    # the model's own layers.
     for a, b, r in zip(alone, got, ref, strict=True):
-        assert torch.equal(a, b)  # bit-identical: nothing but the weights is shared between rows
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
         assert torch.allclose(a, r, atol=1e-5)
 
     # A second round mixes a decode row with a prefill continuation; again one pass, again equal to alone.
@@ -122,7 +126,7 @@ def _batched_sessions_equal_running_alone(engine: Engine, batching: str) -> None
     for x0, x, b in zip(xs, more, batched, strict=True):
         s, _ = open_session(engine)
         engine.submit(s, tensor_frame(s, 1, x0, 0, Kind.PREFILL_CHUNK)).result(10)
-        assert torch.equal(one(engine.submit(s, tensor_frame(s, 2, x, len(x0)))).tensor(), b)
+        assert torch.allclose(one(engine.submit(s, tensor_frame(s, 2, x, len(x0)))).tensor(), b, rtol=1e-5, atol=1e-6)
         engine.close(s)
 
 
