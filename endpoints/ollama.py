@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
 
 from app.serving.job import Job
 from app.serving.requests import ChatInput, CompletionInput
@@ -50,7 +51,26 @@ from endpoints.ollama_schemas import (
 from endpoints.serving import KeyAccess, Serving, ServingDep, routing_fields
 from endpoints.sse import SSEResponse, stream_answer
 
-router = APIRouter()
+
+class _AnyBodyIsJson(APIRoute):
+    """Ollama reads every body as JSON whatever its content type, and its clients and documented examples rely on it
+    (`curl …/api/chat -d '{…}'` sends application/x-www-form-urlencoded): so does this door."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            if request.method == "POST" and request.headers.get("content-type", "").partition(";")[0] != _JSON:
+                headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+                request.scope["headers"] = [*headers, (b"content-type", _JSON.encode())]
+                request = Request(request.scope, request.receive)
+            return await handler(request)
+
+        return route
+
+
+_JSON = "application/json"
+router = APIRouter(route_class=_AnyBodyIsJson)
 KEYED = [Depends(require_api_key)]  # every route but the probes ("/", /api/version), which Ollama leaves open too
 
 # The Ollama release whose API this door follows (the pinned `ollama` client's): clients gate features on it.

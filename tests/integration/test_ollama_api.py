@@ -534,6 +534,16 @@ def test_bad_input_is_a_400_in_ollamas_envelope(gw, path, body, named):
     assert r.headers["x-request-id"]
 
 
+def test_a_body_without_a_json_content_type_is_read_as_json_as_ollama_does(gw):
+    """Ollama's own examples: `curl http://localhost:11434/api/chat -d '{…}'` (curl says form-urlencoded)."""
+    body = json.dumps({"model": "device", "messages": ASK, "stream": False, "options": {**GREEDY, "num_predict": 3}})
+    for content_type in ("application/x-www-form-urlencoded", None):
+        headers = {**AUTH, **({"content-type": content_type} if content_type else {})}
+        r = httpx.post(gw.url + "/api/chat", headers=headers, content=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["done"] is True and r.json()["eval_count"] == 3
+
+
 def test_errors_anywhere_under_api_are_ollamas(gw):
     unparsable = httpx.post(gw.url + "/api/chat", headers={**AUTH, "content-type": "application/json"}, content="{")
     assert unparsable.status_code == 400 and "JSON" in unparsable.json()["error"]
