@@ -82,8 +82,13 @@ def browser(gw: GatewayProcess, tmp_path_factory) -> Iterator[webdriver.Chrome]:
 
 
 def breaker_line(driver) -> tuple[str, str] | None:
-    lines = driver.find_elements(By.CSS_SELECTOR, '[data-endpoint="cloud"] [data-breaker]')
-    return (lines[0].get_attribute("data-breaker"), lines[0].text) if lines else None
+    # Read in one script: the card is re-rendered every refresh, so an element found by one WebDriver call can be
+    # gone (stale) by the next.
+    line = driver.execute_script(
+        "const e = document.querySelector('[data-endpoint=\"cloud\"] [data-breaker]');"
+        "return e ? [e.getAttribute('data-breaker'), e.innerText] : null;"
+    )
+    return tuple(line) if line else None
 
 
 def test_the_endpoint_card_shows_the_cloud_cooling_and_then_closed(gw, upstream, browser):
@@ -93,7 +98,6 @@ def test_the_endpoint_card_shows_the_cloud_cooling_and_then_closed(gw, upstream,
     body = {"model": "tandem", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
     r = httpx.post(gw.v1 + "/chat/completions", json=body, headers={"authorization": f"Bearer {API_KEY}"}, timeout=120)
     assert r.status_code == 200 and r.headers["x-tandem-backend"] == "device", r.text
-    wait.until(lambda d: (breaker_line(d) or ("", ""))[0] == "open")  # the card refreshes every 5 s
-    _, text = breaker_line(browser)
+    _, text = wait.until(lambda d: (line := breaker_line(d)) and line[0] == "open" and line)  # refreshes every 5 s
     assert text.startswith("breaker open: cooling until ") and "answered 429" in text
     wait.until(lambda d: (breaker_line(d) or ("", ""))[0] == "closed")  # the cool-down ends on its own

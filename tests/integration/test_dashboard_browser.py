@@ -39,6 +39,7 @@ if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):  # a named, 
     )
 
 from selenium import webdriver  # noqa: E402 (after the check that says what is missing)
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
@@ -122,7 +123,9 @@ def browser(gw: GatewayProcess, tmp_path_factory) -> Iterator[webdriver.Chrome]:
 
 
 def wait(driver, seconds: float = 60) -> WebDriverWait:
-    return WebDriverWait(driver, seconds, poll_frequency=0.1)
+    # The page re-renders what it refreshes: an element found in one poll may be replaced before it is read; the
+    # next poll finds the new one.
+    return WebDriverWait(driver, seconds, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,))
 
 
 def chat(
