@@ -293,6 +293,31 @@ def test_the_random_router_answers_with_the_endpoint_it_chose(problems):
     assert all(r.passed == (r.routed_to == "cloud") for r in half)
 
 
+def test_a_matched_random_router_follows_every_routing_rows_cloud_share(problems, tmp_path):
+    chosen = problems[:4]
+    cache = AnswerCache(tmp_path, quality_bench.setup_of("device-model", "cloud-model"))
+
+    def ask(config: Config, problem: humaneval.Problem) -> dict:  # DiSCo's: 30 cloud tokens of 40; the policy's: 20
+        record = {**_record(problem.task_id, CORRECT_0), "config": config.name, "cut": config.cut}
+        if config.kind != "endpoint":
+            on_cloud = 30 if config.kind == "disco" else 20
+            record["trace"] = {
+                "endpoints": [
+                    {"endpoint": "device", "decode_tokens": 40 - on_cloud, "prefill_tokens": 120},
+                    {"endpoint": "cloud", "decode_tokens": on_cloud, "prefill_tokens": 130},
+                ],
+                "migrations": [{"at_token": 40 - on_cloud, "from": "device", "to": "cloud", "reason": "quality"}],
+            }
+        return record
+
+    configs = parse_configs("device,cloud,disco:0.5,policy:quality+threshold=0.8")
+    for config in configs:
+        collect(config, chosen, cache, ask)
+    matched = parse_configs("device,cloud,disco:0.5,policy:quality+threshold=0.8,random:matched")
+    names = [s["config"] for s in quality_bench._frontier(matched, chosen, cache, None, FAST, {}, seed=0)]
+    assert names[-2:] == ["random-s0.75", "random-s0.50"]  # one beside DiSCo's row, one beside the policy's
+
+
 def test_the_report_pairs_each_configuration_with_the_endpoints(problems, tmp_path):
     device = [score(_record(p.task_id, WRONG_0), problems[0], FAST) for p in problems[:4]]
     cloud = [score(_record(p.task_id, CORRECT_0), problems[0], FAST) for p in problems[:4]]

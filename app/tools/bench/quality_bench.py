@@ -10,8 +10,8 @@ Configurations (`--configs`):
 - `disco:B`: DiSCo (`"policy": "disco"`) at budget b = B (set over PUT /v1/budget before its answers);
 - `random:S`: a router that sends each request to the cloud with probability S, else to the device (seeded).
   Greedy answers do not depend on who chose the endpoint, so its answer to a problem is that endpoint's own row:
-  it is read from the `device` and `cloud` rows, never asked again. `random:matched` adds one at each DiSCo row's
-  measured cloud token share;
+  it is read from the `device` and `cloud` rows, never asked again. `random:matched` adds one at each DiSCo or
+  `policy:` row's measured cloud token share;
 - `device>cloud@K`, `cloud>device@K`: the answer starts on one endpoint and is moved to the other after K answer
   tokens (`"tandem": {"migrate_after_tokens": K}`, migration reason `forced`): DiSCo's Appendix D (`--appendix-d`);
 - `policy:NAME+KEY=VALUE...`: any policy with its per-request knobs (the request's `tandem` options), e.g. a
@@ -713,8 +713,8 @@ def _frontier(
         for config in randoms:
             if config.share is not None:
                 shares.append(config.share)
-            else:  # matched: one at each DiSCo row's measured cloud token share
-                shares += [cloud_share(r) for name, r in rows.items() if name.startswith("disco")]
+            else:  # matched: one at each routing row's measured cloud token share (DiSCo's, a policy's)
+                shares += [cloud_share(rows[c.label]) for c in configs if c.kind in ("disco", "policy")]
         for share in shares:
             rows[f"random-s{share:.2f}"] = random_router(share, rows["device"], rows["cloud"], seed)
     references = {e: rows[e] for e in ENDPOINTS if e in rows}
