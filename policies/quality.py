@@ -69,11 +69,16 @@ class ConfidenceMonitor:
         """The mean top-token probability over the window (None before any token)."""
         return sum(self._tops) / len(self._tops) if self._tops else None
 
+    @property
+    def checking(self) -> bool:
+        """Whether the rule reads the mean yet (once `warmup` tokens are in)."""
+        return self.tokens >= self._warmup
+
     def add(self, confidence: TokenConfidence) -> bool:
         """One more device token; whether the answer should escalate now."""
         self._tops.append(confidence.top)
         self.tokens += 1
-        return self.threshold > 0.0 and self.tokens >= self._warmup and self.mean < self.threshold
+        return self.threshold > 0.0 and self.checking and self.mean < self.threshold
 
 
 def call_key(name: str, arguments: str | dict) -> tuple[str, str]:

@@ -1,7 +1,8 @@
 """`tandem bench quality` end to end on SmolLM2-135M (device and stand-in cloud alike: seconds an answer): a real
-gateway asked with the openai SDK, one HumanEval problem answered by the device alone and by the cloud moved to the
-device after 8 tokens, scored in the sandbox, written as JSON, markdown and PNG; a second run finds every answer in
-its cache and starts no gateway."""
+gateway asked with the openai SDK, one HumanEval problem of the tune half answered by the device alone, the cloud
+alone and the cloud moved to the device after 8 tokens, scored in the sandbox, written as JSON, markdown and PNG; a
+second run finds every answer in its cache and starts no gateway, and reads the quality policy's thresholds off the
+device's answer through the device model."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from tests.integration.hf_fixtures import SMOL, gguf_or_skip
 def test_bench_quality_answers_scores_and_rescores_from_its_cache(tmp_path: Path, capsys) -> None:
     gguf_or_skip(SMOL)
     cache, out = tmp_path / "cache", tmp_path / "out"
-    args = ["bench", "quality", "--sample", "1", "--configs", "device,cloud>device@8"]
+    args = ["bench", "quality", "--half", "tune", "--sample", "1", "--configs", "device,cloud,cloud>device@8"]
     args += ["--device-model", SMOL, "--cloud-model", SMOL, "--cache", str(cache)]
     assert tandem([*args, "--out", str(out)]) == 0
     assert "starting the gateway" in capsys.readouterr().err
 
     results = json.loads((out / "quality.json").read_text())
     rows = {s["config"]: s for s in results["summaries"]}
-    assert list(rows) == ["device", "cloud>device@8"] and len(results["problems"]) == 1
+    assert list(rows) == ["device", "cloud", "cloud>device@8"] and len(results["problems"]) == 1
     device, moved = rows["device"], rows["cloud>device@8"]
     assert device["problems"] == moved["problems"] == 1
     assert device["decode_tokens"]["cloud"] == 0 and device["decode_tokens"]["device"] > 0
@@ -45,8 +46,13 @@ def test_bench_quality_answers_scores_and_rescores_from_its_cache(tmp_path: Path
     assert (out / "quality.png").read_bytes()[:4] == b"\x89PNG"
 
     again = tmp_path / "again"
-    assert tandem([*args, "--out", str(again)]) == 0  # everything cached: no gateway, the same rows
+    assert tandem([*args, "--tune-thresholds", "0,1", "--out", str(again)]) == 0  # all cached: no gateway
     assert "starting the gateway" not in capsys.readouterr().err
+    tuned = json.loads((again / "quality.json").read_text())["tune"]
+    never, at_once = tuned["rows"]
+    assert tuned["problems"] == results["problems"] and 0 < tuned["lowest_window_mean"][0] < 1
+    assert (never["escalated"], at_once["escalated"], at_once["median_token"]) == (0, 1, 4)  # τ = 1: after warmup
+    assert never["estimated_passed"] == device["passed"] and at_once["estimated_passed"] == rows["cloud"]["passed"]
     rescored = json.loads((again / "quality.json").read_text())["summaries"]
     assert [(s["passed"], s["verdicts"], s["decode_tokens"]) for s in rescored] == [
         (s["passed"], s["verdicts"], s["decode_tokens"]) for s in results["summaries"]

@@ -45,12 +45,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app.tools import import_extra, pyplot
-from app.tools.bench import humaneval
+from app.tools.bench import humaneval, quality_tune
 from app.tools.bench.humaneval import Problem
 from app.tools.bench.output import cpu_name, publish, write_json
 from app.tools.bench.quality_stats import discordant, mcnemar_exact, paired_bootstrap, wilson
 from app.tools.bench.sandbox import Limits, network_isolation
 from app.tools.bench.sandbox import run as run_sandboxed
+from deploy.models import resolve_model
+from policies.quality import check_threshold
 
 DEVICE_MODEL = "qwen2.5-coder-0.5b-instruct"
 CLOUD_MODEL = "qwen2.5-coder-1.5b-instruct"
@@ -137,6 +139,13 @@ def _policy_options(value: str, token: str) -> tuple:
         except ValueError:
             options[key] = raw
     return tuple(options.items())
+
+
+def _threshold(text: str) -> float:
+    try:
+        return check_threshold(float(text))
+    except ValueError as exc:
+        raise SystemExit(f"error: --tune-thresholds: {text!r}: {exc}") from None
 
 
 def _unit(text: str, token: str) -> float:
@@ -636,10 +645,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", default="var/bench/quality-cache", help="the answers' cache folder")
     parser.add_argument("--offline", action="store_true", help="score cached answers only; never start the gateway")
     parser.add_argument("--out", default="var/bench/quality", help="folder for the JSON, markdown and PNG")
+    parser.add_argument(
+        "--tune-thresholds", default="", help="quality-policy τ values read off the device's answers (--half tune)"
+    )
     args = parser.parse_args(argv)
 
     configs = parse_configs(args.configs)
     cuts = tuple(int(k) for k in args.cuts.split(","))
+    thresholds = tuple(_threshold(t) for t in args.tune_thresholds.split(",") if t.strip())
+    if thresholds and args.half != "tune":
+        raise SystemExit("error: --tune-thresholds reads the tune half only (--half tune): never the half reported")
     problems = humaneval.load()
     chosen = humaneval.sample(humaneval.half(problems, args.half), args.sample, args.seed)
     cache = AnswerCache(Path(args.cache), setup_of(args.device_model, args.cloud_model))
@@ -665,6 +680,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             report += ["", title, "", *table(summaries), "", model_time(summaries)]
             plot_frontier(summaries, out / "quality.png")
+        if thresholds:
+            lines, results["tune"] = _tune(chosen, cache, gateway, limits, scored, thresholds, args.device_model)
+            report += ["", "The quality policy's threshold, read off the device's answers (the tune half)", "", *lines]
         if args.appendix_d:
             sample = humaneval.sample(problems, args.appendix_d_sample, args.seed)
             on_sample: dict[tuple[str, int], list[Scored]] = {}  # other problems than the frontier's
@@ -692,6 +710,19 @@ def main(argv: list[str] | None = None) -> int:
     publish("\n".join(report), out / "quality.md")
     write_json(results, out / "quality.json")
     return 0
+
+
+def _tune(problems, cache: AnswerCache, gateway, limits: Limits, scored, thresholds, device_model: str):
+    rows = {e: _rows(Config(e, "endpoint", endpoint=e), problems, cache, gateway, limits, scored) for e in ENDPOINTS}
+    answers = [r["answer"] for r in collect(Config("device", "endpoint", endpoint="device"), problems, cache, None)]
+    tops = quality_tune.top_probabilities(resolve_model(device_model), problems, answers)
+    return quality_tune.tune(
+        [p.task_id for p in problems],
+        [r.passed for r in rows["device"]],
+        [r.passed for r in rows["cloud"]],
+        tops,
+        thresholds,
+    )
 
 
 def _frontier(
