@@ -299,8 +299,11 @@ def test_a_matched_random_router_follows_every_routing_rows_cloud_share(problems
 
     def ask(config: Config, problem: humaneval.Problem) -> dict:  # DiSCo's: 30 cloud tokens of 40; the policy's: 20
         record = {**_record(problem.task_id, CORRECT_0), "config": config.name, "cut": config.cut}
+        if config.name == "cloud":
+            record["cost_usd"] = {"device": 0.0, "cloud": 1e-4}
         if config.kind != "endpoint":
             on_cloud = 30 if config.kind == "disco" else 20
+            record["cost_usd"] = {"device": 1e-5, "cloud": 1e-4 * on_cloud / 40}
             record["trace"] = {
                 "endpoints": [
                     {"endpoint": "device", "decode_tokens": 40 - on_cloud, "prefill_tokens": 120},
@@ -314,8 +317,9 @@ def test_a_matched_random_router_follows_every_routing_rows_cloud_share(problems
     for config in configs:
         collect(config, chosen, cache, ask)
     matched = parse_configs("device,cloud,disco:0.5,policy:quality+threshold=0.8,random:matched")
-    names = [s["config"] for s in quality_bench._frontier(matched, chosen, cache, None, FAST, {}, seed=0)]
-    assert names[-2:] == ["random-s0.75", "random-s0.50"]  # one beside DiSCo's row, one beside the policy's
+    summaries = quality_bench._frontier(matched, chosen, cache, None, FAST, {}, seed=0)
+    assert [s["config"] for s in summaries][-2:] == ["random-s0.75", "random-s0.50"]  # DiSCo's share, the policy's
+    assert [s["random_at_same_bill"] for s in summaries] == [0.25] * len(summaries)  # both endpoints: 1 of 4
 
 
 def test_the_report_pairs_each_configuration_with_the_endpoints(problems, tmp_path):
@@ -336,6 +340,16 @@ def test_the_report_pairs_each_configuration_with_the_endpoints(problems, tmp_pa
     )
     quality_bench.plot_frontier(summaries, tmp_path / "quality.png")
     assert Path(tmp_path / "quality.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_random_router_at_the_same_cloud_bill_scores_between_the_endpoints_in_expectation():
+    device = {"pass_at_1": 0.5, "cloud_cost_usd_per_answer": 0.0}
+    cloud = {"pass_at_1": 0.7, "cloud_cost_usd_per_answer": 200e-6}
+    routed = {"pass_at_1": 0.66, "cloud_cost_usd_per_answer": 50e-6}  # a quarter of cloud-only's bill
+    assert quality_bench.random_at_same_bill(routed, device, cloud) == pytest.approx(0.55)
+    assert quality_bench.random_at_same_bill(cloud, device, cloud) == pytest.approx(0.7)
+    assert quality_bench.random_at_same_bill({**routed, "cloud_cost_usd_per_answer": 1.0}, device, cloud) == 0.7
+    assert quality_bench.random_at_same_bill(routed, device, {**cloud, "cloud_cost_usd_per_answer": 0.0}) is None
 
 
 def test_appendix_d_checks_the_bound_and_names_the_problems_outside_it(problems):

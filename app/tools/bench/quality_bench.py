@@ -471,8 +471,8 @@ def table(summaries: list[dict]) -> list[str]:
     lines = [
         "| configuration | pass@1 % [95 % CI] | vs cloud: Δ points [95 % CI], McNemar p | vs device: Δ points "
         "[95 % CI] | cloud bill µUSD/answer | unified cost µUSD/answer | median TTFT s | cloud token share | "
-        "answers migrated (reasons) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "answers migrated (reasons) | a random router at the same cloud bill (expected pass@1 %) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         low, high = s["wilson_95"]
@@ -487,11 +487,12 @@ def table(summaries: list[dict]) -> list[str]:
             paired.append(text + (f", p = {p['mcnemar_p']:.3g}" if ref == "cloud" else ""))
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["migrations_by_reason"].items()))
         ttft = "—" if s["ttft_s_median"] is None else f"{s['ttft_s_median']:.2f}"
+        expected = "—" if s.get("random_at_same_bill") is None else _pct(s["random_at_same_bill"])
         lines.append(
             f"| {s['config']} | {_pct(s['pass_at_1'])} ({s['passed']}/{s['problems']}) [{_pct(low)}, {_pct(high)}] | "
             f"{paired[1]} | {paired[0]} | {1e6 * s['cloud_cost_usd_per_answer']:.1f} | "
             f"{1e6 * s['unified_cost_usd_per_answer']:.1f} | {ttft} | {s['cloud_token_share']:.2f} | "
-            f"{s['answers_migrated']}{f' ({reasons})' if reasons else ''} |"
+            f"{s['answers_migrated']}{f' ({reasons})' if reasons else ''} | {expected} |"
         )
     return lines
 
@@ -532,6 +533,10 @@ def plot_frontier(summaries: list[dict], path: Path) -> None:
             marker = {"device": "s", "cloud": "D"}.get(s["config"], "o" if s["config"].startswith("disco") else "^")
             ax.errorbar(x, y, yerr=[[y - low], [high - y]], fmt=marker, capsize=3)
             ax.annotate(s["config"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ends = {s["config"]: s for s in summaries if s["config"] in ENDPOINTS}
+        if len(ends) == 2:  # a random router, in expectation: the straight line between the endpoints
+            line = [ends["device"], ends["cloud"]]
+            ax.plot([1e6 * e[key] for e in line], [100 * e["pass_at_1"] for e in line], "--", color="grey", lw=1)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("HumanEval pass@1 (%) [Wilson 95 %]")
@@ -749,7 +754,23 @@ def _frontier(
         for share in shares:
             rows[f"random-s{share:.2f}"] = random_router(share, rows["device"], rows["cloud"], seed)
     references = {e: rows[e] for e in ENDPOINTS if e in rows}
-    return [summary(name, r, references, seed) for name, r in rows.items()]
+    summaries = [summary(name, r, references, seed) for name, r in rows.items()]
+    by_name = {s["config"]: s for s in summaries}
+    if set(ENDPOINTS) <= set(by_name):
+        for s in summaries:
+            s["random_at_same_bill"] = random_at_same_bill(s, by_name["device"], by_name["cloud"])
+    return summaries
+
+
+def random_at_same_bill(row: dict, device: dict, cloud: dict) -> float | None:
+    """The pass@1 a random router scores, in expectation, for the row's cloud bill: it sends each request to the
+    cloud with probability s = the row's bill / cloud-only's, so it scores the device's pass@1 plus s times the
+    cloud's lead on the same problems (None when the cloud costs nothing)."""
+    full = cloud["cloud_cost_usd_per_answer"]
+    if full <= 0:
+        return None
+    share = min(1.0, row["cloud_cost_usd_per_answer"] / full)
+    return device["pass_at_1"] + share * (cloud["pass_at_1"] - device["pass_at_1"])
 
 
 if __name__ == "__main__":
