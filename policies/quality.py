@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-DEFAULT_THRESHOLD = 0.6  # tuned by `qbench` (issue 38); the knob is a plain number for it to sweep
+DEFAULT_THRESHOLD = 0.85  # tuned on HumanEval's tune half (BENCHMARKS.md, "Answer quality"): 0.6 never escalated there
 DEFAULT_WINDOW = 16  # tokens: a code line or two; one unsure identifier alone does not move the answer
 DEFAULT_WARMUP = 4  # tokens before the first check: the prompt's difficulty as the first tokens show it
 
