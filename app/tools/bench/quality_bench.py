@@ -520,6 +520,13 @@ def model_time(summaries: list[dict]) -> str:
     return "Model time, as the answers were asked: " + "; ".join(parts) + "."
 
 
+def _short(name: str) -> str:
+    """A row's name on the plot: `policy:quality+quality_threshold=0.8` as `quality τ=0.8`."""
+    if not name.startswith("policy:"):
+        return name
+    return name.removeprefix("policy:").replace("+quality_threshold=", " τ=").replace("+", " ")
+
+
 def plot_frontier(summaries: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
@@ -532,7 +539,7 @@ def plot_frontier(summaries: list[dict], path: Path) -> None:
             low, high = (100 * v for v in s["wilson_95"])
             marker = {"device": "s", "cloud": "D"}.get(s["config"], "o" if s["config"].startswith("disco") else "^")
             ax.errorbar(x, y, yerr=[[y - low], [high - y]], fmt=marker, capsize=3)
-            ax.annotate(s["config"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(_short(s["config"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ends = {s["config"]: s for s in summaries if s["config"] in ENDPOINTS}
         if len(ends) == 2:  # a random router, in expectation: the straight line between the endpoints
             line = [ends["device"], ends["cloud"]]
