@@ -81,17 +81,14 @@ serve: $(SERVE_STAMP) models
 # The suite on two processes (pytest-xdist), each taking whole modules (--dist loadfile: a module's gateways and
 # workers are started once, in one process; the session-wide ones once per process). Most tests wait on a server
 # that computes on one core at a time, so two processes keep both cores busy: measured on 2 cores, 12.5 min against
-# 21 min in one process with the same background load (BENCHMARKS.md, "The suite's time"). Modules go out in
-# collection order (integration first; pyproject's testpaths): xdist's default, most tests first, sent the few-test
-# modules that take a minute each (the benches, the staged workers) last, with one process left idle at the end.
-# TEST_PROCESSES=1 runs it in this process alone, as `pytest` does by default.
+# 21 min in one process with the same background load (BENCHMARKS.md, "The suite's time"). TEST_PROCESSES=1 runs
+# it in this process alone, as `pytest` does by default.
 TEST_PROCESSES ?= 2
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	$(RUN_PY) $(BIN)/python -m pytest \
-		$(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder)
+	$(RUN_PY) $(BIN)/python -m pytest $(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
@@ -132,4 +129,4 @@ test-portable: models $(PORTABLE)/.installed store-server browser
 	$(PORTABLE_TORCH) $(PORTABLE)/bin/python -c "import torch, sys; c = torch.backends.cpu.get_cpu_capability(); \
 		print('torch CPU capability:', c); sys.exit(c != 'DEFAULT')"
 	$(RUN_PY) $(PORTABLE_TORCH) $(PORTABLE)/bin/python -m pytest \
-		$(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder)
+		$(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile)
