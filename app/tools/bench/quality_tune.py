@@ -16,8 +16,6 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 from app.tools.bench import humaneval
 from app.tools.bench.humaneval import Problem
 from policies.quality import ConfidenceMonitor, TokenConfidence
@@ -29,6 +27,7 @@ def top_probabilities(model_path: Path, problems: Sequence[Problem], answers: Se
     import llama_cpp
 
     from clients.chat_template import render_chat
+    from clients.logprobs import confidence_of, log_softmax
 
     llm = llama_cpp.Llama(str(model_path), n_ctx=4096, n_threads=2, logits_all=True, verbose=False)
     template = llm.metadata["tokenizer.chat_template"]
@@ -42,10 +41,8 @@ def top_probabilities(model_path: Path, problems: Sequence[Problem], answers: Se
         llm.reset()
         llm.eval(ids)
         start = len(prompt) + len(prefix)
-        logits = np.asarray(llm.scores[start - 1 : len(ids) - 1], dtype=np.float64)
-        logits -= logits.max(axis=1, keepdims=True)
-        probs = np.exp(logits)
-        tops.append((probs.max(axis=1) / probs.sum(axis=1)).tolist())
+        # the live device's own reading of a row of logits (clients/llamacpp.py captures them the same way)
+        tops.append([confidence_of(log_softmax(row)).top for row in llm.scores[start - 1 : len(ids) - 1]])
     return tops
 
 
