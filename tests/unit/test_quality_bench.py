@@ -1,5 +1,6 @@
 """`tandem bench quality`'s parts: the sandbox that runs a model's program, HumanEval's scoring, the statistics, the
-answer cache and the configurations (app/tools/bench/: sandbox.py, humaneval.py, quality_stats.py, quality_bench.py)."""
+answer cache and the configurations, the scores and the report (app/tools/bench/: sandbox.py, humaneval.py,
+quality_stats.py, quality_bench.py, quality_scores.py, quality_report.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from app.tools.bench import humaneval, quality_bench
-from app.tools.bench.quality_bench import AnswerCache, Config, collect, parse_configs, random_router, score
+from app.tools.bench import humaneval, quality_bench, quality_report, quality_scores
+from app.tools.bench.quality_bench import AnswerCache, Config, collect, parse_configs
+from app.tools.bench.quality_scores import random_router, score
 from app.tools.bench.quality_stats import discordant, mcnemar_exact, paired_bootstrap, wilson
 from app.tools.bench.sandbox import Limits, network_isolation, run
 
@@ -326,19 +328,19 @@ def test_the_report_pairs_each_configuration_with_the_endpoints(problems, tmp_pa
     device = [score(_record(p.task_id, WRONG_0), problems[0], FAST) for p in problems[:4]]
     cloud = [score(_record(p.task_id, CORRECT_0), problems[0], FAST) for p in problems[:4]]
     summaries = [
-        quality_bench.summary(name, rows, {"device": device, "cloud": cloud}, seed=0)
+        quality_scores.summary(name, rows, {"device": device, "cloud": cloud}, seed=0)
         for name, rows in (("device", device), ("cloud", cloud))
     ]
     assert summaries[0]["paired"]["cloud"]["difference"] == -1.0
     assert summaries[0]["paired"]["cloud"]["mcnemar_p"] == pytest.approx(2 / 16)
     assert summaries[1]["pass_at_1"] == 1.0 and "cloud" not in summaries[1]["paired"]
-    lines = quality_bench.table(summaries)
+    lines = quality_report.table(summaries)
     assert lines[2].startswith("| device | 0.0 (0/4)") and lines[3].startswith("| cloud | 100.0 (4/4)")
-    assert quality_bench.model_time(summaries) == (
+    assert quality_report.model_time(summaries) == (
         "Model time, as the answers were asked: device 12 s (3.0 s an answer, 15.6 tokens/s); cloud 12 s (3.0 s an "
         "answer, 15.6 tokens/s)."
     )
-    quality_bench.plot_frontier(summaries, tmp_path / "quality.png")
+    quality_report.plot_frontier(summaries, tmp_path / "quality.png")
     assert Path(tmp_path / "quality.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -346,10 +348,10 @@ def test_a_random_router_at_the_same_cloud_bill_scores_between_the_endpoints_in_
     device = {"pass_at_1": 0.5, "cloud_cost_usd_per_answer": 0.0}
     cloud = {"pass_at_1": 0.7, "cloud_cost_usd_per_answer": 200e-6}
     routed = {"pass_at_1": 0.66, "cloud_cost_usd_per_answer": 50e-6}  # a quarter of cloud-only's bill
-    assert quality_bench.random_at_same_bill(routed, device, cloud) == pytest.approx(0.55)
-    assert quality_bench.random_at_same_bill(cloud, device, cloud) == pytest.approx(0.7)
-    assert quality_bench.random_at_same_bill({**routed, "cloud_cost_usd_per_answer": 1.0}, device, cloud) == 0.7
-    assert quality_bench.random_at_same_bill(routed, device, {**cloud, "cloud_cost_usd_per_answer": 0.0}) is None
+    assert quality_scores.random_at_same_bill(routed, device, cloud) == pytest.approx(0.55)
+    assert quality_scores.random_at_same_bill(cloud, device, cloud) == pytest.approx(0.7)
+    assert quality_scores.random_at_same_bill({**routed, "cloud_cost_usd_per_answer": 1.0}, device, cloud) == 0.7
+    assert quality_scores.random_at_same_bill(routed, device, {**cloud, "cloud_cost_usd_per_answer": 0.0}) is None
 
 
 def test_appendix_d_checks_the_bound_and_names_the_problems_outside_it(problems):
@@ -357,7 +359,7 @@ def test_appendix_d_checks_the_bound_and_names_the_problems_outside_it(problems)
 
     def rows(passes: str, migrated: bool = False) -> list:
         return [
-            quality_bench.Scored(t, c == "1", "passed" if c == "1" else "AssertionError", 0.0, 0.0, 0.5, 1.0,
+            quality_scores.Scored(t, c == "1", "passed" if c == "1" else "AssertionError", 0.0, 0.0, 0.5, 1.0,
                                  {}, {}, [(16, "device", "cloud", "forced")] if migrated else [], "stop")
             for t, c in zip(ids, passes, strict=True)
         ]  # fmt: skip
@@ -365,11 +367,11 @@ def test_appendix_d_checks_the_bound_and_names_the_problems_outside_it(problems)
     table = {"device": rows("1100"), "cloud": rows("1010")}  # device 2/4, cloud 2/4: both pass 0, neither 3
     table["device>cloud@16"] = rows("1001", migrated=True)  # 2/4: within; problem 3 passes where both fail
     table["cloud>device@16"] = rows("0110", migrated=True)  # 2/4: within; problem 0 fails where both pass
-    lines, data = quality_bench.appendix_d(table, (16,))
+    lines, data = quality_report.appendix_d(table, (16,))
     assert [r["bound_holds"] for r in data["rows"]] == [True, True]
     assert data["rows"][0]["above_both"] == ["HumanEval/3"] and data["rows"][1]["below_both"] == ["HumanEval/0"]
     assert "bound check device>cloud@16: 2 <= 2 <= 2: holds" in lines
     table["device>cloud@16"] = rows("1111", migrated=True)
-    lines, data = quality_bench.appendix_d(table, (16,))
+    lines, data = quality_report.appendix_d(table, (16,))
     assert not data["rows"][0]["bound_holds"]
     assert "bound check device>cloud@16: 2 <= 4 <= 2: does not hold" in lines
