@@ -172,3 +172,20 @@ def test_project_reports_the_runs_profile_beside_the_projection(tmp_path) -> Non
         "| SD | 42.0 → 42.0 | 6.0 → 6.0 | 70.0 → 70.0 | 21.5 → 21.5 | 175.0 → 13.0 | 5.5 → 5.5 | worker → head |"
         in text
     )
+
+
+def test_a_table4_run_alone_projects_tbt_and_says_ttft_needs_the_components(tmp_path) -> None:
+    hat = {k: v for k, v in json.loads(json.dumps(HAT)).items() if k != "components"}
+    files = {"device.json": _run("cpu", {1: 100.0, 4: 150.0}, {"a": 0.16, "b": 0.0085, "c": 2e-6, "d": 1e-6}),
+             "gpu.json": _run("gpu", {1: 10.0, 2: 12.0, 4: 14.0}, {"a": 0.02, "b": 5e-6, "c": 0.0, "d": 0.0}),
+             "hat.json": hat}  # fmt: skip
+    for name, run in files.items():
+        (tmp_path / name).write_text(json.dumps(run))
+    args = wc.build_parser().parse_args(
+        ["--project", str(tmp_path / "device.json"), str(tmp_path / "gpu.json"), "--hat", str(tmp_path / "hat.json")]
+    )
+    res = wc.project(args)
+    assert res["ttft"] == []
+    assert [r["method"] for r in res["tbt"]] == [m for m, row in HAT["table4"].items() if isinstance(row, dict)]
+    text = wc.report_project(res)
+    assert "| SD |" in text and text.endswith("(no TTFT projection: the hat run has no components section)")

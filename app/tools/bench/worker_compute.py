@@ -313,7 +313,11 @@ def project(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "hat_run": {"file": str(args.hat), **{k: hat["setup"].get(k) for k in ("created", "cpu", "link")}},
         "tbt": tbt,
-        "ttft": project_ttft(hat, device, {"cpu": device, "other": worker}, args.lengths),
+        # TTFT's tail (the download, one head row) comes from the run's component times: a Table 4 run alone
+        # (`--sections table4`) projects TBT only
+        "ttft": project_ttft(hat, device, {"cpu": device, "other": worker}, args.lengths)
+        if "components" in hat
+        else [],
         "measured_table5": measured,
         "workers": {"cpu": device["setup"], "other": worker["setup"]},
     }
@@ -369,6 +373,8 @@ def report_project(p: dict[str, Any]) -> str:
         lines.append(
             f"| {r['method']} | " + " | ".join(cells) + f" | {measured['bottleneck']} → {r['other_bottleneck']} |"
         )
+    if not p["ttft"]:
+        return "\n".join([*lines, "", "(no TTFT projection: the hat run has no components section)"])
     lines += ["", "| worker | prompt | one frame ms | Eq. 3 chunks ms (ratio) | planned ms (ratio) | measured PC / U |",
               "|---|---|---|---|---|---|"]  # fmt: skip
     for r in p["ttft"]:
