@@ -18,12 +18,6 @@ import os
 # processes (BENCHMARKS.md, "The suite's time": two modules took 86 s passive, 224 s spinning 30,000 times under
 # load). The servers inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# And one thread each: two pytest processes on two cores each start llama.cpp (a gateway's device and its embedded
-# cloud, llama-server) and torch (workers, the HAT device half) processes of two threads, so every barrier waits for a
-# thread that shares its core with another process's. OMP_THREAD_LIMIT caps what a `num_threads` clause asks
-# (llama.cpp passes n_threads explicitly, so OMP_NUM_THREADS would not): the configs stay the product's, the
-# processes compute on one core each (BENCHMARKS.md, "The suite's time", session 17).
-os.environ.setdefault("OMP_THREAD_LIMIT", "1")
 
 import socket
 import threading
