@@ -35,6 +35,9 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     t4 = results["table4"]
     assert t4["U-shape"]["accept_length"] == 1.0 and t4["SD"]["accept_length"] >= 1.0 and t4["decode_speedup"] > 0
     assert t4["proactive_speedup"] > 0
+    # counted against U-shape's tokens prompt by prompt (reported, not asserted: greedy SD equals U-shape up to the
+    # near-ties of a batched verification, which the suite's rules keep out of exact comparisons)
+    assert t4["U-shape"]["prompts_differing"] == 0 and t4["SD"]["prompts_differing"] in (0, 1)
     for method in ("U-shape", "SD", "SD+proactive"):  # the device half's profile of the very rounds Table 4 measured
         stats = t4[method]["stats"]
         profile = stats["profile_ms_per_round"]

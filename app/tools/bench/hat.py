@@ -74,6 +74,11 @@ from app.tools.bench.output import cpu_name, write_json
 from clients.hat.options import PROFILE_PARTS
 
 
+def _differing(row: dict[str, Any]) -> str:
+    """A Table 4 row's prompts whose tokens differ from U-shape's ("—" for runs from before the count)."""
+    return str(row["prompts_differing"]) if "prompts_differing" in row else "—"
+
+
 def report(results: dict[str, Any]) -> str:
     lines = []
     setup = results["setup"]
@@ -98,15 +103,17 @@ def report(results: dict[str, Any]) -> str:
             f"{r['prompt_tokens']}:{r['accept_length']:.2f}" for r in rows if r["variant"] == "SD"))  # fmt: skip
     if "table4" in results:
         t = results["table4"]
+
         lines += ["", f"Table 4 ({t['prompts']} held-out prompts, SD alone)", "",
-                  "| method | accept length | TBT median ms | speedup |", "|---|---|---|---|",
-                  f"| U-shape | 1.00 | {t['U-shape']['tbt_ms_median']:.1f} | 1.00x |",
+                  "| method | accept length | TBT median ms | speedup | prompts whose tokens differ from U-shape's |",
+                  "|---|---|---|---|---|",
+                  f"| U-shape | 1.00 | {t['U-shape']['tbt_ms_median']:.1f} | 1.00x | — |",
                   f"| HAT (SD) | {t['SD']['accept_length']:.2f} | {t['SD']['tbt_ms_median']:.1f} | "
-                  f"{t['decode_speedup']:.2f}x |"]  # fmt: skip
+                  f"{t['decode_speedup']:.2f}x | {_differing(t['SD'])} |"]  # fmt: skip
         if "proactive_speedup" in t:
             p = t[PROACTIVE]
             lines.append(f"| HAT (SD, proactive drafting) | {p['accept_length']:.2f} | {p['tbt_ms_median']:.1f} | "
-                         f"{t['proactive_speedup']:.2f}x |")  # fmt: skip
+                         f"{t['proactive_speedup']:.2f}x | {_differing(p)} |")  # fmt: skip
         lines += report_profile(t)
     if "components" in results:
         c = results["components"]

@@ -89,20 +89,24 @@ async def table4_rows(bench: Bench, configs: list[Config]) -> dict[str, Any]:
     a = bench.args
     prompts = bench.held_out_prompts(a.table4_prompts)
     out: dict[str, Any] = {}
+    first: list[dict[str, Any]] | None = None  # the first configuration's requests (U-shape): the tokens to match
     for name, v, kw in configs:
         b = await started(bench, v, **kw)
         await run_request(b, prompts[0], 4)
         b.stats = HATStats()  # count the measured requests only
         runs = [await run_request(b, ids, a.table4_tokens) for ids in prompts]
+        first = first or runs
         out[name] = {
             "tbt_ms_median": statistics.median(r["tbt_ms"] for r in runs if r["tokens"] > 1),
             "tbt_ms_per_prompt": [round(r["tbt_ms"], 2) for r in runs],
             "tokens": sum(r["tokens"] for r in runs),
             "accept_length": b.stats.round_tokens / max(b.stats.rounds, 1) if v.sd else 1.0,
+            # prompts whose greedy tokens differ from the first configuration's (speculation must change none)
+            "prompts_differing": sum(r["ids"] != f["ids"] for r, f in zip(runs, first, strict=True)),
             "stats": b.stats.summary(),
         }
-        print(f"  table4 {name}: {json.dumps({k: out[name][k] for k in ('tbt_ms_median', 'accept_length')})}",
-              file=sys.stderr)  # fmt: skip
+        shown = ("tbt_ms_median", "accept_length", "prompts_differing")
+        print(f"  table4 {name}: {json.dumps({k: out[name][k] for k in shown})}", file=sys.stderr)
         await b.close()
     out["prompts"] = len(prompts)
     return out
