@@ -78,12 +78,13 @@ setup: $(DEV_STAMP) models llama-server store-server browser
 serve: $(SERVE_STAMP) models
 	$(RUN_PY) $(BIN)/tandem serve $(if $(CONFIG),--config $(CONFIG))
 
-# The suite on two processes (pytest-xdist), each taking whole modules (--dist loadfile: a module's gateways and
+# The suite on three processes (pytest-xdist), each taking whole modules (--dist loadfile: a module's gateways and
 # workers are started once, in one process; the session-wide ones once per process). Most tests wait on a server
-# that computes on one core at a time, so two processes keep both cores busy: measured on 2 cores, 12.5 min against
-# 21 min in one process with the same background load (BENCHMARKS.md, "The suite's time"). TEST_PROCESSES=1 runs
-# it in this process alone, as `pytest` does by default.
-TEST_PROCESSES ?= 2
+# that computes on one core at a time, so several processes keep both cores busy: measured on 2 cores, two processes
+# 12.5 min against 21 min in one with the same background load; three 12 min 48 s against two's 13 min 46 s on a
+# quiet box, the cores 96 % busy with three (BENCHMARKS.md, "The suite's time"). TEST_PROCESSES=1 runs it in this
+# process alone, as `pytest` does by default.
+TEST_PROCESSES ?= 3
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
