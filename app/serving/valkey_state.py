@@ -46,6 +46,7 @@ import time
 import urllib.parse
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -210,6 +211,28 @@ BACKOFF = (0.25, 30.0)  # a failing background task's first and longest wait bef
 T = TypeVar("T")
 
 
+@dataclass
+class _Progress:
+    """A running request's partial settlement waiting for the store (an Op). While it waits, the request's later
+    ones add into it — the spend and the tokens are deltas, the lease's new end is the newest — so a store outage
+    queues one per running request, not one per settle period. Its `now` stays the first one's: `tandem_progress`
+    renews a hold that had not lapsed by then, as the first of the separate calls would have, and each later call
+    came within a lease of the one before."""
+
+    keys: tuple[str, str, str]  # the spend of the period, the holds, the tokens of the minute
+    admission_id: str
+    spent_micro: int
+    tokens: int
+    keep: int  # the spend's TTL
+    now: str
+    lease_end: str
+    holds_ttl: int
+
+    def __call__(self, pipe: Pipeline) -> None:
+        args = (self.spent_micro, self.tokens, self.keep, self.now, self.lease_end, self.holds_ttl)
+        pipe.fcall("tandem_progress", 3, *self.keys, self.admission_id, *args)
+
+
 def _broken(exc: BaseException) -> bool:
     """A call that failed on its connection rather than on the store's data: a connection opened before a restart
     (its first command fails), one cut under it, or a store that restarted empty (the library gone). A fresh
@@ -267,6 +290,7 @@ class ValkeyStore:
         self.settle_seconds = settle_seconds
         self.counters = LocalCounters(hold_seconds)  # the fallback while the store is away
         self._pending: deque[Op] = deque()  # bookings and settlements not yet on the store, in order: never dropped
+        self._progress: dict[str, _Progress] = {}  # each admission's progress op in `_pending` and not yet sent
         # Traces not yet on the store, oldest first: its key → (when kept, JSON); a request's newer one replaces it.
         self._traces: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self.traces_dropped = 0  # since start: traces the full queue pushed out
@@ -443,6 +467,9 @@ class ValkeyStore:
         again (a store lost at that very moment, or a connection broken under it)."""
         while self._pending:
             batch = [self._pending[i] for i in range(min(BATCH, len(self._pending)))]
+            for op in batch:  # written into the batch as they are now: a later progress queues one of its own
+                if isinstance(op, _Progress) and self._progress.get(op.admission_id) is op:
+                    del self._progress[op.admission_id]
             await self._call(self._send, batch)
             for _ in batch:
                 self._pending.popleft()
@@ -638,6 +665,7 @@ class ValkeyStore:
 
         if not admission.shared:
             self.counters.settle(key, admission.id, now, spent_micro, tokens)
+        self._progress.pop(admission.id, None)  # a waiting one still leaves before this; nothing adds into it now
         if self._up and not self._pending:
             try:
                 await self._call(self._redis.fcall, "tandem_settle", 3, spend, holds, tpm, *args)
@@ -647,14 +675,30 @@ class ValkeyStore:
         self._later(op)  # replayed, in order, when the store is back
 
     def progress(self, admission: Admission, spent_micro: int, tokens: int, now: float) -> None:
-        """Through the queue, like a booking (replayed after a loss; a lease renewed late finds its hold lapsed)."""
+        """Through the queue, like a booking (replayed after a loss; a lease renewed late finds its hold lapsed), added
+        into the admission's last one while that one waits (`_Progress`)."""
         key = admission.key
-        spend, holds, _, tpm, keep = self._key_names(key, admission.now)
-        lease = (f"{now:.3f}", f"{now + self.hold_seconds:.3f}", math.ceil(2 * self.hold_seconds))
-        args = (admission.id, spent_micro, tokens, keep, *lease)
         if not admission.shared:
             self.counters.progress(key, admission.id, admission.now, now, spent_micro, tokens)
-        self._later(lambda pipe: pipe.fcall("tandem_progress", 3, spend, holds, tpm, *args))
+        waiting = self._progress.get(admission.id)
+        if waiting is not None:  # its last one has not left yet: this one adds into it
+            waiting.spent_micro += spent_micro
+            waiting.tokens += tokens
+            waiting.lease_end = f"{now + self.hold_seconds:.3f}"
+            return
+        spend, holds, _, tpm, keep = self._key_names(key, admission.now)
+        op = _Progress(
+            (spend, holds, tpm),
+            admission.id,
+            spent_micro,
+            tokens,
+            keep,
+            f"{now:.3f}",
+            f"{now + self.hold_seconds:.3f}",
+            math.ceil(2 * self.hold_seconds),
+        )
+        self._progress[admission.id] = op
+        self._later(op)
 
     async def key_usage(self, keys: Sequence[KeyLimits], now: float) -> list[dict]:
         """Each key's counts as the store holds them (every replica's), in one round trip; this replica's own while

@@ -10,7 +10,8 @@ the store answers, and no second loss is declared (1). Settings this release can
 and saying so (GET /v1/budget, /health, /metrics), serving on its last good settings with its bookings still reaching
 the store, until a readable version is written, by a PUT or by a replica that knows the field; fields a newer
 release added are read past and kept (2). The background task survives any failure, says so, and recovers (2).
-Traces written while the store is away are replayed to it, the queue's overflow counted and said (3).
+Traces written while the store is away are replayed to it, the queue's overflow counted and said (3). Running
+requests' partial settlements wait through an outage as one op per request and add up on the store after it (4).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import redis
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
 from app.serving.budget import SETTING_FIELDS, BudgetSettings, Price
 from app.serving.ledger import Booking, Ledger
-from app.serving.limits import KeyLimits
+from app.serving.limits import Admission, KeyLimits
 from app.serving.valkey_state import ValkeyStore
 from tests.integration.scripted_upstream import ScriptedUpstream
 from tests.integration.store_helpers import StoreServer, replica_config
@@ -189,6 +190,46 @@ def test_after_a_restart_concurrent_calls_on_the_store_client_all_find_it(notice
         server.close()
     lost = [r for r in caplog.records if " lost (" in r.getMessage()]
     assert len(lost) == (1 if noticed else 0), [r.getMessage() for r in lost]
+
+
+def test_a_running_requests_progress_waits_as_one_op_through_an_outage_and_adds_up_on_replay():
+    """ValkeyStore alone, "local": the partial settlements of running requests (one every settle period) while the
+    store is away wait as one queued op per request, however many periods pass — each added into the request's
+    waiting one — and once the store is back (restarted empty) it holds exactly their sum."""
+    server = StoreServer()
+    server.start()
+    key = KeyLimits("progress", rpm=1000)
+
+    async def scenario() -> None:
+        ledger = Ledger(None, BudgetSettings(prices={"cloud": Price(1.0, 2.0)}))
+        store = ValkeyStore(ledger, server.url, "p:", "local", poll_seconds=0.2, timeout=0.5)
+        await store.start()
+        try:
+            now = time.time()
+            running = []
+            for name in ("run-1", "run-2"):
+                verdict, shared = await store.admit(key, name, now, 5000)
+                assert verdict.status == "ok" and shared
+                running.append(Admission(name, key, 5000, verdict, now, shared))
+            server.stop()
+            await until(lambda: not store.describe()["connected"])
+            waiting = store.describe()["pending"]
+            for period in range(1, 11):
+                store.progress(running[0], 100, 3, now + 2 * period)
+                store.progress(running[1], -7, 1, now + 2 * period)  # a usage report that corrected our count
+            assert store.describe()["pending"] == waiting + 2  # one per running request, not one per period
+            await asyncio.to_thread(server.start)
+            await until(lambda: store.describe()["connected"] and store.describe()["pending"] == 0)
+            [line] = await store.key_usage([key], now)
+            assert line["source"] == "shared"
+            assert (line["spent_micro"], line["tokens_this_minute"]) == (10 * 100 - 10 * 7, 10 * 3 + 10 * 1)
+        finally:
+            await asyncio.wait_for(store.close(), PATIENCE)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
 
 
 async def bounded(*calls: Awaitable[T]) -> list[T]:
