@@ -103,7 +103,6 @@ def report(results: dict[str, Any]) -> str:
             f"{r['prompt_tokens']}:{r['accept_length']:.2f}" for r in rows if r["variant"] == "SD"))  # fmt: skip
     if "table4" in results:
         t = results["table4"]
-
         lines += ["", f"Table 4 ({t['prompts']} held-out prompts, SD alone)", "",
                   "| method | accept length | TBT median ms | speedup | prompts whose tokens differ from U-shape's |",
                   "|---|---|---|---|---|",
