@@ -152,19 +152,21 @@ def test_project_refuses_a_device_run_without_the_input_layers(tmp_path) -> None
         wc.project(args)
 
 
-def test_project_reports_the_runs_profile_beside_the_projection(tmp_path) -> None:
-    hat = json.loads(json.dumps(HAT))
-    hat["setup"].update({"created": "2026-11-27T11:00:00+00:00", "cpu": "x", "link": "latency=10ms"})
+def _project(tmp_path, hat: dict, *flags: str) -> dict:
+    """`--project` over a CPU device run, a GPU worker run and `hat`, written to tmp_path."""
     files = {"device.json": _run("cpu", {1: 100.0, 4: 150.0}, {"a": 0.16, "b": 0.0085, "c": 2e-6, "d": 1e-6}),
              "gpu.json": _run("gpu", {1: 10.0, 2: 12.0, 4: 14.0}, {"a": 0.02, "b": 5e-6, "c": 0.0, "d": 0.0}),
              "hat.json": hat}  # fmt: skip
     for name, run in files.items():
         (tmp_path / name).write_text(json.dumps(run))
-    args = wc.build_parser().parse_args(
-        ["--project", str(tmp_path / "device.json"), str(tmp_path / "gpu.json"), "--hat", str(tmp_path / "hat.json"),
-         "--lengths", "128"]
-    )  # fmt: skip
-    res = wc.project(args)
+    paths = [str(tmp_path / name) for name in files]
+    return wc.project(wc.build_parser().parse_args(["--project", *paths[:2], "--hat", paths[2], *flags]))
+
+
+def test_project_reports_the_runs_profile_beside_the_projection(tmp_path) -> None:
+    hat = json.loads(json.dumps(HAT))
+    hat["setup"].update({"created": "2026-11-27T11:00:00+00:00", "cpu": "x", "link": "latency=10ms"})
+    res = _project(tmp_path, hat, "--lengths", "128")
     assert res["hat_run"]["created"] == "2026-11-27T11:00:00+00:00"
     text = wc.report_project(res)
     assert "created 2026-11-27T11:00:00+00:00" in text
@@ -175,16 +177,7 @@ def test_project_reports_the_runs_profile_beside_the_projection(tmp_path) -> Non
 
 
 def test_a_table4_run_alone_projects_tbt_and_says_ttft_needs_the_components(tmp_path) -> None:
-    hat = {k: v for k, v in json.loads(json.dumps(HAT)).items() if k != "components"}
-    files = {"device.json": _run("cpu", {1: 100.0, 4: 150.0}, {"a": 0.16, "b": 0.0085, "c": 2e-6, "d": 1e-6}),
-             "gpu.json": _run("gpu", {1: 10.0, 2: 12.0, 4: 14.0}, {"a": 0.02, "b": 5e-6, "c": 0.0, "d": 0.0}),
-             "hat.json": hat}  # fmt: skip
-    for name, run in files.items():
-        (tmp_path / name).write_text(json.dumps(run))
-    args = wc.build_parser().parse_args(
-        ["--project", str(tmp_path / "device.json"), str(tmp_path / "gpu.json"), "--hat", str(tmp_path / "hat.json")]
-    )
-    res = wc.project(args)
+    res = _project(tmp_path, {k: v for k, v in json.loads(json.dumps(HAT)).items() if k != "components"})
     assert res["ttft"] == []
     assert [r["method"] for r in res["tbt"]] == [m for m, row in HAT["table4"].items() if isinstance(row, dict)]
     text = wc.report_project(res)
