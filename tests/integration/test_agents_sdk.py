@@ -10,8 +10,8 @@ the tool's result, the 0.5B model calls `add` again rather than answering (with 
 instructions say), so a loop that asks it again ends only at its turn limit. That is the model, not the wire; what
 these tests hold is that the loop's call is well-formed, reaches the tool and completes the run.
 
-Real parts: the embedded default gateway (session fixture: the 0.5B device in reproducible mode, the 1.5B
-stand-in cloud, llama-cpp-python's server), the real `openai-agents` SDK over the real `openai` client on loopback.
+Real parts: the embedded default's shape (session fixture: the 0.5B device in reproducible mode, the 0.5B again as
+the stand-in cloud, llama-cpp-python's server), the real `openai-agents` SDK over the real `openai` client on loopback.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """DiSCo against the real backends: races won by each side, DiSCo-D's delayed device start,
 cost-driven migrations in both directions with byte-exact continuity, and the budget API.
 
-The gateway runs the embedded default (Qwen2.5-Coder-0.5B on llama.cpp as the device,
-the 1.5B behind a real OpenAI-compatible server on loopback as the cloud). Each test
+The gateway runs the embedded default's shape (Qwen2.5-Coder-0.5B on llama.cpp as the device,
+the 0.5B again behind a real OpenAI-compatible server on loopback as the cloud). Each test
 sets the knobs it needs over PUT /v1/budget, exactly as a user would.
 """
 
@@ -35,7 +35,7 @@ trace_file = "{state.parent / "trace.jsonl"}"
 model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
 [clouds.cloud]
-model = "qwen2.5-coder-1.5b-instruct"
+model = "qwen2.5-coder-0.5b-instruct"
 tokenizer = "device"
 continuation = "completions"
 co_located = false   # races are what these tests watch (embedded, it would never be raced against the device)

@@ -3,7 +3,7 @@ backends: the answer moves to the other endpoint of its pair after exactly k ans
 is exact (nothing repeated, skipped or lost); a request where it cannot move is refused, naming the field.
 
 Real parts: the session's embedded-default gateway (tests/conftest.py: Qwen2.5-Coder-0.5B on llama.cpp as the
-device, on its reproducible path; the 1.5B behind a real OpenAI-compatible server on loopback as the cloud), the
+device, on its reproducible path; the 0.5B again behind a real OpenAI-compatible server on loopback as the cloud), the
 `openai` SDK, real HTTP.
 """
 

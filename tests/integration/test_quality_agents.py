@@ -6,20 +6,42 @@ until the turn limit (tests/integration/test_agents_sdk.py stops the agent at it
 never delivered: the answer goes on on the cloud. The run completes with the tool called once and the answer given.
 τ = 0 here, so only the repeated call can escalate.
 
-Real parts: the embedded default gateway (session fixture: the 0.5B device in reproducible mode, the 1.5B stand-in
-cloud, llama-cpp-python's server), the real `openai-agents` SDK over the real `openai` client on loopback.
+Real parts: a gateway of the embedded default's shape with its own 1.5B cloud (the session's `gateway` stands the 0.5B
+in for the cloud as well: here the cloud must be the better model), the 0.5B device in reproducible mode,
+llama-cpp-python's server, the real `openai-agents` SDK over the real `openai` client on loopback.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
+import pytest
 from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
+from app.launcher import GatewayProcess, start_gateway, stop_gateway
+from tests.conftest import EMBEDDED_CONFIG
 from tests.integration.disco_helpers import trace
 
 set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
+
+# The embedded default's shape with the 1.5B as its cloud (the device's model line stays the 0.5B).
+CONFIG = EMBEDDED_CONFIG.replace(
+    '[clouds.cloud]\nmodel = "qwen2.5-coder-0.5b-instruct"', '[clouds.cloud]\nmodel = "qwen2.5-coder-1.5b-instruct"'
+).replace(
+    '[clouds.cloud.embedded]\nmodel = "qwen2.5-coder-0.5b-instruct"',
+    '[clouds.cloud.embedded]\nmodel = "qwen2.5-coder-1.5b-instruct"',
+)
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[GatewayProcess]:
+    assert CONFIG.count("1.5b") == 2, CONFIG
+    gw = start_gateway(CONFIG)
+    yield gw
+    stop_gateway(gw)
+
 
 QUALITY = {"tandem": {"policy": "quality", "quality_threshold": 0}}
 

@@ -1,6 +1,6 @@
 """Grammars sent to upstreams that take them (clients/gbnf.py), through the real `openai` SDK against real gateways:
 forced tool calls (streamed and not), json_schema and json_object answers pinned to the embedded cloud
-(llama-cpp-python's server with Qwen2.5-Coder-1.5B, conftest's `gateway`) follow them; llama.cpp's own llama-server
+(llama-cpp-python's server, conftest's `gateway`) follow them; llama.cpp's own llama-server
 (conftest's `llama_server_smollm`) follows one too, and takes a JSON answer over mid-way from the device under the
 schema's residual grammar (a cost migration: DiSCo moves the answer to the cheaper cloud after a few tokens).
 """
