@@ -165,6 +165,7 @@ def _sampling(body: ChatRequest | GenerateRequest, model: str, key: KeyAccess | 
     seed = options.seed
     return {
         **routing_fields(model, body.tandem, key),
+        "streamed": body.stream is not False,  # Ollama streams unless told not to
         "max_tokens": options.max_tokens,
         "temperature": options.temperature,
         "top_p": options.top_p,

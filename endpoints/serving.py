@@ -97,6 +97,7 @@ def routing_fields(model: str, tandem: TandemOptions | None, key: KeyAccess | No
 def _common(body: ChatCompletionRequest | CompletionRequest, key: KeyAccess | None) -> dict:
     return {
         **routing_fields(body.model, body.tandem, key),
+        "streamed": bool(body.stream),
         "max_tokens": body.token_limit,
         "temperature": body.temperature,
         "top_p": body.top_p,

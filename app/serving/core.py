@@ -109,6 +109,7 @@ class ServingCore:
         else:
             job = await self._prepare_completion(request)
         job.quality_threshold = request.quality_threshold
+        job.streamed = request.streamed
         await self._admit(request, job)
         return job
 

@@ -70,6 +70,7 @@ class Job:
     privacy: str = "any"  # where it may go (policies/privacy.py)
     migrate_after_tokens: int | None = None  # move to the pair's other endpoint after this many tokens (forced)
     quality_threshold: float | None = None  # the request's own τ for the quality policy (None: the gateway's)
+    streamed: bool = True  # the client reads the answer as it is written (False: a quality escalation starts it over)
     # The conversation's tool calls that a tool result answers, in order, as policies/quality.py's call_key: the quality
     # policy keeps the device from writing one again.
     answered_calls: tuple[tuple[str, str], ...] = ()
@@ -137,6 +138,7 @@ class Job:
             privacy=self.privacy,
             migrate_after_tokens=self.migrate_after_tokens,
             quality_threshold=self.quality_threshold,
+            streamed=self.streamed,
             answered_calls=self.answered_calls,
             admission=self.admission,
             limit_headers=self.limit_headers,

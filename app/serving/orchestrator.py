@@ -16,7 +16,9 @@
   A source that errors or stalls mid-stream is migrated the same way, so a fault
   becomes a migration, not a broken answer. Under the quality policy a device answer
   whose confidence falls below τ, or that writes again a tool call the conversation
-  holds answered, goes on on the cloud the same way (policies/quality.py).
+  holds answered, goes on on the cloud the same way (policies/quality.py); an answer the
+  client gets whole (not streamed) has no seam to keep, so a confidence escalation starts
+  it over on the cloud instead, the device's tokens dropped.
 - Account: as the answer streams (every settle interval) and when it ends, every attempt's cost goes into the
   ledger, and at the end its usage into the metrics (app/serving/accounting.py); its trace is kept (`remember`).
 
@@ -421,6 +423,10 @@ class Orchestrator:
         relay: Relay | None = None
         stall = Deadline(None)
         monitor = self._confidence_monitor(job)
+        # An answer the client gets whole (not streamed) has no seam to keep: the device's deltas wait here while a
+        # quality escalation may still come, and one starts the answer over on the cloud, dropping them (the cloud's
+        # own answer, not its continuation of the device's half-written one: BENCHMARKS.md, "Answer quality").
+        held: list[Delta] | None = [] if monitor is not None and not job.streamed else None
         try:
             attempt, event = await self._first_token(job)
             stall = Deadline(self.stall_of(attempt.name))
@@ -441,10 +447,18 @@ class Orchestrator:
                     attempt.usage = event.usage
                 if delta.finish_reason is not None:
                     self._finished(job, attempt, relay, delta.finish_reason, event.usage)
+                    for earlier in held or ():
+                        yield earlier
                     yield delta
                     return
                 self.accounting.progress(job, time.monotonic())  # booked as it goes, every settle interval
-                yield delta
+                if held is not None and attempt.role == "device" and not job.migrations:
+                    held.append(delta)
+                else:
+                    for earlier in held or ():  # the answer left the device otherwise: what it wrote stands
+                        yield earlier
+                    held = None
+                    yield delta
                 # Cost-driven (Eqs. 4-6) or quality migration: only at a clean text boundary, once per answer. The
                 # source keeps its stream until the target's first token: if the target fails, the answer goes on here.
                 # A forced migration (`tandem.migrate_after_tokens`) takes their place for its request.
@@ -461,9 +475,13 @@ class Orchestrator:
                     move = (forced, "forced") if forced else None
                 else:
                     move = self._migration_target(job, attempt, event, relay, unsure)
-                moved = await self._migrate(job, attempt, *move, relay) if move else None
+                restart = held is not None and move is not None and move[1] == "quality"
+                moved = await self._migrate(job, attempt, *move, relay, restart=restart) if move else None
                 if moved is not None:
                     attempt, event = moved
+                    if restart:
+                        held = None
+                        relay = Relay(job.gen, relay.t_first, self.disco.settings.consumption_rate)
                     stall.close()
                     stall = Deadline(self.stall_of(attempt.name))
                     continue
@@ -669,26 +687,38 @@ class Orchestrator:
         )
 
     async def _migrate(
-        self, job: Job, source: Attempt, target: str, reason: str, relay: Relay
+        self, job: Job, source: Attempt, target: str, reason: str, relay: Relay, restart: bool = False
     ) -> tuple[Attempt, TokenEvent] | None:
-        """Start `target` from exactly the delivered prefix; once its first token is here, stop the source. If the
-        target fails or stays silent first, it is closed, the trace says why, and None is returned: a healthy
-        source (a cost migration) still holds its stream, unread, and the answer goes on there."""
+        """Start `target` from exactly the delivered prefix (`restart`: from the start, the client having seen none
+        of the answer); once its first token is here, stop the source. If the target fails or stays silent first, it
+        is closed, the trace says why, and None is returned: a healthy source (a cost migration) still holds its
+        stream, unread, and the answer goes on there."""
         prefix = relay.prefix()
         produced = prefix.tokens
-        gen, held = self._continuation(job, prefix, target)
-        context = job.prompt_tokens + produced
-        log.info("request %s: migrating %s -> %s at token %d (%s)", job.id, source.name, target, produced, reason)
-        attempt = self._open(job, target, gen, context, True, produced, held)
+        if restart:
+            attempt = self._open(job, target, job.gen, job.prompt_tokens, False)
+        else:
+            gen, held = self._continuation(job, prefix, target)
+            attempt = self._open(job, target, gen, job.prompt_tokens + produced, True, produced, held)
+        log.info(
+            "request %s: %s %s -> %s at token %d (%s)",
+            job.id,
+            "restarting" if restart else "migrating",
+            source.name,
+            target,
+            produced,
+            reason,
+        )
         record = {
             "at_token": produced,
             "from": source.name,
             "to": target,
             "reason": reason,
+            "restart": restart,  # the target wrote the answer from its start; the source's tokens were dropped
             "at_ms": ms(attempt.started - job.started),
             # How far the client's reader was behind what it had been sent (the buffer a migration hides behind).
             "lead_tokens": round(relay.lead(attempt.started), 2),
-            "prefix_ids": prefix.ids is not None and self._takes_ids(target),
+            "prefix_ids": not restart and prefix.ids is not None and self._takes_ids(target),
             "dialect": attempt.dialect,
         }
         job.migrations.append(record)

@@ -26,6 +26,9 @@ class RequestInput:
     decoding: str | None = None
     migrate_after_tokens: int | None = None  # a forced migration after this many answer tokens
     quality_threshold: float | None = None  # the quality policy's τ for this request (policies/quality.py)
+    # Whether the client reads the answer as it is written (False: it gets it whole, so an escalation may start the
+    # answer over on the cloud rather than continue the device's: app/serving/orchestrator.py).
+    streamed: bool = True
     # Sampling:
     max_tokens: int | None = None
     temperature: float | None = None

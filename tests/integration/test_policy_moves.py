@@ -1,7 +1,8 @@
 """Policies that mean what they say, on the real backends: the paper's baselines (server-only, device-only, Stoch-S,
 Stoch-D) keep an answer where they started it even when moving it would pay, while DiSCo, under the same prices,
-moves it; a cloud that computes on the device's own hardware never races it; the quality policy escalates a device
-answer onto the cloud at an exact seam, and its knob's bad values are 400s naming the field.
+moves it; a cloud that computes on the device's own hardware never races it; the quality policy escalates a streamed
+device answer onto the cloud at an exact seam and starts an unstreamed one over there, and its knob's bad values are
+400s naming the field.
 
 Real parts: one gateway started with `tandem serve`: Qwen2.5-Coder-0.5B on llama.cpp as the device (reproducible
 path), the 1.5B behind llama-cpp-python's OpenAI-compatible server on loopback as the embedded cloud "cloud" (so
@@ -150,13 +151,49 @@ def test_a_quality_escalation_continues_byte_for_byte(gw):
     t = trace(gw, rid)
     assert finish in ("stop", "length")
     (move,) = t["migrations"]
-    assert (move["from"], move["to"], move["reason"]) == ("device", "cloud", "quality")
+    assert (move["from"], move["to"], move["reason"], move["restart"]) == ("device", "cloud", "quality", False)
     k = move["at_token"]
     assert 0 < k < len(pieces)
     prefix, rest = "".join(pieces[:k]), "".join(pieces[k:])
     assert independent_continuation(gw, "cloud", MESSAGES, prefix, len(pieces) - k) == rest
     assert endpoints(t) == [("device", "migrated-from"), ("cloud", "finished")]
     assert gw.metric("tandem_migrations_total", source="device", target="cloud", reason="quality") >= 1
+
+
+def test_a_quality_escalation_of_an_unstreamed_answer_starts_it_over_on_the_cloud(gw):
+    """Not streamed, the client has seen nothing when the device's confidence falls: the cloud writes its own answer
+    from the start (what it answers alone), the device's tokens dropped from the answer but booked."""
+    knobs(
+        gw, policy="disco", migration=True, budget=0.0, constrained_side="server", exchange_rate=0.0, prices=FREE_CLOUD
+    )
+    evict_cache(gw, "cloud")  # from position 0, as the pinned answer below
+    raw = sdk(gw).chat.completions.with_raw_response.create(
+        model="tandem",
+        messages=MESSAGES,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"tandem": {"policy": "quality", "quality_threshold": 1.0}},
+    )
+    answer, t = raw.parse(), trace(gw, raw.headers["x-request-id"])
+    (move,) = t["migrations"]
+    assert (move["from"], move["to"], move["reason"], move["restart"]) == ("device", "cloud", "quality", True)
+    assert endpoints(t) == [("device", "migrated-from"), ("cloud", "finished")]
+    dropped = t["endpoints"][0]["decode_tokens"]
+    assert dropped == move["at_token"] > 0
+    evict_cache(gw, "cloud")
+    alone = sdk(gw).chat.completions.create(model="cloud", messages=MESSAGES, max_tokens=24, temperature=0)
+    assert answer.choices[0].message.content == alone.choices[0].message.content
+    assert answer.usage.completion_tokens == alone.usage.completion_tokens == t["endpoints"][1]["decode_tokens"]
+    # Without an escalation (τ = 0) the held answer comes out whole: the device's own, as streamed.
+    kept = sdk(gw).chat.completions.create(
+        model="tandem",
+        messages=MESSAGES,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"tandem": {"policy": "quality", "quality_threshold": 0.0}},
+    )
+    _, pieces, _ = _quality_stream(gw, 0.0)
+    assert kept.choices[0].message.content == "".join(pieces)
 
 
 def _quality_stream(gw: GatewayProcess, threshold: float):

@@ -279,8 +279,11 @@ def test_configurations_parse_and_refuse_what_they_do_not_know():
     assert parse_configs("device>cloud@16")[0].cut == 16
     [quality] = parse_configs("policy:quality+threshold=0.3+signal=entropy")
     assert (quality.name, quality.kind) == ("policy:quality+threshold=0.3+signal=entropy", "policy")
-    assert dict(quality.options) == {"policy": "quality", "threshold": 0.3, "signal": "entropy"}
-    for bad in ("disco:1.5", "disco:half", "random:-0.1", "gpu", "device>device@16", "cloud>device@0", "policy:q+t"):
+    assert dict(quality.options) == {"policy": "quality", "threshold": 0.3, "signal": "entropy"} and quality.streamed
+    [whole] = parse_configs("policy:quality+quality_threshold=0.8+stream=false")  # the request's field, not tandem's
+    assert dict(whole.options) == {"policy": "quality", "quality_threshold": 0.8} and not whole.streamed
+    bad_configs = ("disco:1.5", "disco:half", "random:-0.1", "gpu", "device>device@16", "cloud>device@0", "policy:q+t")
+    for bad in (*bad_configs, "policy:quality+stream=no"):
         with pytest.raises(SystemExit, match="--configs"):
             parse_configs(bad)
 

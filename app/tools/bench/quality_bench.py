@@ -79,6 +79,7 @@ class Config:
     share: float | None = None  # random: the probability of the cloud
     cut: int = 0  # forced: the answer token after which it moves (0: none)
     options: tuple = ()  # policy: the request's `tandem` options, as (key, value) pairs
+    streamed: bool = True  # policy: asked streamed (False: the client gets the answer whole; `+stream=false`)
 
     @property
     def label(self) -> str:
@@ -108,7 +109,11 @@ def parse_configs(text: str) -> list[Config]:
             share = _unit(value, token)
             configs.append(Config(f"random-s{share:.2f}", "random", share=share))
         elif kind == "policy" and value:
-            configs.append(Config(token, "policy", options=_policy_options(value, token)))
+            options = dict(_policy_options(value, token))
+            streamed = options.pop("stream", True)
+            if not isinstance(streamed, bool):
+                raise SystemExit(f"error: --configs: {token!r}: stream=true or stream=false")
+            configs.append(Config(token, "policy", options=tuple(options.items()), streamed=streamed))
         elif ">" in token and "@" in token:
             route, _, cut = token.partition("@")
             source, _, target = route.partition(">")
@@ -130,8 +135,8 @@ def forced(source: str, cut: int) -> Config:
 
 def _policy_options(value: str, token: str) -> tuple:
     """`NAME+KEY=VALUE+...`: the request's `tandem` options, the policy and its knobs (a VALUE that reads as JSON is
-    that JSON, e.g. a number; otherwise the text), e.g. policy:quality+threshold=0.3 for a policy with a per-request
-    knob."""
+    that JSON, e.g. a number; otherwise the text), e.g. policy:quality+quality_threshold=0.8 for a policy with a
+    per-request knob; `stream=false` (the request's own field, not a `tandem` option) asks it unstreamed."""
     name, *pairs = value.split("+")
     options = {"policy": name}
     for pair in pairs:
@@ -266,21 +271,25 @@ class Gateway:
             messages=humaneval.messages(problem),
             max_tokens=MAX_TOKENS,
             temperature=0,
-            stream=True,
+            stream=config.streamed,
             stop=list(humaneval.STOP),
             extra_body={"tandem": options} if options else None,
         )
         request_id = raw.headers["x-request-id"]
         pieces, ttft, finish = [], None, None
-        for chunk in raw.parse():
-            if not chunk.choices:
-                continue
-            piece = chunk.choices[0].delta.content
-            if piece:
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-                pieces.append(piece)
-            finish = chunk.choices[0].finish_reason or finish
+        if config.streamed:
+            for chunk in raw.parse():
+                if not chunk.choices:
+                    continue
+                piece = chunk.choices[0].delta.content
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+                    pieces.append(piece)
+                finish = chunk.choices[0].finish_reason or finish
+        else:  # the first token the client sees comes with the whole answer
+            choice = raw.parse().choices[0]
+            pieces, finish, ttft = [choice.message.content or ""], choice.finish_reason, time.perf_counter() - started
         seconds = time.perf_counter() - started
         after = self._spend()
         trace = self._admin("GET", f"/requests/{request_id}")
