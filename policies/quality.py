@@ -17,7 +17,9 @@ its tokens — U-HLM (arXiv 2412.12687) skips the large model exactly while the 
 One knob: `threshold` τ ∈ [0, 1], the confidence below which the device's answer goes to the cloud — the mean top-token
 probability over its last `window` tokens (over those so far while fewer, once `warmup` are in). τ = 0 never
 escalates on confidence; τ = 1 escalates at the first check. An escalation is a migration like any other (the same
-seam, booked and priced the same), at most one per answer, and never where the request may not use the cloud.
+seam, booked and priced the same), at most one per answer, and never where the request may not use the cloud; an
+answer the client gets whole (not streamed) starts over on the cloud instead of continuing the device's (the
+orchestrator holds its text until then).
 
 Pure: numbers in, decisions out; the orchestrator (app/serving/orchestrator.py) feeds it.
 """

@@ -287,9 +287,9 @@ class Gateway:
                         ttft = time.perf_counter() - started
                     pieces.append(piece)
                 finish = chunk.choices[0].finish_reason or finish
-        else:  # the first token the client sees comes with the whole answer
+        else:  # no first token before the whole answer: no TTFT (its time is `seconds`)
             choice = raw.parse().choices[0]
-            pieces, finish, ttft = [choice.message.content or ""], choice.finish_reason, time.perf_counter() - started
+            pieces, finish = [choice.message.content or ""], choice.finish_reason
         seconds = time.perf_counter() - started
         after = self._spend()
         trace = self._admin("GET", f"/requests/{request_id}")

@@ -61,7 +61,8 @@ def _short(name: str) -> str:
     """A row's name on the plot: `policy:quality+quality_threshold=0.8` as `quality τ=0.8`."""
     if not name.startswith("policy:"):
         return name
-    return name.removeprefix("policy:").replace("+quality_threshold=", " τ=").replace("+", " ")
+    name = name.removeprefix("policy:").replace("+quality_threshold=", " τ=").replace("+stream=false", " unstreamed")
+    return name.replace("+", " ")
 
 
 def plot_frontier(summaries: list[dict], path: Path) -> None:
