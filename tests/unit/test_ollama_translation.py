@@ -53,6 +53,8 @@ def test_options_become_the_cores_sampling() -> None:
     assert got.response_format == {"type": "json_object"} and got.logprobs == 2
     assert (got.privacy, got.key_privacy) == ("device", "split")
     assert got.messages == ({"role": "user", "content": "hi"},) and not got.continue_final
+    assert got.streamed  # Ollama streams unless told not to
+    assert not chat_input(chat(messages=[{"role": "user", "content": "hi"}], stream=False), "device", None).streamed
 
 
 def test_llama_cpps_samplers_are_the_cores_sampling_extras_as_the_openai_door_passes_them() -> None:

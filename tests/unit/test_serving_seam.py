@@ -74,8 +74,9 @@ def test_a_chat_body_becomes_the_plain_input_the_core_prepares():
 
 def test_a_completion_body_keeps_its_token_ids_and_the_endpoint_default_limit():
     got = completion_input(CompletionRequest(model="m", prompt=[1, 2, 3]), None)
-    assert got == CompletionInput(model="m", prompt=(1, 2, 3), max_tokens=16)
+    assert got == CompletionInput(model="m", prompt=(1, 2, 3), max_tokens=16, streamed=False)  # OpenAI's default
     assert completion_input(CompletionRequest(model="m", prompt="hi", logprobs=3), None).logprobs == 3
+    assert completion_input(CompletionRequest(model="m", prompt="hi", stream=True), None).streamed
 
 
 @pytest.mark.parametrize(
