@@ -479,9 +479,9 @@ class Orchestrator:
                 moved = await self._migrate(job, attempt, *move, relay, restart=restart) if move else None
                 if moved is not None:
                     attempt, event = moved
-                    if restart:
+                    if restart:  # a new answer: its own relay, its consumption clock from its first token
                         held = None
-                        relay = Relay(job.gen, relay.t_first, self.disco.settings.consumption_rate)
+                        relay = Relay(job.gen, time.monotonic(), self.disco.settings.consumption_rate)
                     stall.close()
                     stall = Deadline(self.stall_of(attempt.name))
                     continue
