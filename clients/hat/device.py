@@ -138,7 +138,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         LM head multiplies a few thousand rows instead of the whole vocabulary. Verification always uses the
         full head, so the output is unchanged (greedy) or still exactly the LLM's distribution (sampling: the
         draft distribution is simply zero outside the subset). None = draft over the full vocabulary. The draft
-        head's rows and the adapter's projections run as int8 unless options.draft_precision = "fp32".
+        head's rows and the adapter's projections run as int8 unless options.draft_precision = "fp32"; the verification
+        head of argmax-only picks as int8 exact for the argmax unless options.head_precision = "fp32".
     """
 
     can_continue = True
@@ -305,6 +306,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             half.load_draft_vocab(self._draft_vocab_path, self.eos_ids)
         if o.draft_precision == "int8" and not half.quantize_drafting():
             log.warning("%s: this torch has no CPU int8 kernel: the draft head stays fp32", self.name)
+        if o.head_precision == "int8" and not half.quantize_head():
+            log.warning("%s: no CPU int8 kernel within the exactness bound here: the head stays fp32", self.name)
         if o.drafting == "batched":
             self.station = DraftingStation(half, self.thread, self.rule, self.token_bytes)
         self.link_model.state_bytes = half.hidden_size * torch.empty((), dtype=self.wire_dtype).element_size()
@@ -507,7 +510,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             answer.sampling = Sampling.of(req, answer.generator, answer.adjust, mask)
         emitter, adjust, sampling, generator = answer.emitter, answer.adjust, answer.sampling, answer.generator
 
-        logits = await self._prefill(link, st, context, slot)
+        logits = await self._prefill(link, st, context, sampling.argmax_only, slot)
         scores = logits if adjust is None else adjust.apply(logits)
         if mask is not None:  # after penalties / logit_bias: nothing may bring back a token the grammar forbids
             scores = await self.thread.run(mask.apply, scores)
@@ -539,9 +542,15 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     # --- prefill --------------------------------------------------------------------------------
 
     async def _prefill(
-        self, link: FrameSession, st: DraftState, context: list[int], slot: StreamSlot | None = None
+        self,
+        link: FrameSession,
+        st: DraftState,
+        context: list[int],
+        argmax_only: bool,
+        slot: StreamSlot | None = None,
     ) -> torch.Tensor:
-        """Chunked, pipelined prefill (clients/hat/prefill_plan.py); returns the logits at the last context position."""
+        """Chunked, pipelined prefill (clients/hat/prefill_plan.py); returns the logits at the last context position
+        (`argmax_only`: from DeviceHalf.argmax_rows, exact for the argmax: nothing else in them means anything)."""
         assert self.prefill_planner is not None
         t0 = time.perf_counter()
         plan = self.prefill_planner.plan(len(context), link.info, self.link_model.beta_up)
@@ -566,7 +575,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if last.arg != len(context) - 1:
             raise BackendError(f"{self.name}: worker returned position {last.arg}, expected {len(context) - 1}", 502)
         deep = last.tensor().reshape(-1, self.hidden_size)
-        logits = await self.thread.run(self._head_last, deep)
+        logits = await self.thread.run(self._head_last, deep, argmax_only)
         st = self.stats
         st.prefill_tokens += len(context)
         st.prefill_chunks += len(bounds)
@@ -575,10 +584,10 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         st.last_chunks = [end - start for start, end in bounds]
         return logits
 
-    def _head_last(self, deep: torch.Tensor) -> torch.Tensor:
+    def _head_last(self, deep: torch.Tensor, argmax_only: bool) -> torch.Tensor:
         assert self.half is not None
         with torch.inference_mode():
-            return self.half.head(deep[-1:])[0]
+            return (self.half.argmax_rows if argmax_only else self.half.head)(deep[-1:])[0]
 
     # --- decode rounds (clients/hat/rounds.py) --------------------------------------------------
 

@@ -8,6 +8,9 @@ Lambda and the output submodel (final norm + LM head), with the two heads made o
 - The verification head, `head_rows`: the output submodel over rows through ragged.rows_linear, batch-invariant (the
   drafting station computes several streams' rows in one call and each row is what it would be alone), and `head`,
   the output submodel's own forward (one stream's rows at a time: the solo path and the prefill's last position).
+  For a pick that reads only the argmax (greedy on raw logits, no logprobs), `argmax_rows`: after `quantize_head`,
+  int8 scores with the rows that can still win recomputed in fp32 (clients/hat/quant.py ArgmaxHead: the fp32
+  argmax exactly, at about a quarter of the head's bytes), else `head_rows`.
 
 The backend drafts and verifies with it, the drafting station batches its streams' work over it, and `tandem
 profile` and the benchmarks time its parts. It keeps no per-generation state (a DraftState holds the caches) and
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 from clients.hat.adapter import Adapter
-from clients.hat.quant import Int8Rows, int8_available, quantize_projections
+from clients.hat.quant import ArgmaxHead, Int8Rows, int8_available, quantize_projections
 from clients.hat.ragged import rows_linear
 from clients.hat.split import InputSubmodel, OutputSubmodel, split_model
 
@@ -52,6 +55,7 @@ class DeviceHalf:
         self.draft_ids: torch.Tensor | None = None  # the reduced draft vocabulary (sorted token ids), if any
         self.draft_weight: torch.Tensor | None = None  # the LM head's rows for them
         self.draft_int8: Int8Rows | None = None  # the draft head's rows as int8 (quantize_drafting)
+        self.argmax_head: ArgmaxHead | None = None  # the verification head for argmax-only picks (quantize_head)
 
     @classmethod
     def load(
@@ -98,6 +102,28 @@ class DeviceHalf:
         quantize_projections(self.adapter.block)
         return True
 
+    def quantize_head(self) -> bool:
+        """Serve argmax-only picks (`argmax_rows`) from an int8 head exact for the argmax (clients/hat/quant.py
+        ArgmaxHead): 136 MB more for Qwen2.5-0.5B's head. False (fp32 kept) where this torch has no CPU int8 kernel,
+        or where the kernel's error on this CPU is not within half the bound the exactness rests on (checked here on
+        normed random states and embedding rows)."""
+        if not int8_available():
+            return False
+        head = self.output.lm_head
+        argmax_head = ArgmaxHead(head.weight, head.bias)
+        generator = torch.Generator().manual_seed(0)
+        probes = torch.cat(
+            [
+                torch.randn(2, self.hidden_size, generator=generator),
+                head.weight[torch.randint(self.vocab_size, (2,), generator=generator)].float(),
+            ]
+        )
+        with torch.inference_mode():
+            if not argmax_head.sound(self.output.norm(probes.to(head.weight.dtype))):
+                return False
+        self.argmax_head = argmax_head
+        return True
+
     def draft_logits(self, feats: torch.Tensor, position: int | list[int]) -> torch.Tensor:
         """Draft head: adapter features [rows, hidden] of tokens fed at `position` (one for all rows, or one per row)
         -> logits [rows, vocab] for the next position.
@@ -140,6 +166,13 @@ class DeviceHalf:
         if head.bias is not None:
             logits = logits + head.bias
         return logits.float()
+
+    def argmax_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over rows for a pick that reads only their argmax: that argmax is the fp32 head's exactly (the
+        other values are not probabilities' logits: never sample from them). Batch-invariant, like `head_rows`."""
+        if self.argmax_head is None:
+            return self.head_rows(hidden)
+        return self.argmax_head(self.output.norm(hidden.to(self.output.lm_head.weight.dtype)))
 
     def head(self, deep: torch.Tensor) -> torch.Tensor:
         """The output submodel's own forward over deep states [rows, hidden]: float logits. Equal to `head_rows` up

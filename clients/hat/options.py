@@ -60,6 +60,10 @@ class HATOptions(BaseModel):
         as weight-only int8 with bfloat16 activations (clients/hat/quant.py; ~4× cheaper a draft-head row on an
         AVX-512 CPU, the same draft picks at ~99% of positions); "fp32": as the model stores them. Verification and
         the input layers are fp32 either way, so the output is the same under both (greedy: token for token).
+    head_precision: "int8": picks that read only the head's argmax (greedy, no penalties, grammar or logprobs) take
+        it from int8 scores of every row, the rows that can still win under a bound on the int8 error recomputed in
+        fp32 (clients/hat/quant.py ArgmaxHead: the fp32 argmax exactly, checked against this CPU's kernel at load);
+        every other pick, and "fp32", computes the whole head in fp32. Greedy output is the same under both.
     drafting: "batched": concurrent streams' device work — draft steps, verification heads, prefill chunks — runs
         batched at the drafting station (clients/hat/station.py), streams grouped by SD-edge's Alg. 1 and
         pipelined against the worker; each stream's output is what it would be alone. "solo": each stream's own
@@ -117,6 +121,7 @@ class HATOptions(BaseModel):
     tree_paths: tuple[tuple[int, ...], ...] | None = None
     arca: bool = False
     draft_precision: Literal["int8", "fp32"] = "int8"
+    head_precision: Literal["int8", "fp32"] = "int8"
     drafting: Literal["batched", "solo"] = "batched"
     chunking: Literal["eq3", "dp"] = "eq3"
     chunk_size: Annotated[int, Field(ge=1)] | None = None

@@ -61,7 +61,13 @@ class Sampling:
         return self.greedy and self.adjust is None and self.mask is None
 
     @property
+    def argmax_only(self) -> bool:
+        """Every pick reads only the argmax of the head's raw logits (greedy, no adjuster or grammar, no logprobs):
+        a head exact for the argmax alone serves it (DeviceHalf.argmax_rows)."""
+        return self.raw_argmax and self.logprobs is None
+
+    @property
     def allows_tree(self) -> bool:
         """A token tree may replace the chain: its walk is exact greedy verification on raw logits, and it computes
         the head on the accepted path only (no logprobs for the positions it skips)."""
-        return self.raw_argmax and self.logprobs is None
+        return self.argmax_only

@@ -154,7 +154,8 @@ class DecodeRounds:
         if slot is not None and self.station is not None:  # the head's rows batched with other streams'
             verdict, lps = await self.station.verify(slot, job)
         else:
-            head = lambda lo, hi: self.half.head(deep[lo:hi])  # noqa: E731
+            rows_of = self.half.argmax_rows if sampling.argmax_only else self.half.head
+            head = lambda lo, hi: rows_of(deep[lo:hi])  # noqa: E731
             verdict, lps = await self.thread.run(verify_round, job, head, self.token_bytes)
         new, accepted = verdict.tokens, verdict.accepted
         t_head = time.perf_counter() - t_verify

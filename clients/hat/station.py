@@ -371,14 +371,16 @@ class DraftingStation:
 
         def run_head(wanted: list[tuple[int, int]]) -> None:
             nonlocal head_rows
-            if not wanted:
-                return
-            rows = torch.stack([jobs[j].deep[r] for j, r in wanted])
-            logits = self.half.head_rows(rows)
-            for (j, r), row in zip(wanted, logits, strict=True):
-                computed[j][r] = row
-            head_rows += len(wanted)
-            self.stats.head_calls += 1
+            for argmax_only in (True, False):  # each row batch-invariant either way: one call per kind of head
+                part = [(j, r) for j, r in wanted if jobs[j].sampling.argmax_only == argmax_only]
+                if not part:
+                    continue
+                rows = torch.stack([jobs[j].deep[r] for j, r in part])
+                logits = self.half.argmax_rows(rows) if argmax_only else self.half.head_rows(rows)
+                for (j, r), row in zip(part, logits, strict=True):
+                    computed[j][r] = row
+                head_rows += len(part)
+                self.stats.head_calls += 1
 
         with torch.inference_mode():
             first: list[tuple[int, int]] = []
@@ -402,11 +404,18 @@ class DraftingStation:
         for j, job in enumerate(jobs):
             deep = job.deep
             rows = computed[j]
+            rows_of = self.half.argmax_rows if job.sampling.argmax_only else self.half.head_rows
 
-            def head(lo: int, hi: int, deep: torch.Tensor = deep, rows: dict[int, torch.Tensor] = rows) -> torch.Tensor:
+            def head(
+                lo: int,
+                hi: int,
+                deep: torch.Tensor = deep,
+                rows: dict[int, torch.Tensor] = rows,
+                rows_of: Callable[[torch.Tensor], torch.Tensor] = rows_of,
+            ) -> torch.Tensor:
                 missing = [r for r in range(lo, hi) if r not in rows]
                 if missing:  # not foreseen above (cannot happen for plain jobs): still batch-invariant rows
-                    for r, row in zip(missing, self.half.head_rows(deep[missing]), strict=True):
+                    for r, row in zip(missing, rows_of(deep[missing]), strict=True):
                         rows[r] = row
                 return torch.stack([rows[r] for r in range(lo, hi)])
 

@@ -119,6 +119,6 @@ def verify_tree(
     """walk_greedy with the device's head over the tree's deep states [w, hidden], then the draft caches cut to the
     kept path: (new tokens, the path's node indices)."""
     with torch.inference_mode():
-        new, path = walk_greedy(lambda rows: half.head_rows(deep[rows]), draft)
+        new, path = walk_greedy(lambda rows: half.argmax_rows(deep[rows]), draft)
     keep_path(st, position, path)
     return new, path

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from functools import cache
 
@@ -41,8 +42,14 @@ def stream_chunks(gw, messages, policy: str | None = None, max_tokens: int = 32,
     return request_id, pieces, finish
 
 
-def trace(gw, request_id: str) -> dict:
+def trace(gw, request_id: str, patience: float = 0.0) -> dict:
+    """The request's trace; `patience`: seconds to wait for it to be kept (a request the client left is kept once
+    the gateway has seen the disconnect and stopped its backends, after the client's side has closed)."""
+    deadline = time.monotonic() + patience
     r = httpx.get(f"{gw.v1}/requests/{request_id}", timeout=10)
+    while r.status_code == 404 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        r = httpx.get(f"{gw.v1}/requests/{request_id}", timeout=10)
     r.raise_for_status()
     return r.json()
 

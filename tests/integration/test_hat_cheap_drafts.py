@@ -1,9 +1,10 @@
-"""The device half's cheap drafting (issue 40) on real weights (Qwen2.5-Coder-0.5B, the shipped adapter and reduced
-draft vocabulary, a real worker on loopback): drafts from the int8 draft head leave greedy output what verification
-makes it.
+"""The device half's cheap heads (issue 40) on real weights (Qwen2.5-Coder-0.5B, the shipped adapter and reduced
+draft vocabulary, a real worker on loopback): drafts from the int8 draft head, and verification by the int8 head exact
+for the argmax, leave greedy output what the fp32 verification head makes it.
 
 What is exact by construction, and asserted as such: every emitted token is the fp32 verification head's argmax over
-the deep states the worker returned for its position (the drafts only decide which positions a round verifies). What
+the deep states the worker returned for its position (the drafts only decide which positions a round verifies; the
+int8 verification head recomputes in fp32 every row that can still be the argmax). What
 is not: two runs whose drafts differ verify different row counts per pass, so the worker's deep states may differ in
 the last bits and an exact near-tie may flip (README, "What is exact"); across runs the output is compared with
 U-shape's as the rest of the suite does (test_hat.check_against_reference: equal, or a documented near-tie flip).
@@ -79,32 +80,47 @@ async def generate(server: WorkerServer, qwen, **options: Any) -> tuple[list[int
     return got, backend
 
 
+def fp32_argmax(half, deep: torch.Tensor) -> list[int]:
+    """The fp32 head's argmax at each of `deep`'s rows, along the path the device half computed it: head_rows (a
+    batch-invariant GEMM) with the fp32 head, or — with the int8 head exact for the argmax — each row's own fp32
+    scores (ArgmaxHead.exact) over head_rows' best 16, among which the argmax surely is (the two fp32 paths differ
+    by float reassociation, ~1e-5)."""
+    scores = half.head_rows(deep)
+    if half.argmax_head is None:
+        return scores.argmax(-1).tolist()
+    top = scores.topk(16, dim=-1).indices
+    normed = half.output.norm(deep)
+    return [int(ids[half.argmax_head.exact(x, ids).argmax()]) for x, ids in zip(normed, top, strict=True)]
+
+
 def assert_verification_decided(got: list[int], backend, seen) -> None:
     """Each round's tokens are the fp32 verification head's argmax over the deep states it verified (recomputed here:
-    head_rows is batch-invariant, so the rows are the ones the station computed), and the output is the prefill's
+    the heads are batch-invariant, so the rows are the ones the station computed), and the output is the prefill's
     token followed by the rounds' tokens."""
     assert seen, "no verification round ran"
     emitted = got[:1]
     with torch.inference_mode():
         for deep, draft, tokens in seen:
-            argmax = backend.half.head_rows(deep).argmax(-1).tolist()
+            argmax = fp32_argmax(backend.half, deep)
             assert tokens == argmax[: len(tokens)]
             assert tokens[:-1] == draft[: len(tokens) - 1]  # accepted drafts, then the head's own token
             emitted += tokens
     assert got == emitted[: len(got)]
 
 
-async def test_int8_draft_head_keeps_greedy_output(server, qwen, reference, verdicts) -> None:
+async def test_int8_heads_keep_greedy_output(server, qwen, reference, verdicts) -> None:
     ref, gaps = reference
-    cheap, backend = await generate(server, qwen)  # the default: draft_precision = "int8"
+    cheap, backend = await generate(server, qwen)  # the defaults: draft_precision and head_precision "int8"
     assert backend.half.draft_int8 is not None and isinstance(backend.half.adapter.block.self_attn.q_proj, Int8Linear)
+    assert backend.half.argmax_head is not None and backend.half.argmax_head.candidates > 0  # it verified
     assert backend.stats.accepted > 0  # the cheap head's drafts were accepted: the rounds did verify them
     assert_verification_decided(cheap, backend, verdicts)
     cheap_rounds = len(verdicts)
 
     verdicts.clear()
-    exact, fp32 = await generate(server, qwen, draft_precision="fp32")
+    exact, fp32 = await generate(server, qwen, draft_precision="fp32", head_precision="fp32")
     assert fp32.half.draft_int8 is None and isinstance(fp32.half.adapter.block.self_attn.q_proj, torch.nn.Linear)
+    assert fp32.half.argmax_head is None
     assert_verification_decided(exact, fp32, verdicts)
     print(f"rounds: int8 drafts {cheap_rounds}, fp32 drafts {len(verdicts)}")
 

@@ -83,7 +83,7 @@ def test_a_code_question_is_answered_sequentially_with_the_reason(gw):
         for line in r.iter_lines():  # the answer's first words are enough: the gate decided before them
             if '"content":"' in line and '"content":""' not in line:
                 break
-    t = trace(gw, r.headers["x-request-id"])
+    t = trace(gw, r.headers["x-request-id"], patience=30)  # kept once the gateway has seen the client leave
     assert t["decoding"]["outline"] is False and "code" in t["decoding"]["reason"]
     assert "points" not in t["decoding"] and [e["backend"] for e in t["endpoints"]] == ["device"]
     # The same with decoding asked off: no gate at all.

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from clients.hat.half import REFINED, DeviceHalf
-from clients.hat.quant import Int8Linear, Int8Rows, int8_available, quantize_projections
+from clients.hat.quant import ArgmaxHead, Int8Linear, Int8Rows, int8_available, quantize_projections
 from clients.hat.ragged import project_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -107,3 +107,59 @@ def test_the_int8_draft_heads_best_rows_are_exact_fp32(tiny) -> None:
     assert torch.equal(got.argmax(-1), fp32.argmax(-1))
     alone = torch.cat([half.draft_logits(feats[i : i + 1], 0) for i in range(6)])
     assert torch.equal(got, alone)
+
+
+def near_twins(rows: int = 4000, width: int = 64) -> torch.Tensor:
+    """A head whose rows come in pairs a hair apart: int8 rounds both twins alike, so int8 scores alone pick the wrong
+    twin (or tie) where the fp32 scores differ by less than the quantization error."""
+    torch.manual_seed(5)
+    base = torch.randn(rows // 2, width) * 0.05
+    return torch.cat([base, base + torch.randn_like(base) * 2e-4])
+
+
+def test_the_argmax_head_is_the_fp32_argmax_where_int8_alone_is_not() -> None:
+    weight, bias = near_twins(), torch.randn(4000) * 0.01
+    head = ArgmaxHead(weight, bias)
+    torch.manual_seed(6)
+    x = torch.randn(200, 64) * 3
+    exact = torch.stack([head.exact(row, slice(None)) for row in x])
+    approx = head.rows(x) + bias
+    assert (approx.argmax(-1) != exact.argmax(-1)).sum() > 10  # int8 alone would be wrong here
+    assert torch.equal(head(x).argmax(-1), exact.argmax(-1))
+    for row, a, e in zip(x, approx, exact, strict=True):  # the bound holds, with room
+        assert ((e - a).abs() * 2 <= head.bound(row, a - bias)).all()
+    assert head.candidates < 200 * 40  # a few rows recomputed a state, not the head
+    assert head.sound(x[:4])
+
+
+def test_the_argmax_heads_rows_do_not_depend_on_the_other_rows() -> None:
+    head = ArgmaxHead(near_twins())
+    torch.manual_seed(7)
+    x = torch.randn(9, 64) * 3
+    alone = torch.cat([head(x[i : i + 1]) for i in range(9)])
+    for n in range(1, 10):
+        assert torch.equal(head(x[:n]), alone[:n]), n
+    # the reference scores of a row are the same whichever other rows are asked for with it
+    rows = torch.tensor([3, 2001, 17])
+    assert torch.equal(head.exact(x[0], rows), head.exact(x[0], slice(None))[rows])
+
+
+def test_quantize_head_serves_argmax_picks_and_leaves_the_fp32_head(tiny, monkeypatch) -> None:
+    half = DeviceHalf.load(tiny, 2)
+    torch.manual_seed(8)
+    deep = torch.randn(5, half.hidden_size)
+    fp32 = half.head_rows(deep)
+    assert torch.equal(half.argmax_rows(deep), fp32)  # no int8 head yet: the fp32 one
+    assert half.quantize_head()
+    got = half.argmax_rows(deep)
+    assert not torch.equal(got, fp32)  # the int8 head ran
+    normed = half.output.norm(deep)
+    reference = torch.stack([half.argmax_head.exact(row, slice(None)) for row in normed])
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+    assert torch.equal(half.head_rows(deep), fp32)  # every other pick's head, bit for bit
+
+    # a kernel less precise than the bound assumes (here: every score off by 1) is refused at load
+    fresh = DeviceHalf.load(tiny, 2)
+    monkeypatch.setattr(Int8Rows, "__call__", lambda self, x: x.float() @ self.dequantized().T + 1.0)
+    assert not fresh.quantize_head() and fresh.argmax_head is None
+    assert torch.equal(fresh.argmax_rows(deep), fp32)

@@ -209,9 +209,11 @@ def test_sampling_of_a_request_and_the_shortcuts_it_allows() -> None:
     gen = torch.Generator()
     s = Sampling.of(req, gen)
     assert (s.temperature, s.top_p, s.generator, s.logprobs, s.adjust, s.mask) == (0.7, 0.9, gen, 3, None, None)
-    assert not s.greedy and not s.raw_argmax and not s.allows_tree
+    assert not s.greedy and not s.raw_argmax and not s.allows_tree and not s.argmax_only
     plain = Sampling()
-    assert plain.greedy and plain.raw_argmax and plain.allows_tree
+    assert plain.greedy and plain.raw_argmax and plain.allows_tree and plain.argmax_only
     assert Sampling(logprobs=0).raw_argmax and not Sampling(logprobs=0).allows_tree  # trees skip positions' logits
+    assert not Sampling(logprobs=0).argmax_only  # logprobs read the whole distribution: the fp32 head
     assert not Sampling(adjust=Penalty()).raw_argmax  # type: ignore[arg-type]
     assert not Sampling(mask=Grammar()).raw_argmax  # type: ignore[arg-type]
+    assert not Sampling(mask=Grammar()).argmax_only  # type: ignore[arg-type]

@@ -154,6 +154,8 @@ async def components(bench: Bench) -> dict[str, Any]:
         for rows in (1, 4):
             deep = torch.randn(rows, hidden)
             dev[f"lm_head_{rows}_rows"] = median_ms(lambda deep=deep: half.output(deep), REPEATS)
+            # greedy verification's head (head_precision "int8": int8 scores, the rows that can win in fp32)
+            dev[f"lm_head_argmax_{rows}_rows"] = median_ms(lambda deep=deep: half.argmax_rows(deep), REPEATS)
     await b.close()
     await full.close()
     token_bytes = hidden * 4

@@ -3,7 +3,8 @@
 Device (this process, the real device-half code: clients.hat.half.DeviceHalf's input submodel, adapter and draft
 head with its reduced vocabulary): one draft-model step for r rows, batched as a tree depth or parallel drafting
 runs it (r continuations of one context, each fed one token, then the draft head over the r rows); the full LM
-head over r rows (verification). Medians over repeats.
+head over r rows as greedy verification runs it (DeviceHalf.argmax_rows: the int8 head exact for the argmax, unless
+head_precision = "fp32"). Medians over repeats.
 
 Worker (a running `tandem worker`, over the real protocol and transport, through the link emulator when one is
 given): the middle layers' compute for w positions after c context positions, and the link's round-trip latency
@@ -67,7 +68,7 @@ def device_times(half: DeviceHalf, rows: Sequence[int], context: int, repeats: i
         fork_only = ms(lambda r=r: (in_cache.fork(r, context), ad_cache.fork(r, context)))
         draft[str(r)] = round(max(ms(step) - fork_only, 1e-4), 4)
         deep = torch.randn(r, half.hidden_size, generator=gen)
-        head[str(r)] = ms(lambda deep=deep: half.head(deep).argmax(-1))
+        head[str(r)] = ms(lambda deep=deep: half.argmax_rows(deep).argmax(-1))  # greedy verification's head
     return {"context": context, "draft_step_ms": draft, "head_ms": head}
 
 
