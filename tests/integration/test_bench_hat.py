@@ -46,6 +46,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
         assert profile["input"] > 0 and profile["head"] > 0 and profile["link"] > 0 and profile["bottleneck"] in parts
     assert t4["SD"]["stats"]["profile_ms_per_round"]["drafts"] > 0
     comp = results["components"]
+    assert comp["device_ms"]["lm_head_argmax_1_rows"] > 0 and comp["device_ms"]["lm_head_argmax_4_rows"] > 0
     assert comp["device_ms"]["draft_head_full_vocab"] > 0 and list(comp["worker_ms"]) == [
         "middle_1_tokens",
         "middle_8_tokens",

@@ -158,7 +158,14 @@ def test_quantize_head_serves_argmax_picks_and_leaves_the_fp32_head(tiny, monkey
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
     assert torch.equal(half.head_rows(deep), fp32)  # every other pick's head, bit for bit
 
-    # a kernel less precise than the bound assumes (here: every score off by 1) is refused at load
+    # another device half over the same model shares the head built for it, while the weight is unchanged
+    again = DeviceHalf.load(tiny, 2)
+    assert again.quantize_head() and again.argmax_head is half.argmax_head
+
+    # a kernel less precise than the bound assumes (here: every score off by 1) is refused at load; the weight changed
+    # in place, so the head is built (and checked) again
+    with torch.no_grad():
+        tiny.lm_head.weight.mul_(1.0)
     fresh = DeviceHalf.load(tiny, 2)
     monkeypatch.setattr(Int8Rows, "__call__", lambda self, x: x.float() @ self.dequantized().T + 1.0)
     assert not fresh.quantize_head() and fresh.argmax_head is None
