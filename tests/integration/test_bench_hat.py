@@ -16,21 +16,21 @@ from app.tools.bench.hat_setup import TABLE5
 def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     out = tmp_path / "hat.json"
     code = tandem([
-        "bench", "hat", "--model", "smollm2-135m-instruct", "--lengths", "96", "--decode-tokens", "6",
-        "--table5-prompts", "1", "--table4-prompts", "1", "--table4-tokens", "8", "--table4-proactive",
+        "bench", "hat", "--model", "smollm2-135m-instruct", "--lengths", "64", "--decode-tokens", "4",
+        "--table5-prompts", "1", "--table4-prompts", "1", "--table4-tokens", "6", "--table4-proactive",
         "--worker-counts", "1", "8", "64",
         "--sweep-rtt-ms", "40", "--sweep-up-mbps", "5",
-        "--sweep-prompt", "160", "--sweep-tokens", "6", "--throughput-devices", "1", "2", "--throughput-tokens", "4",
-        "--tree-widths", "4", "--tree-code-lengths", "96", "--draft-length-rtt-ms", "0", "--draft-length-tokens", "6",
+        "--sweep-prompt", "96", "--sweep-tokens", "4", "--throughput-devices", "1", "2", "--throughput-tokens", "4",
+        "--tree-widths", "4", "--tree-code-lengths", "64", "--draft-length-rtt-ms", "0", "--draft-length-tokens", "4",
         "--device-core", "-1", "--worker-core", "-1", "--worker-device", "cpu", "--out", str(out),
     ])  # fmt: skip
     assert code == 0
     results = json.loads(out.read_text())
     assert results["setup"]["worker_compute_device"] == "cpu"
     rows = results["table5"]
-    assert {(r["prompt_tokens"], r["variant"]) for r in rows} == {(n, v.name) for n in (96,) for v in TABLE5}
+    assert {(r["prompt_tokens"], r["variant"]) for r in rows} == {(n, v.name) for n in (64,) for v in TABLE5}
     for r in rows:
-        assert r["ttft_ms"] > 0 and r["tbt_ms"] > 0 and r["tokens"] == 6 and r["prompts"] == len(r["per_prompt"]) == 1
+        assert r["ttft_ms"] > 0 and r["tbt_ms"] > 0 and r["tokens"] == 4 and r["prompts"] == len(r["per_prompt"]) == 1
         assert (r["accept_length"] >= 1.0) if r["sd"] else math.isnan(r["accept_length"]) or r["accept_length"] == 1.0
     t4 = results["table4"]
     assert t4["U-shape"]["accept_length"] == 1.0 and t4["SD"]["accept_length"] >= 1.0 and t4["decode_speedup"] > 0
@@ -55,7 +55,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     assert [r["rtt_ms"] for r in results["sweep"]["rtt"]] == [40]
     assert [r["devices"] for r in results["throughput"]["rows"]] == [1, 2]
     assert all(r["batched_tok_s"] > 0 and r["one_at_a_time_tok_s"] > 0 for r in results["throughput"]["rows"])
-    assert [r["prompt_tokens"] for r in results["chunks"]["rows"]] == [96]
+    assert [r["prompt_tokens"] for r in results["chunks"]["rows"]] == [64]
     assert all(sum(r["DP chunks"]) == r["prompt_tokens"] and r["DP"] > 0 for r in results["chunks"]["rows"])
     trees = results["trees"]
     assert [r["shape"] for r in trees["rows"]] == ["U-shape", "chain", "tree w=4"]
@@ -73,7 +73,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
                                   "input_tau": {"fit": fit}}))  # fmt: skip
     other.write_text(json.dumps({"setup": {"device_name": "fast"}, "middle_ms": passes, "middle_tau": {"fit": fit}}))
     code = tandem(
-        ["bench", "worker-compute", "--project", str(device), str(other), "--hat", str(out), "--lengths", "96"]
+        ["bench", "worker-compute", "--project", str(device), str(other), "--hat", str(out), "--lengths", "64"]
     )
     assert code == 0
     projected = capsys.readouterr().out

@@ -32,7 +32,7 @@ from tests.integration.test_hat import (
     u_shape_greedy,
 )
 
-TOKENS = 32
+TOKENS = 20
 
 
 @pytest.fixture(scope="module")
