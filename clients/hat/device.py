@@ -587,7 +587,7 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
     def _head_last(self, deep: torch.Tensor, argmax_only: bool) -> torch.Tensor:
         assert self.half is not None
         with torch.inference_mode():
-            return (self.half.argmax_rows if argmax_only else self.half.head)(deep[-1:])[0]
+            return self.half.verification_head(argmax_only)(deep[-1:])[0]
 
     # --- decode rounds (clients/hat/rounds.py) --------------------------------------------------
 

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from clients.hat.adapter import Adapter
-from clients.hat.quant import ArgmaxHead, Int8Rows, int8_available, quantize_projections
+from clients.hat.quant import ArgmaxHead, Int8Rows, int8_available, quantize_projections, row_scores
 from clients.hat.ragged import rows_linear
 from clients.hat.split import InputSubmodel, OutputSubmodel, split_model
 
@@ -165,8 +165,7 @@ class DeviceHalf:
         result still does not depend on the other rows (an elementwise product and a sum per row)."""
         weight = self.draft_weight if self.draft_weight is not None else self.output.lm_head.weight
         top = scores.topk(min(REFINED, scores.shape[-1]), dim=-1).indices
-        exact = (weight[top] * normed[:, None, :]).sum(-1)
-        return scores.scatter(-1, top, exact)
+        return scores.scatter(-1, top, row_scores(weight, normed, top))
 
     def head_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output submodel (final norm + LM head) over rows, batch-invariant (ragged.rows_linear): float logits."""
@@ -182,6 +181,16 @@ class DeviceHalf:
         if self.argmax_head is None:
             return self.head_rows(hidden)
         return self.argmax_head(self.output.norm(hidden.to(self.output.lm_head.weight.dtype)))
+
+    def verification_head(
+        self, argmax_only: bool, *, batch_invariant: bool = False
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The head a verification reads its rows' logits from: `argmax_rows` for a pick that reads only their argmax
+        (exact for it), else the fp32 logits — `head_rows` where several streams' rows share a call (batch-invariant:
+        the drafting station), else `head` (one stream's rows)."""
+        if argmax_only:
+            return self.argmax_rows
+        return self.head_rows if batch_invariant else self.head
 
     def head(self, deep: torch.Tensor) -> torch.Tensor:
         """The output submodel's own forward over deep states [rows, hidden]: float logits. Equal to `head_rows` up

@@ -37,6 +37,13 @@ ACTIVATIONS = torch.bfloat16  # the kernel's fast path on CPUs (see the module d
 QUANTIZE_ROWS = 2048  # rows quantized at a time
 
 
+def row_scores(weight: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    """fp32 scores of some rows of `weight` [out, in] for states x [..., in]: `rows` [..., k] (ids per state) or a
+    slice -> [..., k]. An elementwise product and a sum per row, so a row's score depends neither on which other rows
+    are asked for nor on the other states."""
+    return (weight[rows] * x.unsqueeze(-2)).sum(-1)
+
+
 class Int8Rows:
     """weight [out, in] as int8 with a scale per output row: x [..., in] -> float32 [..., out]."""
 
@@ -116,9 +123,8 @@ class ArgmaxHead:
         self.candidates = 0  # rows recomputed in fp32, over all calls (benchmarks)
 
     def exact(self, x: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
-        """fp32 scores of `rows` (ids, or a slice) for one state x [in]: the reference the argmax is exact against (an
-        elementwise product and a sum per row, so a row's score does not depend on which other rows are asked for)."""
-        scores = (self.weight[rows] * x).sum(-1)
+        """fp32 scores of `rows` (ids, or a slice) for one state x [in]: the reference the argmax is exact against."""
+        scores = row_scores(self.weight, x, rows)
         return scores if self.bias is None else scores + self.bias[rows]
 
     def bound(self, x: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:

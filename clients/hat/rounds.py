@@ -154,7 +154,7 @@ class DecodeRounds:
         if slot is not None and self.station is not None:  # the head's rows batched with other streams'
             verdict, lps = await self.station.verify(slot, job)
         else:
-            rows_of = self.half.argmax_rows if sampling.argmax_only else self.half.head
+            rows_of = self.half.verification_head(sampling.argmax_only)
             head = lambda lo, hi: rows_of(deep[lo:hi])  # noqa: E731
             verdict, lps = await self.thread.run(verify_round, job, head, self.token_bytes)
         new, accepted = verdict.tokens, verdict.accepted

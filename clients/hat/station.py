@@ -376,7 +376,7 @@ class DraftingStation:
                 if not part:
                     continue
                 rows = torch.stack([jobs[j].deep[r] for j, r in part])
-                logits = self.half.argmax_rows(rows) if argmax_only else self.half.head_rows(rows)
+                logits = self.half.verification_head(argmax_only, batch_invariant=True)(rows)
                 for (j, r), row in zip(part, logits, strict=True):
                     computed[j][r] = row
                 head_rows += len(part)
@@ -404,7 +404,7 @@ class DraftingStation:
         for j, job in enumerate(jobs):
             deep = job.deep
             rows = computed[j]
-            rows_of = self.half.argmax_rows if job.sampling.argmax_only else self.half.head_rows
+            rows_of = self.half.verification_head(job.sampling.argmax_only, batch_invariant=True)
 
             def head(
                 lo: int,
