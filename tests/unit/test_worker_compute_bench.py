@@ -72,7 +72,7 @@ HAT = {
         "worker_ms": {"middle_1_tokens": 170.0, "middle_2_tokens": 170.0, "middle_4_tokens": 170.0},
         "token_bytes": 3584,
         "link_ms": {"1_tokens": {"download": 10.0}},
-        "device_ms": {"lm_head_1_rows": 40.0},
+        "device_ms": {"lm_head_1_rows": 40.0, "lm_head_argmax_1_rows": 15.0},
     },
     "table4": {
         "U-shape": {"tbt_ms_median": 250.0, "stats": {
@@ -136,12 +136,16 @@ def test_ttft_projection_a_faster_worker_shortens_one_frame_and_chunking_never_l
     by = {(r["worker"], r["prompt"]): r for r in rows}
     assert by["gpu", 1024]["one_frame_ms"] < by["cpu", 1024]["one_frame_ms"]
     assert all(r["planned_ms"] <= r["one_frame_ms"] + 1e-6 for r in rows)
-    # one frame = the device's input layers, the upload and the worker in sequence, plus the reply's tail
+    # one frame = the device's input layers, the upload and the worker in sequence, plus the reply's tail: the link's
+    # download and the greedy first token's head (the argmax head's time; the fp32 head's in a run without it)
     device = 0.01 + 0.0007 * 1024
     upload = 1024 * 3584 / 7.5e6
     assert by["gpu", 1024]["one_frame_ms"] == pytest.approx(
-        1000 * (device + upload + 0.02 + 0.00512 + 0.01 + 0.05), 1e-3
+        1000 * (device + upload + 0.02 + 0.00512 + 0.01 + 0.010 + 0.015), 1e-3
     )
+    older = {**HAT, "components": {**HAT["components"], "device_ms": {"lm_head_1_rows": 40.0}}}
+    [row] = [r for r in wc.project_ttft(older, slow, {"gpu": fast}, [1024])]
+    assert row["one_frame_ms"] == pytest.approx(by["gpu", 1024]["one_frame_ms"] + 25.0, 1e-3)
 
 
 def test_project_refuses_a_device_run_without_the_input_layers(tmp_path) -> None:
