@@ -1,6 +1,7 @@
 """The device half's cheap heads (issue 40) on real weights (Qwen2.5-Coder-0.5B, the shipped adapter and reduced
 draft vocabulary, a real worker on loopback): drafts from the int8 draft head, and verification by the int8 head exact
-for the argmax, leave greedy output what the fp32 verification head makes it.
+for the argmax, leave greedy output what the fp32 verification head makes it. This is also the suite's greedy HAT run
+of the bundled default with everything it ships (its U-shape comparison: below).
 
 What is exact by construction, and asserted as such: every emitted token is the fp32 verification head's argmax over
 the deep states the worker returned for its position (the drafts only decide which positions a round verifies; the
@@ -114,6 +115,11 @@ async def test_int8_heads_keep_greedy_output(server, qwen, reference, verdicts) 
     assert backend.half.draft_int8 is not None and isinstance(backend.half.adapter.block.self_attn.q_proj, Int8Linear)
     assert backend.half.argmax_head is not None and backend.half.argmax_head.candidates > 0  # it verified
     assert backend.stats.accepted > 0  # the cheap head's drafts were accepted: the rounds did verify them
+    half = backend.half  # the shipped reduced draft vocabulary: the draft head scores its tokens, and only them
+    logits = half.draft_logits(torch.zeros(1, half.hidden_size), 0)[0]
+    outside = torch.ones(half.vocab_size, dtype=torch.bool)
+    outside[half.draft_ids] = False
+    assert torch.isinf(logits[outside]).all() and torch.isfinite(logits[~outside]).all()
     assert_verification_decided(cheap, backend, verdicts)
     cheap_rounds = len(verdicts)
 
