@@ -42,16 +42,24 @@ def stream_chunks(gw, messages, policy: str | None = None, max_tokens: int = 32,
     return request_id, pieces, finish
 
 
-def trace(gw, request_id: str, patience: float = 0.0) -> dict:
-    """The request's trace; `patience`: seconds to wait for it to be kept (a request the client left is kept once
-    the gateway has seen the disconnect and stopped its backends, after the client's side has closed)."""
+def trace(gw, request_id: str, patience: float = 0.0, key: str | None = None) -> dict:
+    """The request's trace, read with API key `key` where the gateway has keys; `patience`: seconds to wait for it
+    to be kept (a request the client left is kept once the gateway has seen the disconnect and stopped its backends,
+    after the client's side has closed)."""
+    headers = {"authorization": f"Bearer {key}"} if key else None
     deadline = time.monotonic() + patience
-    r = httpx.get(f"{gw.v1}/requests/{request_id}", timeout=10)
+    r = httpx.get(f"{gw.v1}/requests/{request_id}", headers=headers, timeout=10)
     while r.status_code == 404 and time.monotonic() < deadline:
         time.sleep(0.1)
-        r = httpx.get(f"{gw.v1}/requests/{request_id}", timeout=10)
+        r = httpx.get(f"{gw.v1}/requests/{request_id}", headers=headers, timeout=10)
     r.raise_for_status()
     return r.json()
+
+
+def endpoints(t: dict, name: str = "backend") -> list[tuple[str, str]]:
+    """(name, outcome) of each endpoint a traced answer went through, in order; `name`: the entry's "backend" (the
+    configured backend's name) or "endpoint" (its role in the answer)."""
+    return [(e[name], e["outcome"]) for e in t["endpoints"]]
 
 
 QWEN = "qwen2.5-coder-0.5b-instruct"

@@ -18,8 +18,10 @@ import httpx
 import pytest
 
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
+from tests.integration import disco_helpers
 from tests.integration.disco_helpers import (
     embedded_server_pid,
+    endpoints,
     evict_cache,
     independent_continuation,
     signal_at,
@@ -76,13 +78,7 @@ def client(gw: GatewayProcess, key: str = KEY) -> anthropic.Anthropic:
 
 
 def trace(gw: GatewayProcess, request_id: str) -> dict:
-    r = httpx.get(f"{gw.v1}/requests/{request_id}", headers=AUTH, timeout=10)
-    r.raise_for_status()
-    return r.json()
-
-
-def backends(t: dict) -> list[tuple[str, str]]:
-    return [(e["backend"], e["outcome"]) for e in t["endpoints"]]
+    return disco_helpers.trace(gw, request_id, key=KEY)
 
 
 def text_of(message) -> str:
@@ -133,7 +129,7 @@ def test_plain_and_streamed_messages(gw, model, extra, served_by):
     assert text_of(message)
     t = trace(gw, message.id)
     assert message.usage.input_tokens == t["prompt_tokens"]
-    assert served_by is None or {b for b, _ in backends(t)} == served_by
+    assert served_by is None or {b for b, _ in endpoints(t)} == served_by
 
     final, kinds = stream(gw, model=model, extra_body=extra)
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
@@ -342,7 +338,7 @@ def test_a_streamed_answer_that_migrates_arrives_whole(gw):
     final, kinds = stream(gw, model="tandem", max_tokens=24)
     t = trace(gw, final.id)
     (migration,) = t["migrations"]
-    assert backends(t) == [("device", "migrated-from"), ("cloud", "finished")]
+    assert endpoints(t) == [("device", "migrated-from"), ("cloud", "finished")]
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 24 == t["completion_tokens"]
     assert kinds.count("content_block_start") == 1  # one text block across the move
     # Nothing lost or repeated at the seam: the device's own start, then what the cloud says after exactly that.
@@ -367,7 +363,7 @@ def test_a_streamed_answer_whose_endpoint_dies_arrives_whole(gw):
     assert killed.is_set()
     t = trace(gw, final.id)
     assert [m["reason"] for m in t["migrations"]] == ["error"]
-    assert backends(t) == [("cloud", "failed"), ("device", "finished")]
+    assert endpoints(t) == [("cloud", "failed"), ("device", "finished")]
     assert final.stop_reason in ("max_tokens", "end_turn") and final.usage.output_tokens == t["completion_tokens"]
     assert "error" not in kinds and kinds[-1] == "message_stop"
     k = t["migrations"][0]["at_token"]

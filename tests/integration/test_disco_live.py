@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from app.launcher import free_port, start_gateway, stop_gateway
-from tests.integration.disco_helpers import evict_cache, independent_continuation, stream_chunks, trace
+from tests.integration.disco_helpers import endpoints, evict_cache, independent_continuation, stream_chunks, trace
 
 ADMIN = {"authorization": "Bearer admin-secret"}
 MESSAGES = [{"role": "user", "content": "Write a short Python function that reverses a string."}]
@@ -86,10 +86,6 @@ class Busy:
         self.thread.join(60)
 
 
-def endpoints(t: dict) -> list[tuple[str, str]]:
-    return [(e["endpoint"], e["outcome"]) for e in t["endpoints"]]
-
-
 # --- races ---------------------------------------------------------------------------------------
 
 
@@ -104,7 +100,7 @@ def test_race_is_won_by_the_first_token(disco_gateway, busy, winner, loser):
         busy_tokens = disco_gateway.metric("tandem_backend_generated_tokens", backend=loser) - before
     assert pieces and finish == "length"
     assert t["plan"]["kind"] == "race"
-    assert sorted(endpoints(t)) == sorted([(winner, "finished"), (loser, "lost")])
+    assert sorted(endpoints(t, "endpoint")) == sorted([(winner, "finished"), (loser, "lost")])
     lost = next(e for e in t["endpoints"] if e["outcome"] == "lost")
     # The loser was cancelled while queued behind the busy stream, which it was generating for all along: it
     # generated nothing for this request, and its prefill is still booked.
@@ -139,7 +135,7 @@ def test_disco_d_starts_the_device_after_its_wait(disco_gateway):
     t = trace(disco_gateway, rid)
     cloud = next(e for e in t["endpoints"] if e["endpoint"] == "cloud")
     if cloud["first_token_ms"] is not None and cloud["first_token_ms"] < wait:
-        assert endpoints(t) == [("cloud", "finished")]
+        assert endpoints(t, "endpoint") == [("cloud", "finished")]
     else:
         device = next(e for e in t["endpoints"] if e["endpoint"] == "device")
         assert device["started_ms"] >= wait - 5, t
@@ -178,7 +174,7 @@ def test_cost_driven_migration_is_byte_exact(disco_gateway, policy, patch, sourc
     assert 0 < k < len(pieces)
     prefix, rest = "".join(pieces[:k]), "".join(pieces[k:])
     assert independent_continuation(disco_gateway, target, MESSAGES, prefix, len(pieces) - k) == rest
-    assert endpoints(t) == [(source, "migrated-from"), (target, "finished")]
+    assert endpoints(t, "endpoint") == [(source, "migrated-from"), (target, "finished")]
     moved = t["endpoints"][1]  # it prefilled prompt + delivered prefix, less what its KV cache still held
     assert moved["prefill_tokens"] + moved["cached_tokens"] == t["prompt_tokens"] + k
     assert moved["cached_tokens"] == 0 if target == "cloud" else 0 <= moved["cached_tokens"] < t["prompt_tokens"] + k

@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.disco_helpers import evict_cache, independent_continuation, sdk, trace
+from tests.integration.disco_helpers import endpoints, evict_cache, independent_continuation, sdk, trace
 
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the squares of a list of numbers."}]
 K = 6
@@ -36,10 +36,6 @@ def stream(gw, tandem: dict, max_tokens: int) -> tuple[str, list[str], str | Non
     return raw.headers["x-request-id"], pieces, finish
 
 
-def endpoints(t: dict) -> list[tuple[str, str]]:
-    return [(e["endpoint"], e["outcome"]) for e in t["endpoints"]]
-
-
 @pytest.mark.parametrize(("policy", "source", "target"), [("device", "device", "cloud"), ("cloud", "cloud", "device")])
 def test_a_forced_migration_moves_the_answer_after_k_tokens_at_an_exact_seam(gateway, policy, source, target):
     before = gateway.metric("tandem_migrations_total", source=source, target=target, reason="forced")
@@ -52,7 +48,7 @@ def test_a_forced_migration_moves_the_answer_after_k_tokens_at_an_exact_seam(gat
     assert len(t["migrations"]) == 1, t
     m = t["migrations"][0]
     assert (m["from"], m["to"], m["reason"], m["at_token"]) == (source, target, "forced", K)
-    assert endpoints(t) == [(source, "migrated-from"), (target, "finished")]
+    assert endpoints(t, "endpoint") == [(source, "migrated-from"), (target, "finished")]
     assert t["endpoints"][0]["decode_tokens"] == K and len(pieces) > K
     prefix, rest = "".join(pieces[:K]), "".join(pieces[K:])
     # What the target wrote is exactly its own greedy continuation of the delivered prefix: nothing repeated,
@@ -68,7 +64,7 @@ def test_an_answer_shorter_than_k_is_not_moved(gateway):
     rid, pieces, _ = stream(gateway, {"policy": "device", "migrate_after_tokens": 4}, max_tokens=4)
     t = trace(gateway, rid)
     assert len(pieces) == 4
-    assert t["migrations"] == [] and endpoints(t) == [("device", "finished")]
+    assert t["migrations"] == [] and endpoints(t, "endpoint") == [("device", "finished")]
 
 
 @pytest.mark.parametrize(

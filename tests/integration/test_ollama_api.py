@@ -19,7 +19,14 @@ import ollama
 import pytest
 
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
-from tests.integration.disco_helpers import embedded_server_pid, evict_cache, independent_continuation, signal_at
+from tests.integration import disco_helpers
+from tests.integration.disco_helpers import (
+    embedded_server_pid,
+    endpoints,
+    evict_cache,
+    independent_continuation,
+    signal_at,
+)
 
 KEY = "ollama-test-key"
 DEVICE_KEY = "device-only-key"
@@ -95,13 +102,7 @@ class Client(ollama.Client):
 
 
 def trace(gw: GatewayProcess, request_id: str) -> dict:
-    r = httpx.get(f"{gw.v1}/requests/{request_id}", headers=AUTH, timeout=10)
-    r.raise_for_status()
-    return r.json()
-
-
-def backends(t: dict) -> list[tuple[str, str]]:
-    return [(e["backend"], e["outcome"]) for e in t["endpoints"]]
+    return disco_helpers.trace(gw, request_id, key=KEY)
 
 
 def streamed_chat(client: Client, **kw) -> tuple[str, list, ollama.ChatResponse]:
@@ -174,7 +175,7 @@ def test_a_streamed_answer_that_migrates_arrives_whole(gw):
     text, _, last = streamed_chat(client, model="tandem", messages=ASK, options={**GREEDY, "num_predict": 24})
     t = trace(gw, client.request_id)
     (migration,) = t["migrations"]
-    assert backends(t) == [("device", "migrated-from"), ("cloud", "finished")]
+    assert endpoints(t) == [("device", "migrated-from"), ("cloud", "finished")]
     assert last.done_reason == "length" and last.eval_count == 24 == t["completion_tokens"]
     # Nothing lost or repeated at the seam: the device's own start, then what the cloud says after exactly that.
     k = migration["at_token"]
@@ -196,7 +197,7 @@ def test_a_raced_answer_arrives_whole(gw):
         assert httpx.delete(gw.v1 + "/budget", headers=admin, timeout=10).status_code == 200
     t = trace(gw, client.request_id)
     assert t["plan"]["kind"] == "race"
-    outcomes = dict(backends(t))
+    outcomes = dict(endpoints(t))
     (winner,) = [b for b, outcome in outcomes.items() if outcome == "finished"]
     assert sorted(outcomes.values()) == ["finished", "lost"]
     assert last.done_reason == "length" and last.eval_count == 12 == t["completion_tokens"]
@@ -220,7 +221,7 @@ def test_chat_plain_and_streamed(gw, model, served_by):
     assert answer.message.role == "assistant" and answer.message.content
     assert answer.prompt_eval_count == t["prompt_tokens"] and answer.eval_count == t["completion_tokens"] == 12
     assert_timed(answer, 12)
-    assert served_by is None or {b for b, _ in backends(t)} == served_by
+    assert served_by is None or {b for b, _ in endpoints(t)} == served_by
 
     text, pieces, last = streamed_chat(client, model=model, messages=ASK, options={**GREEDY, "num_predict": 12})
     assert client.headers["content-type"] == "application/x-ndjson"
@@ -438,7 +439,7 @@ def test_keys_and_privacy_levels(gw):
         device_only.chat(model="cloud", messages=ASK, options={"num_predict": 1})
     assert floor.value.status_code == 400 and "privacy level 'device'" in floor.value.error
     device_only.chat(model="tandem", messages=ASK, options={"num_predict": 4})
-    assert {b for b, _ in backends(trace(gw, device_only.request_id))} == {"device"}
+    assert {b for b, _ in endpoints(trace(gw, device_only.request_id))} == {"device"}
     # The request's own level, in Tandem's `tandem` field as on the other front doors.
     body = {"model": "cloud", "messages": ASK, "stream": False, "tandem": {"privacy": "device"}}
     r = httpx.post(gw.url + "/api/chat", headers=AUTH, json=body, timeout=30)
@@ -572,7 +573,7 @@ def test_a_streamed_answer_whose_endpoint_dies_arrives_whole(gw):
     assert killed.is_set() and last.done and last.done_reason in ("length", "stop")
     t = trace(gw, client.request_id)
     assert [m["reason"] for m in t["migrations"]] == ["error"]
-    assert backends(t) == [("cloud", "failed"), ("device", "finished")]
+    assert endpoints(t) == [("cloud", "failed"), ("device", "finished")]
     assert last.eval_count == t["completion_tokens"]
     # The device's part is exactly what it says after the prompt and the cloud's delivered part: no token repeated,
     # skipped or lost at the seam.

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from app.launcher import GatewayProcess, free_port, start_gateway, stop_gateway
-from tests.integration.disco_helpers import evict_cache, independent_continuation, sdk, stream_chunks, trace
+from tests.integration.disco_helpers import endpoints, evict_cache, independent_continuation, sdk, stream_chunks, trace
 
 MESSAGES = [{"role": "user", "content": "Write a short Python function that reverses a string."}]
 # Dear cloud decoding, free device: an answer on the cloud pays to move to the device.
@@ -63,10 +63,6 @@ def knobs(gw: GatewayProcess, **patch) -> dict:
     r = httpx.put(gw.v1 + "/budget", json=patch, timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def endpoints(t: dict) -> list[tuple[str, str]]:
-    return [(e["backend"], e["outcome"]) for e in t["endpoints"]]
 
 
 def answer(gw: GatewayProcess, policy: str, max_tokens: int = 24) -> dict:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
+from tests.integration import disco_helpers
 from tests.integration.scripted_upstream import Answer, ScriptedUpstream
 
 OPEN_KEY, DEVICE_KEY, ADMIN_KEY = "open-key", "device-only-key", "admin-key"
@@ -62,9 +63,7 @@ def ask(gw, key: str = OPEN_KEY, model: str = "tandem", **tandem) -> httpx.Respo
 
 
 def trace(gw, request_id: str) -> dict:
-    r = httpx.get(f"{gw.v1}/requests/{request_id}", headers={"authorization": f"Bearer {OPEN_KEY}"}, timeout=10)
-    r.raise_for_status()
-    return r.json()
+    return disco_helpers.trace(gw, request_id, key=OPEN_KEY)
 
 
 def served_by(gw, r: httpx.Response) -> list[str]:

@@ -19,6 +19,7 @@ import pytest
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
 from clients.chat_template import render_chat
 from deploy.models import model_path
+from tests.integration.disco_helpers import trace
 from tests.integration.scripted_upstream import PIECES, Answer, ScriptedUpstream
 
 MESSAGES = [{"role": "user", "content": "What is the answer to everything?"}]
@@ -105,12 +106,6 @@ def text_of(events: list[dict]) -> str:
 
 def finish_of(events: list[dict]) -> str | None:
     return next((c["finish_reason"] for e in events for c in e.get("choices", ()) if c["finish_reason"]), None)
-
-
-def trace(gw: GatewayProcess, request_id: str) -> dict:
-    r = httpx.get(f"{gw.v1}/requests/{request_id}", timeout=10)
-    r.raise_for_status()
-    return r.json()
 
 
 def _raw(obj) -> Answer:
