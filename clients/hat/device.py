@@ -309,7 +309,9 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if o.head_precision == "int8" and not half.quantize_head():
             log.warning("%s: no CPU int8 kernel within the exactness bound here: the head stays fp32", self.name)
         if o.drafting == "batched":
-            self.station = DraftingStation(half, self.thread, self.rule, self.token_bytes)
+            self.station = DraftingStation(
+                half, self.thread, self.rule, self.token_bytes, draft_step_rows=o.draft_step_rows
+            )
         self.link_model.state_bytes = half.hidden_size * torch.empty((), dtype=self.wire_dtype).element_size()
         device_tau = fit_device_tau(self.drafter) if o.chunking == "dp" else None
         self.prefill_planner = PrefillPlanner(o, self.link_model.state_bytes, device_tau)

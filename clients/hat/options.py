@@ -68,6 +68,11 @@ class HATOptions(BaseModel):
         batched at the drafting station (clients/hat/station.py), streams grouped by SD-edge's Alg. 1 and
         pipelined against the worker; each stream's output is what it would be alone. "solo": each stream's own
         model calls, one at a time.
+    draft_step_rows: how the station's draft steps (a row per stream, through the input layers) project their rows,
+        both batch-invariant (clients/hat/ragged.py): "each" row on its own (a matrix-vector product: a device's one
+        or two streams at a time cost what the solo path costs, ~2.2x less than a chunk; each further stream adds a
+        row's cost), "chunked" in fixed 4-row chunks (one chunk's cost for up to four streams at once: a device that
+        runs three or more streams at a time, e.g. outline decoding's points).
     chunking: "eq3" = equal chunks of Eq. 3's size; "dp" = Jupiter's sequence partition over the device → link →
         worker pipeline (policies/sequence_partition.py plan_device_prefill), with the device's own prefill step
         time fitted at load, the measured upload bandwidth and the worker's prefill τ(x | y) from its OPEN reply (its
@@ -123,6 +128,7 @@ class HATOptions(BaseModel):
     draft_precision: Literal["int8", "fp32"] = "int8"
     head_precision: Literal["int8", "fp32"] = "int8"
     drafting: Literal["batched", "solo"] = "batched"
+    draft_step_rows: Literal["each", "chunked"] = "each"
     chunking: Literal["eq3", "dp"] = "eq3"
     chunk_size: Annotated[int, Field(ge=1)] | None = None
     min_chunk: Annotated[int, Field(ge=1)] = 16

@@ -49,7 +49,7 @@ import torch
 from clients.hat.drafting import Draft, DraftRun, DraftState
 from clients.hat.half import DeviceHalf
 from clients.hat.model_thread import ModelThread
-from clients.hat.ragged import ROWS_CHUNK, RaggedMiddle, project_rows
+from clients.hat.ragged import ROWS_CHUNK, RaggedMiddle, project_each_row, project_rows
 from clients.hat.request_sampling import Sampling
 from clients.hat.station_schedule import Away, Kind, Pending, equal_groups, next_unit
 from clients.hat.verify import Verdict, VerifyJob, verify_round
@@ -119,6 +119,7 @@ class DraftingStation:
         grouping: Grouping = "exact",
         max_wait: float = DEFAULT_MAX_WAIT,
         sync_wait: float = DEFAULT_SYNC_WAIT,
+        draft_step_rows: Literal["each", "chunked"] = "each",
     ):
         self.half = half
         self.thread = thread
@@ -130,6 +131,7 @@ class DraftingStation:
         self.span = _attention_span(half)
         self._input = RaggedMiddle(half.input.stack, ROWS_CHUNK, batch_invariant=True)
         self._adapter = RaggedMiddle(half.adapter.stack, ROWS_CHUNK, batch_invariant=True)
+        self._draft_project = project_each_row if draft_step_rows == "each" else project_rows  # HATOptions
         self._slots: dict[int, StreamSlot] = {}
         self._next_id = 0
         self._jobs: dict[int, _Job] = {}  # at most one pending job per stream
@@ -310,9 +312,9 @@ class DraftingStation:
         """Token ids of several streams, each at its position: shallow states and adapter features per stream, in
         one ragged forward of the input layers and one of the adapter (appending to each stream's caches).
 
-        Draft steps (one row per stream) project through ragged.project_rows: fixed 4-row chunks, a one-row linear's
-        cost; prefill chunks through the layers' own linears (blocked GEMM over >= 4 rows). Either way a row's
-        result does not depend on the other rows, and a row is a draft step's or a prefill's whatever else runs.
+        Draft steps (one row per stream) project through ragged.project_each_row or project_rows (HATOptions.
+        draft_step_rows); prefill chunks through the layers' own linears (blocked GEMM over >= 4 rows). Either way a
+        row's result does not depend on the other rows, and a row is a draft step's or a prefill's whatever else runs.
         Also returns the seconds the input layers took (the rounds' profile)."""
         for _, st, position in items:
             if len(st.input_cache) != position or len(st.adapter_cache) != position:
@@ -320,7 +322,7 @@ class DraftingStation:
         sizes = [len(ids) for ids, _, _ in items]
         flat = torch.tensor([t for ids, _, _ in items for t in ids], dtype=torch.long)
         embedded = self.half.input.embed_tokens(flat).split(sizes)
-        project = project_rows if draft_step else None
+        project = self._draft_project if draft_step else None
         t0 = time.perf_counter()
         shallow = self._input.forward(
             [(e, st.input_cache) for e, (_, st, _) in zip(embedded, items, strict=True)], project=project

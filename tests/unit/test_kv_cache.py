@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from clients.hat.ragged import RaggedMiddle, grouped_attention
+from clients.hat.ragged import RaggedMiddle, grouped_attention, project_each_row, project_rows
 from clients.hat.split import SplitKVCache, split_model
 
 H = 32  # the hidden size of conftest's `tiny` model
@@ -145,6 +145,40 @@ def test_ragged_forward_matches_the_models_layers_and_the_eager_path(tiny: Llama
             outs[name] = torch.cat([ragged.forward([(x, cache)])[0] for x in xs])
     torch.testing.assert_close(outs["sdpa"], ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs["eager"], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("project", [project_each_row, project_rows], ids=["each row", "4-row chunks"])
+def test_a_draft_steps_rows_are_the_same_alone_and_beside_other_streams(tiny: LlamaForCausalLM, project) -> None:
+    """The drafting station's draft steps (one row per stream, HATOptions.draft_step_rows): a stream's row is bit for
+    bit what it is alone, whichever other streams share the pass, and the model's own layers' result."""
+    torch.manual_seed(4)
+    stack = split_model(tiny, 2).input
+    ragged = RaggedMiddle(stack.stack)
+    contexts = [torch.randn(n, H) for n in (7, 3, 12)]
+    steps = [torch.randn(1, H) for _ in contexts]
+
+    def caches() -> list[SplitKVCache]:
+        out = []
+        for ctx in contexts:
+            cache = stack.new_cache()
+            ragged.forward([(ctx, cache)])
+            out.append(cache)
+        return out
+
+    with torch.inference_mode():
+        alone = [ragged.forward([(x, c)], project=project)[0] for x, c in zip(steps, caches(), strict=True)]
+        for group in ([0, 1], [2, 0, 1], [1, 2]):
+            fresh = caches()
+            together = ragged.forward([(steps[i], fresh[i]) for i in group], project=project)
+            assert all(torch.equal(out, alone[i]) for i, out in zip(group, together, strict=True)), group
+        modules = [ragged.forward([(x, c)])[0] for x, c in zip(steps, caches(), strict=True)]  # the layers' linears
+    for got, want in zip(alone, modules, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    linear = torch.nn.Linear(H, 8)  # with a bias, as Qwen's q/k/v projections have
+    x = torch.randn(1, 3, H)
+    with torch.inference_mode():
+        torch.testing.assert_close(project_each_row(linear, x), linear(x), rtol=1e-5, atol=1e-5)
+        assert torch.equal(project_each_row(linear, x)[:, 1:2], project_each_row(linear, x[:, 1:2]))
 
 
 def test_a_failed_ragged_forward_leaves_every_cache_as_it_was(tiny: LlamaForCausalLM) -> None:
