@@ -71,8 +71,8 @@ class HATOptions(BaseModel):
     draft_step_rows: how the station's draft steps (a row per stream, through the input layers) project their rows,
         both batch-invariant (clients/hat/ragged.py): "each" row on its own (a matrix-vector product: a device's one
         or two streams at a time cost what the solo path costs, ~2.2x less than a chunk; each further stream adds a
-        row's cost), "chunked" in fixed 4-row chunks (one chunk's cost for up to four streams at once: a device that
-        runs three or more streams at a time, e.g. outline decoding's points).
+        row's cost), "chunked" in fixed 4-row chunks (one chunk's cost for up to four streams at once; measured no
+        faster than "each" at four streams, slower at one: BENCHMARKS.md, the drafting station).
     chunking: "eq3" = equal chunks of Eq. 3's size; "dp" = Jupiter's sequence partition over the device → link →
         worker pipeline (policies/sequence_partition.py plan_device_prefill), with the device's own prefill step
         time fitted at load, the measured upload bandwidth and the worker's prefill τ(x | y) from its OPEN reply (its

@@ -100,7 +100,9 @@ def test_bench_hat_streams_quick(tmp_path: Path, capsys) -> None:
     rows = json.loads(raw.read_text())["rows"]
     assert [r["streams"] for r in rows] == [1, 2]
     for r in rows:
-        modes = ["solo", "one group", "exact", "Alg. 1"] + (["2 groups"] if r["streams"] > 1 else [])
+        modes = ["solo", "one group", "exact", "exact, 4-row steps", "Alg. 1"] + (
+            ["2 groups"] if r["streams"] > 1 else []
+        )
         assert all(r[m]["tok_s"] > 0 for m in modes)
         assert all(r[m]["same_tokens"] for m in modes if m != "solo")
     assert "Aggregate tokens/s" in out.read_text() and "| 2 |" in capsys.readouterr().out

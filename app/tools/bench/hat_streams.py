@@ -9,6 +9,8 @@ them); every frame crosses the link emulator. For each K in --streams, K held-ou
 - one group: the drafting station (clients/hat/station.py) with every stream in one group (lockstep);
 - exact: the station's default, the grouping with the least steady round period on its fitted T(b, F)
   (policies/stream_groups.py), pipelined;
+- exact, 4-row steps: the same with `draft_step_rows = "chunked"` (each draft step's rows through fixed 4-row chunks
+  instead of each stream's row on its own: one chunk's cost for up to four streams);
 - Alg. 1: groups from SD-edge's Alg. 1 on the same fits (the paper's step-barrier model: the baseline);
 - 2 groups: the station with two fixed groups, pipelined: group 2 drafted while group 1 is at the worker.
 
@@ -37,7 +39,7 @@ import torch
 from app.tools.bench.hat_setup import add_bench_options
 from app.tools.bench.output import publish
 
-MODES = ("solo", "one group", "exact", "Alg. 1", "2 groups")
+MODES = ("solo", "one group", "exact", "exact, 4-row steps", "Alg. 1", "2 groups")
 DEFAULT_OUT = Path("var/bench/hat-streams/report.md")
 
 
@@ -63,6 +65,7 @@ def backend_for(bench: Any, mode: str) -> Any:
         m=bench.args.m,
         link=bench.link,
         drafting="solo" if mode == "solo" else "batched",
+        draft_step_rows="chunked" if mode == "exact, 4-row steps" else "each",
         round_timeout=600.0,
         num_threads=None,  # the process's own (amain pins it to one core, or leaves torch's default)
     )
@@ -78,7 +81,13 @@ def backend_for(bench: Any, mode: str) -> Any:
 
 def set_grouping(backend: Any, mode: str) -> None:
     if backend.station is not None:
-        backend.station.grouping = {"one group": "one", "exact": "exact", "Alg. 1": "alg1", "2 groups": 2}[mode]
+        backend.station.grouping = {
+            "one group": "one",
+            "exact": "exact",
+            "exact, 4-row steps": "exact",
+            "Alg. 1": "alg1",
+            "2 groups": 2,
+        }[mode]
 
 
 async def run_streams(backend: Any, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
