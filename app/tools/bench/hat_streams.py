@@ -39,7 +39,15 @@ import torch
 from app.tools.bench.hat_setup import add_bench_options
 from app.tools.bench.output import publish
 
-MODES = ("solo", "one group", "exact", "exact, 4-row steps", "Alg. 1", "2 groups")
+# mode -> (HATOptions.drafting, the station's grouping, HATOptions.draft_step_rows)
+MODES: dict[str, tuple[str, str | int | None, str]] = {
+    "solo": ("solo", None, "each"),
+    "one group": ("batched", "one", "each"),
+    "exact": ("batched", "exact", "each"),
+    "exact, 4-row steps": ("batched", "exact", "chunked"),
+    "Alg. 1": ("batched", "alg1", "each"),
+    "2 groups": ("batched", 2, "each"),
+}
 DEFAULT_OUT = Path("var/bench/hat-streams/report.md")
 
 
@@ -64,8 +72,8 @@ def backend_for(bench: Any, mode: str) -> Any:
         worker_url=bench.url,
         m=bench.args.m,
         link=bench.link,
-        drafting="solo" if mode == "solo" else "batched",
-        draft_step_rows="chunked" if mode == "exact, 4-row steps" else "each",
+        drafting=MODES[mode][0],
+        draft_step_rows=MODES[mode][2],
         round_timeout=600.0,
         num_threads=None,  # the process's own (amain pins it to one core, or leaves torch's default)
     )
@@ -81,13 +89,7 @@ def backend_for(bench: Any, mode: str) -> Any:
 
 def set_grouping(backend: Any, mode: str) -> None:
     if backend.station is not None:
-        backend.station.grouping = {
-            "one group": "one",
-            "exact": "exact",
-            "exact, 4-row steps": "exact",
-            "Alg. 1": "alg1",
-            "2 groups": 2,
-        }[mode]
+        backend.station.grouping = MODES[mode][1]
 
 
 async def run_streams(backend: Any, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
