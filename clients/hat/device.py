@@ -537,7 +537,15 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
             last = pending[-1]
             cap = min(self._draft_cap(link), emitter.remaining - 1, limit - position - 1) if self.speculative else 0
             pending, pending_lps = await self._round(
-                link, st, last, position, max(cap, 0), sampling, slot=slot, room=limit - position
+                link,
+                st,
+                last,
+                position,
+                max(cap, 0),
+                sampling,
+                slot=slot,
+                room=limit - position,
+                context=answer.context + answer.emitted if self.options.lookup_tokens else None,
             )
             position += len(pending)
 
@@ -610,7 +618,10 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         *,
         slot: StreamSlot | None = None,
         room: int | None = None,
+        context: list[int] | None = None,
     ) -> tuple[list[int], list | None]:
         """One speculative round (DecodeRounds.run): the new tokens and, when asked for, their logprobs."""
         assert self.rounds is not None
-        return await self.rounds.run(link, st, token, position, cap, sampling, self.stats, slot=slot, room=room)
+        return await self.rounds.run(
+            link, st, token, position, cap, sampling, self.stats, slot=slot, room=room, context=context
+        )

@@ -20,6 +20,7 @@ from clients.hat.request_sampling import Sampling
 from clients.hat.split import SplitKVCache
 from clients.sampling import choose
 from policies.drafting import DraftStopRule
+from policies.lookup import NgramIndex
 
 
 @dataclass
@@ -56,6 +57,7 @@ class DraftState:
     adapter_cache: SplitKVCache
     prepared: Draft | None = None
     prepared_at: tuple[int, int] | None = None  # (token, position) the prepared draft continues
+    lookup: NgramIndex | None = None  # the generation's context indexed for lookup branches (clients/hat/rounds.py)
 
     def crop(self, n: int) -> None:
         self.input_cache.crop(n)

@@ -49,6 +49,11 @@ class HATOptions(BaseModel):
         the draft head's top-k) in greedy rounds (clients/hat/tree.py); 0 = chains (the draft_length rule). Rounds
         that sample, penalise, follow a grammar or return logprobs stay chains. Greedy output is unchanged. Faster
         where the worker's pass costs about the same for w positions as for a chain's.
+    lookup_tokens: in greedy chain rounds, verify beside the drafted chain at most this many tokens copied from the
+        context (prompt lookup, policies/lookup.py: what followed the latest earlier occurrence of the context's last
+        1-3 tokens), as a branch of a tree leaving the chain where the two part (clients/hat/rounds.py); a round
+        accepts whichever goes further. 0 = off. Needs a worker that verifies trees; rounds that sample, penalise,
+        follow a grammar or return logprobs stay plain chains. Greedy output is unchanged.
     tree_paths: the tree's shape as rank paths (e.g. ((0,), (1,), (0, 0)): top-1, top-2, top-1 after top-1), as
         ARCA chose it from a profile; None = shaped greedily from policies.trees' prior for tree_width nodes.
     arca: with a profile, run the verification shape the profile's ARCA choice names (Ghidorah's width chosen from
@@ -123,6 +128,7 @@ class HATOptions(BaseModel):
     proactive_drafting: bool = False
     parallel_candidates: Annotated[int, Field(ge=1)] = 3
     tree_width: Annotated[int, Field(ge=0, le=64)] = 0
+    lookup_tokens: Annotated[int, Field(ge=0, le=16)] = 4
     tree_paths: tuple[tuple[int, ...], ...] | None = None
     arca: bool = False
     draft_precision: Literal["int8", "fp32"] = "int8"
@@ -213,7 +219,9 @@ class HATStats:
     draft_cap_sum: int = 0  # sum over rounds of the draft cap used (max_draft under "eta", else l*)
     longest_draft: int = 0  # the most drafts a chain round sent
     status_updates: int = 0  # STATUS frames (the worker's mu and g) received mid-session
-    tree_rounds: int = 0  # rounds that verified a token tree
+    tree_rounds: int = 0  # rounds that verified a token tree (lookup rounds included)
+    lookup_rounds: int = 0  # chain rounds verified with a lookup branch beside the chain (policies/lookup.py)
+    lookup_accepted: int = 0  # of the accepted drafts, the lookup branches'
     last_chunk_size: int = 0
     last_chunks: list[int] = field(default_factory=list)  # the last prefill's chunk lengths
     # chunking = "dp": the worker stage's τ(x | y) the last plan used (its prefill_tau, or g when it sent none)
@@ -255,6 +263,8 @@ class HATStats:
             "longest_draft": self.longest_draft,
             "status_updates": self.status_updates,
             "tree_rounds": self.tree_rounds,
+            "lookup_rounds": self.lookup_rounds,
+            "lookup_accepted": self.lookup_accepted,
             "profile_ms_per_round": round_profile(self),
         }
 

@@ -28,6 +28,11 @@ whose context has room for all its nodes, a tree of w nodes drafted over the dra
 per depth), its structure sent (TREE: parent indices, no tokens) before its DRAFT, the verified tree walked from
 the root with the head on as few rows as it needs, and both caches cut to the accepted path (KEEP to the worker).
 Tree rounds run on the model thread by themselves, not at the station.
+
+A lookup round (`lookup_tokens`, policies/lookup.py): a plain greedy chain round whose context holds an earlier
+occurrence of its last tokens, and whose continuation there leaves the drafted chain, verifies a tree instead: the
+chain (drafted as above, at the station too) and the continuation copied from the context as a branch beside it
+(clients/hat/tree.py draft_lookup), walked and kept like a tree round's.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from clients.base import BackendError
 from clients.hat import wire
@@ -47,10 +52,11 @@ from clients.hat.options import HATOptions, HATStats
 from clients.hat.request_sampling import Sampling
 from clients.hat.session import FrameSession
 from clients.hat.station import DraftingStation, StreamSlot
-from clients.hat.tree import draft_tree, verify_tree
+from clients.hat.tree import TreeDraft, draft_lookup, draft_tree, verify_tree
 from clients.hat.verify import VerifyJob, verify_round
 from policies.drafting import DraftLengthController, parallel_draft_steps
 from policies.estimate import MovingAverage
+from policies.lookup import NgramIndex, branch_depth, branch_point
 from policies.trees import DraftTree
 
 
@@ -98,11 +104,13 @@ class DecodeRounds:
         *,
         slot: StreamSlot | None = None,
         room: int | None = None,
+        context: Sequence[int] | None = None,
     ) -> tuple[list[int], list | None]:
         """One speculative round from `token` at `position`; returns the new tokens (accepted drafts + 1) and,
         when the request asked for them, their logprobs (from the head's logits at each token's position).
         `room`: positions the context has left from `position` (a tree needs one per node). `slot`: the stream's
-        place at the drafting station, if it drafts there."""
+        place at the drafting station, if it drafts there. `context`: the generation's tokens so far, `token` last
+        (what a lookup branch is copied from; None: no lookup)."""
         tree = self._tree_for(cap, room, sampling) if link.info.get("trees") else None
         if tree is not None and not (st.prepared is not None and st.prepared_at == (token, position)):
             return await self._tree_round(link, st, token, position, tree, stats), None
@@ -122,6 +130,9 @@ class DecodeRounds:
         st.prepared = st.prepared_at = None
         t1 = time.perf_counter()
         k = len(draft.tokens)
+        branch = None if prepared else self._lookup_branch(link, st, draft, cap, room, sampling, context)
+        if branch is not None:  # (not a point of the station's verify-stage model: a tree's rows, not its draft's)
+            return await self._lookup_round(link, st, token, position, draft, branch, stats, t0, t1), None
         seq = link.send_tensor(wire.Kind.DRAFT, draft.shallow, position)
         ahead: asyncio.Task[tuple[Branches | None, Branches | None]] | None = None
         stop = threading.Event()
@@ -207,6 +218,75 @@ class DecodeRounds:
         """One greedy round over a token tree (clients/hat/tree.py); returns the accepted drafts + the next token."""
         t0 = time.perf_counter()
         draft = await self.thread.run(draft_tree, self.drafter, st, token, position, tree)
+        new, _path, _wait_s, _head_s = await self._verify_tree(link, st, position, draft, stats, t0)
+        return new
+
+    def _lookup_branch(
+        self,
+        link: FrameSession,
+        st: DraftState,
+        draft: Draft,
+        cap: int,
+        room: int | None,
+        sampling: Sampling,
+        context: Sequence[int] | None,
+    ) -> tuple[list[int], int] | None:
+        """The lookup branch a greedy chain round adds (its tokens, and the chain drafts it shares), or None: no
+        earlier occurrence of the context's end, its continuation inside the chain, or no room for it."""
+        n = self.options.lookup_tokens
+        if not n or context is None or not sampling.allows_tree or not link.info.get("trees"):
+            return None
+        if st.lookup is None:
+            st.lookup = NgramIndex()
+        st.lookup.sync(context)
+        k = len(draft.tokens)
+        proposal, match = st.lookup.propose(min(cap, k + n))
+        shared = branch_point(draft.tokens, proposal)
+        width = min(len(proposal) - shared, branch_depth(match, n), cap - shared)
+        if room is not None:
+            width = min(width, room - (k + 1))
+        return (proposal[shared : shared + width], shared) if width > 0 else None
+
+    async def _lookup_round(
+        self,
+        link: FrameSession,
+        st: DraftState,
+        token: int,
+        position: int,
+        draft: Draft,
+        branch: tuple[list[int], int],
+        stats: HATStats,
+        t0: float,
+        t_chain: float,
+    ) -> list[int]:
+        """A chain round verified as a tree with the lookup branch beside the chain (see the module docstring)."""
+        tokens, shared = branch
+        k = len(draft.tokens)
+        tree_draft = await self.thread.run(draft_lookup, self.drafter, st, token, draft, tokens, shared, position)
+        new, path, wait_s, head_s = await self._verify_tree(link, st, position, tree_draft, stats, t0)
+        chain_accepted = sum(1 for node in path[1:] if node <= k)
+        stats.lookup_rounds += 1
+        stats.lookup_accepted += len(path) - 1 - chain_accepted
+        eta = self.options.eta
+        self.controller.observe(
+            drafted=k,
+            accepted=chain_accepted,
+            confident=[float(d[t]) >= eta for t, d in zip(draft.tokens, draft.dists, strict=True)],
+            draft_s=t_chain - t0,
+            wait_s=wait_s,
+            head_s=head_s,
+            link=self.link.state(link.info),
+        )
+        if k and t_chain - t0 > 1e-3:
+            self.gamma.update((t_chain - t0) / k)
+        return new
+
+    async def _verify_tree(
+        self, link: FrameSession, st: DraftState, position: int, draft: TreeDraft, stats: HATStats, t0: float
+    ) -> tuple[list[int], list[int], float, float]:
+        """Send a drafted tree (TREE, then DRAFT), walk its verified deep states, keep the path (KEEP) and count the
+        round: (new tokens, the kept path's node indices, the wait for the reply, the head's time)."""
+        tree = draft.tree
         t1 = time.perf_counter()
         link.send_indices(wire.Kind.TREE, list(tree.parents), position)
         seq = link.send_tensor(wire.Kind.DRAFT, draft.shallow, position)
@@ -231,7 +311,7 @@ class DecodeRounds:
         stats.round_tokens += len(new)
         link_s = self.link.round_trip_seconds(tree.width)
         stats.add_round(t1 - t0, t2 - t1, t3 - t2, draft.input_seconds, t_head, link_s)
-        return new
+        return new, path, t2 - t1, t_head
 
     # --- parallel drafting (Eq. 6) --------------------------------------------------------------
 

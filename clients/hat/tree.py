@@ -9,6 +9,11 @@ tree from the root: the target's token at a node picks the child drafting it, un
 on that path go through the head (one row each — the head over a full vocabulary is the device's biggest cost).
 Both caches, the device's and the worker's (KEEP), then keep exactly the committed prefix and that path.
 
+A lookup round's tree (`lookup_tree`, `draft_lookup`): the draft model's chain, drafted as a chain round drafts it,
+and beside it a branch of tokens copied from the context (policies/lookup.py) leaving the chain where the two part;
+the branch's nodes go through the input layers and the adapter in one batched call (their tokens are known: no draft
+head, no step per depth). Verified, walked and kept like any tree.
+
 Greedy only: the walk is exact greedy verification, so the output equals U-shape token for token. Sampling keeps
 the chain with rejection sampling (multi-candidate rejection sampling over a tree is not implemented).
 """
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from clients.hat.drafting import Drafter, DraftState
+from clients.hat.drafting import Draft, Drafter, DraftState
 from clients.hat.half import DeviceHalf
 from clients.hat.ragged import ancestor_tensor
 from policies.trees import DraftTree
@@ -77,6 +82,44 @@ def draft_tree(drafter: Drafter, st: DraftState, token: int, position: int, tree
                 for rank, child in children(parent).items():
                     tokens[child] = top[row][rank]
     return TreeDraft(tree, tokens, torch.cat(shallows), input_seconds)
+
+
+def lookup_tree(chain: int, shared: int, branch: int) -> DraftTree:
+    """A chain of `chain` drafts (nodes 1..chain) and a branch of `branch` nodes (after them) whose first node's
+    parent is chain node `shared` (0: the root): the branch is the first node's rank-1 sibling of the chain's next
+    draft, or, past the chain's end, the chain's rank-0 continuation."""
+    if not 0 <= shared <= chain or branch < 1:
+        raise ValueError(f"no lookup branch of {branch} nodes after node {shared} of a {chain}-draft chain")
+    first = chain + 1
+    parents = [-1, *range(chain), shared, *range(first, first + branch - 1)]
+    ranks = [0] * (chain + 1) + [1 if shared < chain else 0] + [0] * (branch - 1)
+    return DraftTree(tuple(parents), tuple(ranks))
+
+
+def draft_lookup(
+    drafter: Drafter, st: DraftState, token: int, draft: Draft, branch: list[int], shared: int, position: int
+) -> TreeDraft:
+    """The round's tree after a chain `draft` from `token` at `position` (its nodes already in the draft caches,
+    slots position..position + len(draft.tokens)): the lookup `branch` leaving the chain after its first `shared`
+    drafts, appended to both caches in one batched call (slots after the chain's, node order)."""
+    k = len(draft.tokens)
+    tree = lookup_tree(k, shared, len(branch))
+    cached = len(st.input_cache)
+    if cached != position + k + 1:
+        raise RuntimeError(f"draft caches hold {cached} positions, not the {k}-draft chain's {position + k + 1}")
+    first = k + 1
+    ancestors = ancestor_tensor(tree.parents)
+    mask = torch.ones(len(branch), cached + len(branch), dtype=torch.bool)
+    mask[:, position:] = ancestors[first:, :]
+    positions = torch.arange(position + shared + 1, position + shared + 1 + len(branch))
+    with torch.inference_mode():
+        ids = torch.tensor([branch], dtype=torch.long)
+        t0 = time.perf_counter()
+        shallow = drafter.half.input(ids, st.input_cache, positions=positions, attention_mask=mask)
+        input_seconds = time.perf_counter() - t0
+        drafter.half.adapter(shallow, st.adapter_cache, positions=positions, attention_mask=mask)
+    tokens = [token, *draft.tokens, *branch]
+    return TreeDraft(tree, tokens, torch.cat([draft.shallow, shallow[0]]), draft.input_seconds + input_seconds)
 
 
 def walk_greedy(head_rows: Callable[[list[int]], torch.Tensor], draft: TreeDraft) -> tuple[list[int], list[int]]:

@@ -18,6 +18,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     code = tandem([
         "bench", "hat", "--model", "smollm2-135m-instruct", "--lengths", "64", "--decode-tokens", "4",
         "--table5-prompts", "1", "--table4-prompts", "1", "--table4-tokens", "6", "--table4-proactive",
+        "--table4-no-lookup",
         "--worker-counts", "1", "8", "64",
         "--sweep-rtt-ms", "40", "--sweep-up-mbps", "5",
         "--sweep-prompt", "96", "--sweep-tokens", "4", "--throughput-devices", "1", "2", "--throughput-tokens", "4",
@@ -34,11 +35,13 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
         assert (r["accept_length"] >= 1.0) if r["sd"] else math.isnan(r["accept_length"]) or r["accept_length"] == 1.0
     t4 = results["table4"]
     assert t4["U-shape"]["accept_length"] == 1.0 and t4["SD"]["accept_length"] >= 1.0 and t4["decode_speedup"] > 0
-    assert t4["proactive_speedup"] > 0
+    assert t4["SD+proactive"]["speedup"] > 0 and t4["SD-lookup"]["speedup"] > 0
+    assert t4["SD-lookup"]["stats"]["lookup_rounds"] == 0
     # counted against U-shape's tokens prompt by prompt (reported, not asserted: greedy SD equals U-shape up to the
     # near-ties of a batched verification, which the suite's rules keep out of exact comparisons)
     assert t4["U-shape"]["prompts_differing"] == 0 and t4["SD"]["prompts_differing"] in (0, 1)
-    for method in ("U-shape", "SD", "SD+proactive"):  # the device half's profile of the very rounds Table 4 measured
+    # the device half's profile of the very rounds Table 4 measured
+    for method in ("U-shape", "SD", "SD+proactive", "SD-lookup"):
         stats = t4[method]["stats"]
         profile = stats["profile_ms_per_round"]
         parts = ("input", "drafts", "head", "link", "worker", "other")
@@ -63,7 +66,8 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     assert trees["rows"][2]["chat"]["stats"]["tree_rounds"] >= 1
     printed = capsys.readouterr().out
     assert "Table 5" in printed and "Worker throughput" in printed and "token trees" in printed
-    assert "Rounds' profile" in printed and "proactive drafting" in printed and results["setup"]["created"]
+    assert "Rounds' profile" in printed and "proactive drafting" in printed and "no lookup branch" in printed
+    assert results["setup"]["created"]
 
     # the GPU projection reads this very run: its rounds, accept length and device costs (worker passes made up here)
     fit = {"a": 0.01, "b": 1e-4, "c": 0.0, "d": 0.0}

@@ -230,6 +230,9 @@ async def test_only_hidden_states_and_control_frames_leave_the_device(worker: Wo
             assert frame.dtype == wire.DType.FLOAT32
             assert len(frame.shape) == 2 and frame.shape[1] == hidden and frame.shape[0] >= 1
             assert bool(torch.isfinite(frame.tensor()).all())
+        elif frame.kind in (Kind.TREE, Kind.KEEP):  # a lookup round's tree: node indices, never token ids
+            nodes = frame.indices()  # TREE: parent indices (-1 for the root); KEEP: the kept path's node indices
+            assert all(-1 <= v < 32 for v in nodes), nodes
         else:
             assert frame.kind in (Kind.ROLLBACK, Kind.CLOSE), frame.kind
             assert frame.payload == b"" and frame.shape == ()
@@ -993,7 +996,8 @@ async def test_eq7_draft_length_keeps_greedy_exact_and_gets_status_mid_session(s
     server = WorkerServer(model, SMOL, status_tolerance=0.0).start()
     try:
         url = server.ws if transport == "ws" else server.http
-        options = HATOptions(worker_url=url, auth_token=TOKEN, chunk_size=16, draft_length=mode)
+        # chains only (lookup_tokens 0): what is drafted is exactly the rule's, with no lookup branch beside it
+        options = HATOptions(worker_url=url, auth_token=TOKEN, chunk_size=16, draft_length=mode, lookup_tokens=0)
         backend = PlanRecorder(options, model_id=SMOL, model=model, tokenizer=tok, answer=answer)
         await backend.start()
         sent_before = server.engine.stats.status_frames

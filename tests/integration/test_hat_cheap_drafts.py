@@ -22,6 +22,7 @@ import torch
 from clients.hat import rounds, station
 from clients.hat.adapter import draft_files
 from clients.hat.quant import Int8Linear
+from clients.hat.tree import verify_tree
 from clients.hat.verify import verify_round
 from tests.integration.hf_fixtures import QWEN05, load
 from tests.integration.test_hat import (
@@ -56,7 +57,8 @@ def reference(qwen) -> tuple[list[int], list[float]]:
 
 @pytest.fixture
 def verdicts(monkeypatch) -> list[tuple[torch.Tensor, list[int], list[int]]]:
-    """Every verification the device half runs: (the deep states it verified, the draft, the tokens it emitted)."""
+    """Every verification the device half runs: (the deep states it verified — a tree's along its kept path —, the
+    draft, the tokens it emitted)."""
     seen: list[tuple[torch.Tensor, list[int], list[int]]] = []
 
     def recorded(job, head, token_bytes):
@@ -64,8 +66,14 @@ def verdicts(monkeypatch) -> list[tuple[torch.Tensor, list[int], list[int]]]:
         seen.append((job.deep.clone(), list(job.draft.tokens), list(verdict.tokens)))
         return verdict, lps
 
+    def recorded_tree(half, st, deep, draft, position):  # a lookup round's tree: its kept path is the round's chain
+        new, path = verify_tree(half, st, deep, draft, position)
+        seen.append((deep[path].clone(), [draft.tokens[n] for n in path[1:]], list(new)))
+        return new, path
+
     monkeypatch.setattr(station, "verify_round", recorded)
     monkeypatch.setattr(rounds, "verify_round", recorded)
+    monkeypatch.setattr(rounds, "verify_tree", recorded_tree)
     return seen
 
 

@@ -12,9 +12,10 @@ import json
 import pytest
 import torch
 
+from clients.base import GenerationRequest
 from clients.hat import wire
 from clients.hat.options import HATOptions
-from clients.hat.tree import draft_tree, keep_path
+from clients.hat.tree import draft_lookup, draft_tree, keep_path
 from policies.trees import from_paths
 from tests.integration.hf_fixtures import SMOL, chat_prompt, check_against_reference, load
 from tests.integration.test_hat import (
@@ -231,6 +232,71 @@ def test_device_tree_drafting_keeps_its_caches_consistent(smol) -> None:
         for layer in got._keys:
             for a, b in zip(got.layer(layer), want.layer(layer), strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+REPEAT = "Write a Python class Point with methods add, sub and scale, each returning a new Point."
+
+
+async def test_lookup_branches_accept_copied_text_and_keep_the_u_shape_answer(worker, smol) -> None:
+    """With the untrained adapter the chain rarely accepts; code that repeats its prompt and itself (self.x, other.x)
+    comes in through the lookup branch instead — the output still the U-shape answer (the near-tie rule), the worker
+    told only the tree's structure, and the same requests without lookup accepting less."""
+    model, tok = smol
+    ids = prompt_ids(tok, REPEAT)
+    n = 40
+    ref, gaps = u_shape_greedy(model, ids, n)
+    runs = {}
+    for lookup in (4, 0):
+        backend = worker.backend(model, tok, SMOL, lookup_tokens=lookup)
+        await backend.start()
+        worker.frames.clear()
+        got = token_ids(await collect(backend, ids, max_tokens=n))
+        await backend.close()
+        check_against_reference(got, ref, gaps)
+        kinds = [wire.decode_frame(data).kind for _sid, data in worker.frames]
+        runs[lookup] = backend.stats.summary()
+        print(f"lookup_tokens={lookup}: {runs[lookup]}")
+        assert kinds.count(Kind.TREE) == kinds.count(Kind.KEEP) == backend.stats.lookup_rounds
+    with_lookup, without = runs[4], runs[0]
+    assert with_lookup["lookup_rounds"] >= 1 and with_lookup["lookup_accepted"] >= 1
+    assert without["lookup_rounds"] == without["tree_rounds"] == 0
+    assert with_lookup["accept_length"] > without["accept_length"]
+    await wait_for(lambda: worker.engine.session_count == 0)
+
+
+def test_a_lookup_branch_kept_leaves_the_caches_as_if_its_path_were_fed_as_a_chain(smol) -> None:
+    """A chain drafted, a lookup branch leaving it after its first draft fed beside it in one call, and the path
+    through the branch kept: the draft caches are a teacher-forced feed of that path."""
+    model, tok = smol
+    from clients.hat.drafting import Drafter
+    from clients.hat.half import DeviceHalf
+    from clients.hat.request_sampling import Sampling
+    from policies.drafting import DraftStopRule
+
+    drafter = Drafter(DeviceHalf.load(model, 2), DraftStopRule(eta=0.0, max_draft=3), 3)
+    ids = prompt_ids(tok)
+    position = len(ids) - 1
+    st = drafter.new_state()
+    drafter.prefill(st, ids[:-1], 0)
+    sampling = Sampling.of(GenerationRequest(prompt_text="", prompt_ids=tuple(ids), temperature=0.0), None, None, None)
+    chain = drafter.draft(st, ids[-1], position, 3, sampling)
+    assert len(chain.tokens) == 3
+    branch = [t for t in (11, 12, 13) if t != chain.tokens[1]][:2]
+    tree_draft = draft_lookup(drafter, st, ids[-1], chain, branch, 1, position)
+    assert tree_draft.tree.parents == (-1, 0, 1, 2, 1, 4)
+    assert tree_draft.tokens == [ids[-1], *chain.tokens, *branch]
+    assert tree_draft.shallow.shape == (6, model.config.hidden_size) and len(st.input_cache) == position + 6
+    keep_path(st, position, [0, 1, 4, 5])  # root -> the chain's first draft -> the branch
+    assert st.input_cache.positions.tolist() == list(range(len(ids) + 3))
+    fed = drafter.new_state()
+    drafter.prefill(fed, [*ids, chain.tokens[0], *branch], 0)
+    for got, want in ((st.input_cache, fed.input_cache), (st.adapter_cache, fed.adapter_cache)):
+        for layer in got._keys:
+            for a, b in zip(got.layer(layer), want.layer(layer), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    teacher = drafter.new_state()
+    rows = drafter.prefill(teacher, [*ids, chain.tokens[0], *branch], 0)[-3:]
+    torch.testing.assert_close(tree_draft.shallow[[1, 4, 5]], rows, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bad", [[-1, 1], [0], [-1, 0, 0, 7]])

@@ -19,8 +19,9 @@ Sections (`--sections`, all by default):
 - table4: accept length (tokens per verification round) and decode speedup (U-shape TBT / HAT TBT) on the first
   --table4-prompts (24) held-out prompts of deploy/adapter_prompts.txt, SD alone, as in the paper's Table 4 (the
   first 8 alone were an easy sample: accept 2.15 where the first 16 gave 1.90); with --table4-proactive also SD with
-  proactive drafting. Under it, each method's rounds' profile (input layers, drafts, head, link, worker: where a
-  round's time went, and the bottleneck), which `bench worker-compute --project --hat` takes from the --out JSON.
+  proactive drafting, with --table4-no-lookup also SD without its lookup branch (lookup_tokens = 0). Under it, each
+  method's rounds' profile (input layers, drafts, head, link, worker: where a round's time went, and the
+  bottleneck), which `bench worker-compute --project --hat` takes from the --out JSON.
 - components: the device's input submodel, draft step (reduced and full vocabulary), LM head; the worker's
   middle compute per token count (timed as loopback round trips on a raw session, minus the loopback's own
   round trip); the link model's upload / download time for the same payloads.
@@ -58,7 +59,7 @@ import torch
 
 from app.tools.bench.hat_sections import (
     DRAFT_LENGTH_MODES,
-    PROACTIVE,
+    TABLE4_EXTRAS,
     chunks,
     components,
     draft_length,
@@ -109,10 +110,11 @@ def report(results: dict[str, Any]) -> str:
                   f"| U-shape | 1.00 | {t['U-shape']['tbt_ms_median']:.1f} | 1.00x | — |",
                   f"| HAT (SD) | {t['SD']['accept_length']:.2f} | {t['SD']['tbt_ms_median']:.1f} | "
                   f"{t['decode_speedup']:.2f}x | {_differing(t['SD'])} |"]  # fmt: skip
-        if "proactive_speedup" in t:
-            p = t[PROACTIVE]
-            lines.append(f"| HAT (SD, proactive drafting) | {p['accept_length']:.2f} | {p['tbt_ms_median']:.1f} | "
-                         f"{t['proactive_speedup']:.2f}x | {_differing(p)} |")  # fmt: skip
+        for e in TABLE4_EXTRAS.values():
+            if e.key in t:
+                p = t[e.key]
+                lines.append(f"| {e.label} | {p['accept_length']:.2f} | {p['tbt_ms_median']:.1f} | "
+                             f"{p['speedup']:.2f}x | {_differing(p)} |")  # fmt: skip
         lines += report_profile(t)
     if "components" in results:
         c = results["components"]
@@ -215,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table4-prompts", type=int, default=24, help="held-out chat prompts (Table 4, widths)")
     p.add_argument("--table4-tokens", type=int, default=64)
     p.add_argument("--table4-proactive", action="store_true", help="Table 4: also SD with proactive drafting")
+    p.add_argument("--table4-no-lookup", action="store_true", help="Table 4: also SD without the lookup branch")
     p.add_argument(
         "--worker-counts", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 1024],
         help="components: positions per frame at which the worker's middle is timed",

@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,17 +69,31 @@ def summarize_table5(length: int, configs: list[tuple[str, Variant]], runs: dict
     return rows
 
 
-PROACTIVE = "SD+proactive"  # Table 4's optional row (--table4-proactive): SD with proactive drafting
+@dataclass(frozen=True)
+class Table4Extra:
+    """One of Table 4's optional rows: SD with some options changed, beside U-shape and SD."""
+
+    key: str  # its row in the results (and the projection's)
+    label: str  # its row in the printed table
+    options: dict[str, Any]  # the HATOptions it changes
+
+
+# Table 4's optional rows, by the flag that asks for each (--table4-proactive, --table4-no-lookup)
+TABLE4_EXTRAS = {
+    "table4_proactive": Table4Extra("SD+proactive", "HAT (SD, proactive drafting)", {"proactive_drafting": True}),
+    "table4_no_lookup": Table4Extra("SD-lookup", "HAT (SD, no lookup branch)", {"lookup_tokens": 0}),
+}
 
 
 async def table4(bench: Bench) -> dict[str, Any]:
+    extras = [e for flag, e in TABLE4_EXTRAS.items() if getattr(bench.args, flag)]
     configs: list[Config] = [(v.name, v, {}) for v in (U_SHAPE, SD_ONLY)]
-    if bench.args.table4_proactive:
-        configs.append((PROACTIVE, SD_ONLY, {"proactive_drafting": True}))
+    configs += [(e.key, SD_ONLY, e.options) for e in extras]
     out = await table4_rows(bench, configs)
-    out["decode_speedup"] = out[U_SHAPE.name]["tbt_ms_median"] / out[SD_ONLY.name]["tbt_ms_median"]
-    if PROACTIVE in out:
-        out["proactive_speedup"] = out[U_SHAPE.name]["tbt_ms_median"] / out[PROACTIVE]["tbt_ms_median"]
+    u_shape = out[U_SHAPE.name]["tbt_ms_median"]
+    out["decode_speedup"] = u_shape / out[SD_ONLY.name]["tbt_ms_median"]
+    for e in extras:
+        out[e.key]["speedup"] = u_shape / out[e.key]["tbt_ms_median"]
     return out
 
 
