@@ -32,7 +32,8 @@ Tree rounds run on the model thread by themselves, not at the station.
 A lookup round (`lookup_tokens`, policies/lookup.py): a plain greedy chain round whose context holds an earlier
 occurrence of its last tokens, and whose continuation there leaves the drafted chain, verifies a tree instead: the
 chain (drafted as above, at the station too) and the continuation copied from the context as a branch beside it
-(clients/hat/tree.py draft_lookup), walked and kept like a tree round's.
+(clients/hat/tree.py draft_lookup), walked and kept like a tree round's; the branch and the walk's head run on the
+model thread by themselves, outside the station's batched passes (measured paying with several streams as well).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class DecodeRounds:
         t1 = time.perf_counter()
         k = len(draft.tokens)
         branch = None if prepared else self._lookup_branch(link, st, draft, cap, room, sampling, context)
-        if branch is not None:  # (not a point of the station's verify-stage model: a tree's rows, not its draft's)
+        if branch is not None:  # its wait is no point of the station's verify-stage fit (observe_wait: chain rows)
             return await self._lookup_round(link, st, token, position, draft, branch, stats, t0, t1), None
         seq = link.send_tensor(wire.Kind.DRAFT, draft.shallow, position)
         ahead: asyncio.Task[tuple[Branches | None, Branches | None]] | None = None
