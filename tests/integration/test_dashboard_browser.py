@@ -265,9 +265,12 @@ def test_spend_per_api_key_is_shown_by_name_never_the_key(gw, browser, shots):
     assert lines[plain]["spent_micro"] > 0 and lines[plain]["cap_usd"] is None
 
     def row(name: str) -> dict[str, str]:
-        found = browser.find_element(By.CSS_SELECTOR, f'#budget-keys tr[data-key="{name}"]')
-        heads = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#budget-keys thead th")]
-        return dict(zip(heads, (td.text for td in found.find_elements(By.TAG_NAME, "td")), strict=True))
+        def read(d) -> dict[str, str]:  # inside a wait: the table re-renders as the budget refreshes (stale cells)
+            found = d.find_element(By.CSS_SELECTOR, f'#budget-keys tr[data-key="{name}"]')
+            heads = [th.text for th in d.find_elements(By.CSS_SELECTOR, "#budget-keys thead th")]
+            return dict(zip(heads, (td.text for td in found.find_elements(By.TAG_NAME, "td")), strict=True))
+
+        return wait(browser).until(read)
 
     wait(browser).until(lambda d: d.find_elements(By.CSS_SELECTOR, '#budget-keys tr[data-key="team-b"]'))
     team, mine = row("team-b"), row(plain)
