@@ -239,28 +239,24 @@ REPEAT = "Write a Python class Point with methods add, sub and scale, each retur
 
 async def test_lookup_branches_accept_copied_text_and_keep_the_u_shape_answer(worker, smol) -> None:
     """With the untrained adapter the chain rarely accepts; code that repeats its prompt and itself (self.x, other.x)
-    comes in through the lookup branch instead — the output still the U-shape answer (the near-tie rule), the worker
-    told only the tree's structure, and the same requests without lookup accepting less."""
+    comes in through the lookup branch instead (tokens accepted on a branch node: the chain's drafts there were
+    rejected or had ended) — the output still the U-shape answer (the near-tie rule), the worker told only the tree's
+    structure. (Without lookup no tree is sent: the bench's --table4-no-lookup row, test_bench_hat.)"""
     model, tok = smol
     ids = prompt_ids(tok, REPEAT)
     n = 40
     ref, gaps = u_shape_greedy(model, ids, n)
-    runs = {}
-    for lookup in (4, 0):
-        backend = worker.backend(model, tok, SMOL, lookup_tokens=lookup)
-        await backend.start()
-        worker.frames.clear()
-        got = token_ids(await collect(backend, ids, max_tokens=n))
-        await backend.close()
-        check_against_reference(got, ref, gaps)
-        kinds = [wire.decode_frame(data).kind for _sid, data in worker.frames]
-        runs[lookup] = backend.stats.summary()
-        print(f"lookup_tokens={lookup}: {runs[lookup]}")
-        assert kinds.count(Kind.TREE) == kinds.count(Kind.KEEP) == backend.stats.lookup_rounds
-    with_lookup, without = runs[4], runs[0]
-    assert with_lookup["lookup_rounds"] >= 1 and with_lookup["lookup_accepted"] >= 1
-    assert without["lookup_rounds"] == without["tree_rounds"] == 0
-    assert with_lookup["accept_length"] > without["accept_length"]
+    backend = worker.backend(model, tok, SMOL)  # lookup_tokens: the default
+    await backend.start()
+    worker.frames.clear()
+    got = token_ids(await collect(backend, ids, max_tokens=n))
+    await backend.close()
+    check_against_reference(got, ref, gaps)
+    kinds = [wire.decode_frame(data).kind for _sid, data in worker.frames]
+    stats = backend.stats.summary()
+    print(f"lookup: {stats}")
+    assert kinds.count(Kind.TREE) == kinds.count(Kind.KEEP) == stats["lookup_rounds"] == stats["tree_rounds"] >= 1
+    assert stats["lookup_accepted"] >= 1
     await wait_for(lambda: worker.engine.session_count == 0)
 
 
