@@ -171,16 +171,7 @@ class DecodeRounds:
             verdict, lps = await self.thread.run(verify_round, job, head, self.token_bytes)
         new, accepted = verdict.tokens, verdict.accepted
         t_head = time.perf_counter() - t_verify
-        eta = self.options.eta
-        self.controller.observe(
-            drafted=k,
-            accepted=accepted,
-            confident=[float(d[t]) >= eta for t, d in zip(draft.tokens, draft.dists, strict=True)],
-            draft_s=None if prepared else t1 - t0,
-            wait_s=t2 - t1,
-            head_s=t_head,
-            link=self.link.state(link.info),
-        )
+        self._observe_chain(link, draft, accepted, t1 - t0, t2 - t1, t_head, prepared=prepared)
         if accepted < k:
             link.send_control(wire.Kind.ROLLBACK, position + accepted + 1)
         if guessed is not None and accepted == k and new[-1] == guessed.candidates[0] and guessed.shallows:
@@ -197,9 +188,34 @@ class DecodeRounds:
         stats.accepted += accepted
         stats.round_tokens += len(new)
         stats.add_round(t1 - t0, t2 - t1, t3 - t2, draft.input_seconds, t_head, self.link.round_trip_seconds(k + 1))
-        if k and t1 - t0 > 1e-3:
-            self.gamma.update((t1 - t0) / k)
         return new, lps
+
+    def _observe_chain(
+        self,
+        link: FrameSession,
+        draft: Draft,
+        accepted: int,
+        drafting_s: float,
+        wait_s: float,
+        head_s: float,
+        *,
+        prepared: bool = False,
+    ) -> None:
+        """A chain's round into the draft-length controller (Eq. 7's estimates) and gamma, the time per draft step
+        (a prepared draft's drafting time is not a draft step's)."""
+        k = len(draft.tokens)
+        eta = self.options.eta
+        self.controller.observe(
+            drafted=k,
+            accepted=accepted,
+            confident=[float(d[t]) >= eta for t, d in zip(draft.tokens, draft.dists, strict=True)],
+            draft_s=None if prepared else drafting_s,
+            wait_s=wait_s,
+            head_s=head_s,
+            link=self.link.state(link.info),
+        )
+        if k and drafting_s > 1e-3:
+            self.gamma.update(drafting_s / k)
 
     # --- token trees ------------------------------------------------------------------------------
 
@@ -268,18 +284,7 @@ class DecodeRounds:
         chain_accepted = sum(1 for node in path[1:] if node <= k)
         stats.lookup_rounds += 1
         stats.lookup_accepted += len(path) - 1 - chain_accepted
-        eta = self.options.eta
-        self.controller.observe(
-            drafted=k,
-            accepted=chain_accepted,
-            confident=[float(d[t]) >= eta for t, d in zip(draft.tokens, draft.dists, strict=True)],
-            draft_s=t_chain - t0,
-            wait_s=wait_s,
-            head_s=head_s,
-            link=self.link.state(link.info),
-        )
-        if k and t_chain - t0 > 1e-3:
-            self.gamma.update((t_chain - t0) / k)
+        self._observe_chain(link, draft, chain_accepted, t_chain - t0, wait_s, head_s)
         return new
 
     async def _verify_tree(
