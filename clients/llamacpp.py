@@ -45,6 +45,7 @@ from clients.grammar import LlamaVocabGrammars, TokenMask
 from clients.logprobs import NumpyLogitAdjuster, confidence_of, entry_from_logprobs, log_softmax
 from clients.prompt_tokens import PromptTokenizer
 from clients.token_emitter import TokenEmitter
+from policies.lookup import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class LlamaCppBackend:
             return 0
         if self.reproducible:
             return self._reusable_chunks(ids)
-        return _common_prefix(llm.input_ids[: llm.n_tokens].tolist(), ids[:-1])  # a snapshot of the cache
+        return common_prefix(llm.input_ids[: llm.n_tokens].tolist(), ids[:-1])  # a snapshot of the cache
 
     def _reusable_chunks(self, ids) -> int:
         """Reproducible path: the cached positions a request for `ids` may keep — whole canonical chunks whose
@@ -183,7 +184,7 @@ class LlamaCppBackend:
         would)."""
         last_start = self._last_chunk_start(len(ids))
         end = min(self._canonical_end, self._llm.n_tokens, last_start)
-        n = _common_prefix(self._llm.input_ids[:end].tolist(), ids)
+        n = common_prefix(self._llm.input_ids[:end].tolist(), ids)
         return n - n % self.chunk
 
     def _last_chunk_start(self, n: int) -> int:
@@ -381,13 +382,3 @@ class PieceDetokenizer:
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
-
-
-def _common_prefix(held, ids) -> int:
-    """How many leading tokens two sequences share."""
-    n = 0
-    for a, b in zip(held, ids, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n

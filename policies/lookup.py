@@ -70,12 +70,12 @@ def branch_depth(match: int, most: int) -> int:
     return min(most, DEPTH_BY_MATCH.get(match, DEPTH_BY_MATCH[max(DEPTH_BY_MATCH)]))
 
 
-def branch_point(chain: Sequence[int], proposal: Sequence[int]) -> int:
-    """How many leading tokens a proposal shares with the draft chain: the proposal's own nodes in a round's tree
-    start after them (a proposal inside the chain adds none)."""
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share: where a lookup proposal leaves the draft chain (its own nodes in
+    a round's tree start after them), or how much of a cached context a prompt can reuse (clients/llamacpp.py)."""
     shared = 0
-    for a, b in zip(chain, proposal, strict=False):
-        if a != b:
+    for x, y in zip(a, b, strict=False):
+        if x != y:
             break
         shared += 1
     return shared

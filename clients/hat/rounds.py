@@ -57,7 +57,7 @@ from clients.hat.tree import TreeDraft, draft_lookup, draft_tree, verify_tree
 from clients.hat.verify import VerifyJob, verify_round
 from policies.drafting import DraftLengthController, parallel_draft_steps
 from policies.estimate import MovingAverage
-from policies.lookup import NgramIndex, branch_depth, branch_point
+from policies.lookup import NgramIndex, branch_depth, common_prefix
 from policies.trees import DraftTree
 
 
@@ -258,7 +258,7 @@ class DecodeRounds:
         st.lookup.sync(context)
         k = len(draft.tokens)
         proposal, match = st.lookup.propose(min(cap, k + n))
-        shared = branch_point(draft.tokens, proposal)
+        shared = common_prefix(draft.tokens, proposal)
         width = min(len(proposal) - shared, branch_depth(match, n), cap - shared)
         if room is not None:
             width = min(width, room - (k + 1))

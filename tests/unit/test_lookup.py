@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.lookup import DEPTH_BY_MATCH, NgramIndex, branch_depth, branch_point
+from policies.lookup import DEPTH_BY_MATCH, NgramIndex, branch_depth, common_prefix
 
 
 def test_the_longest_matching_suffix_wins_over_a_later_shorter_one() -> None:
@@ -37,10 +37,10 @@ def test_sync_catches_up_and_refuses_a_context_that_shrank() -> None:
         NgramIndex(max_n=1, min_n=2)
 
 
-def test_branch_point_counts_the_shared_leading_tokens() -> None:
-    assert branch_point([7, 8, 9], [7, 8, 1, 2]) == 2
-    assert branch_point([7, 8], [7, 8, 9]) == 2  # the proposal goes on past the chain
-    assert branch_point([], [1]) == 0 and branch_point([1], [2]) == 0
+def test_common_prefix_counts_the_shared_leading_tokens() -> None:
+    assert common_prefix([7, 8, 9], [7, 8, 1, 2]) == 2
+    assert common_prefix([7, 8], [7, 8, 9]) == 2  # the proposal goes on past the chain
+    assert common_prefix([], [1]) == 0 and common_prefix([1], [2]) == 0
 
 
 def test_the_lookup_tree_hangs_the_branch_where_it_leaves_the_chain() -> None:
