@@ -217,6 +217,8 @@ class Drafter:
 
     def step(self, b: Branches, sampling: Sampling) -> None:
         """Feed every branch's newest token (the candidates first) and draft one more token per branch."""
+        if len(b.shallows) != len(b.tokens):
+            raise RuntimeError("a branch whose last drafts were fed without drafting (feed_last) takes no more steps")
         pos = b.position + len(b.shallows)
         cur = b.candidates if not b.tokens else b.tokens[-1]
         with torch.inference_mode():
@@ -237,9 +239,23 @@ class Drafter:
         b.probs.append(probs)
         b.dists.append(torch.stack(dists))
 
-    def adopt(self, st: DraftState, b: Branches, row: int) -> None:
-        """Make branch `row` the generation's state: its caches, and its drafts (cut by Eq. 5) as the prepared draft
-        for the round that starts with its candidate."""
+    def feed_last(self, b: Branches) -> None:
+        """Feed every branch's newest drafts without drafting after them, when a prepared draft from some row would
+        send its last draft (`kept`): their shallow states, computed inside the wait instead of by `adopt` after the
+        reply. The branch takes no more steps."""
+        if not b.tokens or len(b.shallows) != len(b.tokens):
+            return
+        if all(self.kept(b, row) < len(b.tokens) for row in range(len(b.candidates))):
+            return
+        pos = b.position + len(b.shallows)
+        with torch.inference_mode():
+            ids = torch.tensor(b.tokens[-1], dtype=torch.long)[:, None]
+            shallow, feats = self._feed(ids, b.input_cache, b.adapter_cache, pos)
+        b.shallows.append(shallow[:, -1])
+        b.feats.append(feats[:, -1])
+
+    def kept(self, b: Branches, row: int) -> int:
+        """How many of branch `row`'s drafts a prepared draft keeps: Eq. 5's stop rule over their probabilities."""
         n = 0
         for step_probs in b.probs:
             keep, stop = self.rule.decide(step_probs[row], n)
@@ -248,7 +264,12 @@ class Drafter:
             n += 1
             if stop:
                 break
-        n = min(n, len(b.tokens))
+        return min(n, len(b.tokens))
+
+    def adopt(self, st: DraftState, b: Branches, row: int) -> None:
+        """Make branch `row` the generation's state: its caches, and its drafts (cut by Eq. 5) as the prepared draft
+        for the round that starts with its candidate."""
+        n = self.kept(b, row)
         st.input_cache = b.input_cache.row(row)
         st.adapter_cache = b.adapter_cache.row(row)
         tokens = [b.tokens[i][row] for i in range(n)]

@@ -9,16 +9,18 @@ tail leaves both caches (ROLLBACK to the worker, crop here), and the round's par
 Parallel drafting (Eq. 6; `parallel_drafting`): while the worker verifies, the device drafts ahead from the top-k
 alternatives to the last draft, one batched step per candidate set, as many steps as Eq. 6 says fit the round trip
 and never past the reply's arrival. If the verified correction is one of the candidates, the next round starts with
-that branch's drafts and caches. Not under a grammar (each branch would need its own grammar state), and at the
-station only while it serves this one stream (with more, the device's waiting time goes to the other streams). It
-changes no output (drafts are only proposals); with sampling, it makes seeded runs timing-dependent (not
-reproducible run to run), while keeping the output distribution exact.
+that branch's drafts and caches. Greedy rounds only: a sampled draft ahead would draw from the request's seeded
+generator as often as the reply's timing allows, and seeded runs would not repeat. Not under a grammar (each branch
+would need its own grammar state), and at the station only while it serves this one stream (with more, the device's
+waiting time goes to the other streams). It changes no output (drafts are only proposals).
 
 Proactive drafting (SpecEdge; `proactive_drafting`): while the worker verifies, the device drafts the next round as
 if this one were accepted whole — from the draft head's guess for the token verification adds after the last draft
 (clients/hat/drafting.py, Drafter.ahead), on a copy of the caches, until the stop rule ends it or the reply arrives.
 If verification accepted all drafts and added the guessed token, the next round starts with those drafts; otherwise
 they are dropped. Greedy rounds without a grammar, alone at the station; before parallel drafting when both are on.
+Either kind feeds its drafts' last token inside the wait too (Drafter.feed_last), so a prepared draft goes out with
+no input-layer work after the reply, and it may still take a lookup branch. Both on by default.
 
 Every round's times go into HATStats.add_round: drafting (of it, the input layers), the wait (of it, the link's
 modelled share), verification (of it, the head), and the drafting done ahead inside the wait (the rounds' profile).
@@ -131,15 +133,16 @@ class DecodeRounds:
         st.prepared = st.prepared_at = None
         t1 = time.perf_counter()
         k = len(draft.tokens)
-        branch = None if prepared else self._lookup_branch(link, st, draft, cap, room, sampling, context)
+        branch = self._lookup_branch(link, st, draft, cap, room, sampling, context)
         if branch is not None:  # its wait is no point of the station's verify-stage fit (observe_wait: chain rows)
-            return await self._lookup_round(link, st, token, position, draft, branch, stats, t0, t1), None
+            new = await self._lookup_round(link, st, token, position, draft, branch, stats, t0, t1, prepared)
+            return new, None
         seq = link.send_tensor(wire.Kind.DRAFT, draft.shallow, position)
         ahead: asyncio.Task[tuple[Branches | None, Branches | None]] | None = None
         stop = threading.Event()
         alone = slot is None or self.station is None or self.station.alone(slot)
-        may = k >= 1 and sampling.mask is None and alone
-        proactive = self.options.proactive_drafting and may and sampling.greedy
+        may = k >= 1 and sampling.greedy and sampling.mask is None and alone
+        proactive = self.options.proactive_drafting and may
         if proactive or (self.options.parallel_drafting and may):
             timing = self.link.reply_window(k, link.info)
             ahead = asyncio.create_task(
@@ -275,8 +278,10 @@ class DecodeRounds:
         stats: HATStats,
         t0: float,
         t_chain: float,
+        prepared: bool,
     ) -> list[int]:
-        """A chain round verified as a tree with the lookup branch beside the chain (see the module docstring)."""
+        """A chain round verified as a tree with the lookup branch beside the chain (see the module docstring);
+        `prepared`: the chain was drafted ahead, inside the previous round's wait."""
         tokens, shared = branch
         k = len(draft.tokens)
         tree_draft = await self.thread.run(draft_lookup, self.drafter, st, token, draft, tokens, shared, position)
@@ -284,7 +289,7 @@ class DecodeRounds:
         chain_accepted = sum(1 for node in path[1:] if node <= k)
         stats.lookup_rounds += 1
         stats.lookup_accepted += len(path) - 1 - chain_accepted
-        self._observe_chain(link, draft, chain_accepted, t_chain - t0, wait_s, head_s)
+        self._observe_chain(link, draft, chain_accepted, t_chain - t0, wait_s, head_s, prepared=prepared)
         return new
 
     async def _verify_tree(
@@ -357,7 +362,15 @@ class DecodeRounds:
             await self.thread.run(self.drafter.step, guessed, sampling)
             stats.ahead_seconds += time.perf_counter() - t
             stats.proactive_steps += 1
+        if guessed is not None and not stop.is_set():
+            await self._timed(self.drafter.feed_last, guessed, stats)
         return guessed
+
+    async def _timed(self, work: Callable[[Branches], None], branches: Branches, stats: HATStats) -> None:
+        """Drafting-ahead work on the model thread, its time counted as drafting inside the wait."""
+        t = time.perf_counter()
+        await self.thread.run(work, branches)
+        stats.ahead_seconds += time.perf_counter() - t
 
     async def _parallel(
         self,
@@ -395,4 +408,6 @@ class DecodeRounds:
             stats.ahead_seconds += time.perf_counter() - t
             stats.parallel_steps += 1
             step = self.pd_gamma.get(step)
+        if not stop.is_set() and time.perf_counter() - start + step <= window:
+            await self._timed(self.drafter.feed_last, branches, stats)
         return branches

@@ -907,7 +907,9 @@ async def test_accepted_drafts_and_parallel_drafting_keep_greedy_exact(worker: W
     answer = {len(ids) + i: t for i, t in enumerate(ref)}
     outputs = {}
     for parallel in (False, True):
-        options = HATOptions(worker_url=worker.ws, auth_token=TOKEN, parallel_drafting=parallel)
+        options = HATOptions(
+            worker_url=worker.ws, auth_token=TOKEN, parallel_drafting=parallel, proactive_drafting=False
+        )
         backend = OracleHAT(options, model_id=SMOL, model=model, tokenizer=tok, answer=answer)
         await backend.start()
         outputs[parallel] = token_ids(await collect(backend, ids))
@@ -943,7 +945,12 @@ async def test_proactive_drafts_dropped_on_a_mismatch_never_reach_the_client(
         outputs = {}
         for proactive in (False, True):
             options = HATOptions(
-                worker_url=worker.ws, auth_token=TOKEN, max_draft=1, drafting=drafting, proactive_drafting=proactive
+                worker_url=worker.ws,
+                auth_token=TOKEN,
+                max_draft=1,
+                drafting=drafting,
+                proactive_drafting=proactive,
+                parallel_drafting=False,
             )
             backend = OracleHAT(options, model_id=SMOL, model=model, tokenizer=tok, answer=answer)
             await backend.start()
@@ -963,6 +970,44 @@ async def test_proactive_drafts_dropped_on_a_mismatch_never_reach_the_client(
         else:
             check_against_reference(outputs[True], outputs[False], gaps)
         check_against_reference(outputs[True], ref, gaps)
+
+
+def test_a_branch_fed_to_its_last_draft_inside_the_wait_is_adopted_without_another_feed(smol) -> None:
+    """Drafting ahead feeds a branch's last draft before the reply comes (Drafter.feed_last), so taking the branch
+    after verification runs no input layer: the prepared draft's states are those a teacher-forced feed gives."""
+    from clients.hat.drafting import Drafter
+    from clients.hat.request_sampling import Sampling
+    from policies.drafting import DraftStopRule
+
+    model, tok = smol
+    drafter = Drafter(DeviceHalf.load(model, 2), DraftStopRule(eta=0.0, max_draft=3), 3)
+    ids = prompt_ids(tok)
+    position = len(ids) - 1
+    st = drafter.new_state()
+    drafter.prefill(st, ids[:-1], 0)
+    sampling = Sampling.of(GenerationRequest(prompt_text="", prompt_ids=tuple(ids), temperature=0.0), None, None, None)
+    chain = drafter.draft(st, ids[-1], position, 2, sampling)
+    guessed = drafter.ahead(st, chain, position)
+    assert guessed is not None
+    while not drafter.branch_done(guessed):
+        drafter.step(guessed, sampling)
+    assert len(guessed.tokens) == 3 and len(guessed.shallows) == 3  # the third draft chosen, not yet fed
+    drafter.feed_last(guessed)
+    assert len(guessed.shallows) == 4
+    with pytest.raises(RuntimeError, match="no more steps"):
+        drafter.step(guessed, sampling)
+    feeds = []
+    real_feed = drafter._feed
+    drafter._feed = lambda *a, **kw: feeds.append(a) or real_feed(*a, **kw)  # type: ignore[method-assign]
+    drafter.adopt(st, guessed, 0)
+    assert feeds == []
+    prepared = st.prepared
+    assert prepared is not None and prepared.tokens == [row[0] for row in guessed.tokens]
+    fed = [*ids, *chain.tokens, guessed.candidates[0], *prepared.tokens]
+    assert len(st.input_cache) == len(st.adapter_cache) == len(fed)
+    teacher = drafter.new_state()
+    rows = drafter.prefill(teacher, fed, 0)[-4:]
+    torch.testing.assert_close(prepared.shallow, rows, rtol=1e-4, atol=1e-4)
 
 
 class PlanRecorder(OracleHAT):

@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="code-reading prompts per length (the default's 4 lengths: 24 prompts)")  # fmt: skip
     p.add_argument("--table4-prompts", type=int, default=24, help="held-out chat prompts (Table 4, widths)")
     p.add_argument("--table4-tokens", type=int, default=64)
-    p.add_argument("--table4-proactive", action="store_true", help="Table 4: also SD with proactive drafting")
+    p.add_argument("--table4-no-ahead", action="store_true", help="Table 4: also SD without drafting ahead")
     p.add_argument("--table4-no-lookup", action="store_true", help="Table 4: also SD without the lookup branch")
     p.add_argument(
         "--worker-counts", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 1024],

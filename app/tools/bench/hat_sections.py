@@ -78,17 +78,22 @@ class Table4Extra:
     options: dict[str, Any]  # the HATOptions it changes
 
 
-# Table 4's optional rows, by the flag that asks for each (--table4-proactive, --table4-no-lookup)
+# Table 4's optional rows, by the flag that asks for each (--table4-no-ahead, --table4-no-lookup)
 TABLE4_EXTRAS = {
-    "table4_proactive": Table4Extra("SD+proactive", "HAT (SD, proactive drafting)", {"proactive_drafting": True}),
+    "table4_no_ahead": Table4Extra(
+        "SD-ahead",
+        "HAT (SD, no drafting ahead)",
+        {"proactive_drafting": False, "parallel_drafting": False},
+    ),
     "table4_no_lookup": Table4Extra("SD-lookup", "HAT (SD, no lookup branch)", {"lookup_tokens": 0}),
 }
 
 
 async def table4(bench: Bench) -> dict[str, Any]:
     extras = [e for flag, e in TABLE4_EXTRAS.items() if getattr(bench.args, flag)]
-    configs: list[Config] = [(v.name, v, {}) for v in (U_SHAPE, SD_ONLY)]
-    configs += [(e.key, SD_ONLY, e.options) for e in extras]
+    # SD as shipped: drafting ahead inside the wait (the PD variant's parallel and proactive drafting) is on
+    configs: list[Config] = [(U_SHAPE.name, U_SHAPE, {}), (SD_ONLY.name, SD_PD, {})]
+    configs += [(e.key, SD_PD, e.options) for e in extras]
     out = await table4_rows(bench, configs)
     u_shape = out[U_SHAPE.name]["tbt_ms_median"]
     out["decode_speedup"] = u_shape / out[SD_ONLY.name]["tbt_ms_median"]
@@ -98,32 +103,41 @@ async def table4(bench: Bench) -> dict[str, Any]:
 
 
 async def table4_rows(bench: Bench, configs: list[Config]) -> dict[str, Any]:
-    """Each configuration in turn on the held-out prompts: one warm-up request, then every prompt once."""
+    """Every configuration on the held-out prompts, interleaved prompt by prompt (the order rotated by one each
+    prompt), after one warm-up request each: a box that speeds up or slows down during the run (a shared host does)
+    moves every configuration alike, so the ratios hold where sequential blocks of requests drifted apart."""
     from clients.hat.options import HATStats
 
     a = bench.args
     prompts = bench.held_out_prompts(a.table4_prompts)
-    out: dict[str, Any] = {}
-    first: list[dict[str, Any]] | None = None  # the first configuration's requests (U-shape): the tokens to match
-    for name, v, kw in configs:
-        b = await started(bench, v, **kw)
+    backends = {name: await started(bench, v, **kw) for name, v, kw in configs}
+    for b in backends.values():
         await run_request(b, prompts[0], 4)
         b.stats = HATStats()  # count the measured requests only
-        runs = [await run_request(b, ids, a.table4_tokens) for ids in prompts]
-        first = first or runs
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
+    for index, ids in enumerate(prompts):
+        turn = index % len(configs)
+        for name, _, _ in configs[turn:] + configs[:turn]:
+            runs[name].append(await run_request(backends[name], ids, a.table4_tokens))
+    first = runs[configs[0][0]]  # the first configuration's requests (U-shape): the tokens to match
+    out: dict[str, Any] = {}
+    for name, v, _ in configs:
+        b = backends[name]
         out[name] = {
-            "tbt_ms_median": statistics.median(r["tbt_ms"] for r in runs if r["tokens"] > 1),
-            "tbt_ms_per_prompt": [round(r["tbt_ms"], 2) for r in runs],
-            "tokens": sum(r["tokens"] for r in runs),
+            "tbt_ms_median": statistics.median(r["tbt_ms"] for r in runs[name] if r["tokens"] > 1),
+            "tbt_ms_per_prompt": [round(r["tbt_ms"], 2) for r in runs[name]],
+            "tokens": sum(r["tokens"] for r in runs[name]),
             "accept_length": b.stats.round_tokens / max(b.stats.rounds, 1) if v.sd else 1.0,
             # prompts whose greedy tokens differ from the first configuration's (speculation must change none)
-            "prompts_differing": sum(r["ids"] != f["ids"] for r, f in zip(runs, first, strict=True)),
+            "prompts_differing": sum(r["ids"] != f["ids"] for r, f in zip(runs[name], first, strict=True)),
             "stats": b.stats.summary(),
         }
         shown = ("tbt_ms_median", "accept_length", "prompts_differing")
         print(f"  table4 {name}: {json.dumps({k: out[name][k] for k in shown})}", file=sys.stderr)
+    for b in backends.values():
         await b.close()
     out["prompts"] = len(prompts)
+    out["interleaved"] = True
     return out
 
 
