@@ -32,10 +32,10 @@ migration moves the answer to another endpoint.
    k+1 positions in one pass computes the same math as k+1 one-token passes in a different order (~1e-5
    relative), which can flip an exact near-tie between the top two logits. Tests report such ties' gaps.
 
-4. Parallel drafting (HAT §3.5, Eq. 6; opt-in, `parallel_drafting=True`; clients/hat/rounds.py): while the worker
-   verifies, the device drafts ahead from the top-k alternatives to the last draft token. Proactive drafting
-   (SpecEdge; opt-in, `proactive_drafting=True`): it drafts the next round as if all drafts were accepted, from the
-   draft head's guess for the token verification adds. Neither changes the output.
+4. Parallel drafting (HAT §3.5, Eq. 6; `parallel_drafting`; clients/hat/rounds.py): while the worker verifies, the
+   device drafts ahead from the top-k alternatives to the last draft token. Proactive drafting (SpecEdge;
+   `proactive_drafting`): it drafts the next round as if all drafts were accepted, from the draft head's guess for
+   the token verification adds. Both opt-in, greedy rounds only; neither changes the output.
 5. Grammars (tool_choice / response_format: GenerationRequest.grammar, clients/grammar.py). The head's logits are
    masked before every pick, after penalties / logit_bias; the grammar is advanced over the delivered prefix when
    it covers it; the answer ends ("stop") once the grammar is complete, and EOS can only be picked where the

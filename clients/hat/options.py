@@ -46,8 +46,9 @@ class HATOptions(BaseModel):
         and added that very token, else they are dropped. Before parallel drafting's branches when both are on.
         Both draft ahead in greedy rounds without a grammar only (a sampled draft ahead would draw from the
         request's seeded generator as often as the reply's timing allows: seeded runs would not repeat), and at the
-        station only while it serves this one stream. No output changes; on by default (BENCHMARKS.md, "Drafting
-        through the round trip", session 23).
+        station only while it serves this one stream. No output changes. Off by default: on this box's CPU worker
+        both together cut a round ~2 % for ~110 ms of device work a round, and a fast worker's reply would wait on
+        the step in progress (BENCHMARKS.md, "Drafting ahead, measured again", session 23).
     tree_width: verify a token tree of this many positions (the last accepted token + tree_width - 1 drafts over
         the draft head's top-k) in greedy rounds (clients/hat/tree.py); 0 = chains (the draft_length rule). Rounds
         that sample, penalise, follow a grammar or return logprobs stay chains. Greedy output is unchanged. Faster
@@ -127,8 +128,8 @@ class HATOptions(BaseModel):
     include_low_confidence: bool = True
     draft_length: Literal["eta", "eq7", "eq7+eta"] = "eta"
     speculative: bool = True
-    parallel_drafting: bool = True
-    proactive_drafting: bool = True
+    parallel_drafting: bool = False
+    proactive_drafting: bool = False
     parallel_candidates: Annotated[int, Field(ge=1)] = 3
     tree_width: Annotated[int, Field(ge=0, le=64)] = 0
     lookup_tokens: Annotated[int, Field(ge=0, le=16)] = 4

@@ -20,7 +20,8 @@ if this one were accepted whole — from the draft head's guess for the token ve
 If verification accepted all drafts and added the guessed token, the next round starts with those drafts; otherwise
 they are dropped. Greedy rounds without a grammar, alone at the station; before parallel drafting when both are on.
 Either kind feeds its drafts' last token inside the wait too (Drafter.feed_last), so a prepared draft goes out with
-no input-layer work after the reply, and it may still take a lookup branch. Both on by default.
+no input-layer work after the reply, and it may still take a lookup branch. Both off by default (measured: a ~2 %
+shorter round on the CPU worker for ~110 ms of device work a round; BENCHMARKS.md, session 23).
 
 Every round's times go into HATStats.add_round: drafting (of it, the input layers), the wait (of it, the link's
 modelled share), verification (of it, the head), and the drafting done ahead inside the wait (the rounds' profile).

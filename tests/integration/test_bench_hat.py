@@ -17,7 +17,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     out = tmp_path / "hat.json"
     code = tandem([
         "bench", "hat", "--model", "smollm2-135m-instruct", "--lengths", "64", "--decode-tokens", "4",
-        "--table5-prompts", "1", "--table4-prompts", "1", "--table4-tokens", "6", "--table4-no-ahead",
+        "--table5-prompts", "1", "--table4-prompts", "1", "--table4-tokens", "6", "--table4-ahead",
         "--table4-no-lookup",
         "--worker-counts", "1", "8", "64",
         "--sweep-rtt-ms", "40", "--sweep-up-mbps", "5",
@@ -35,13 +35,13 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
         assert (r["accept_length"] >= 1.0) if r["sd"] else math.isnan(r["accept_length"]) or r["accept_length"] == 1.0
     t4 = results["table4"]
     assert t4["U-shape"]["accept_length"] == 1.0 and t4["SD"]["accept_length"] >= 1.0 and t4["decode_speedup"] > 0
-    assert t4["interleaved"] and all(t4[k]["speedup"] > 0 for k in ("SD-ahead", "SD-lookup"))
+    assert t4["interleaved"] and all(t4[k]["speedup"] > 0 for k in ("SD+ahead", "SD-lookup"))
     assert t4["SD-lookup"]["stats"]["lookup_rounds"] == 0
     # counted against U-shape's tokens prompt by prompt (reported, not asserted: greedy SD equals U-shape up to the
     # near-ties of a batched verification, which the suite's rules keep out of exact comparisons)
     assert t4["U-shape"]["prompts_differing"] == 0 and t4["SD"]["prompts_differing"] in (0, 1)
     # the device half's profile of the very rounds Table 4 measured
-    for method in ("U-shape", "SD", "SD-ahead", "SD-lookup"):
+    for method in ("U-shape", "SD", "SD+ahead", "SD-lookup"):
         stats = t4[method]["stats"]
         profile = stats["profile_ms_per_round"]
         parts = ("input", "drafts", "head", "link", "worker", "other")
@@ -66,7 +66,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     assert trees["rows"][2]["chat"]["stats"]["tree_rounds"] >= 1
     printed = capsys.readouterr().out
     assert "Table 5" in printed and "Worker throughput" in printed and "token trees" in printed
-    assert "Rounds' profile" in printed and "no drafting ahead" in printed and "no lookup branch" in printed
+    assert "Rounds' profile" in printed and "drafting ahead" in printed and "no lookup branch" in printed
     assert results["setup"]["created"]
 
     # the GPU projection reads this very run: its rounds, accept length and device costs (worker passes made up here)
@@ -82,7 +82,7 @@ def test_bench_hat_runs_every_section(tmp_path: Path, capsys) -> None:
     assert code == 0
     projected = capsys.readouterr().out
     assert f"rounds from {out} (created {results['setup']['created']}" in projected
-    assert "| SD-ahead |" in projected and "The rounds' profile" in projected
+    assert "| SD+ahead |" in projected and "The rounds' profile" in projected
 
 
 def test_train_adapter_subcommand_takes_its_own_options(capsys) -> None:

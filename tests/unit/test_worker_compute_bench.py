@@ -112,6 +112,22 @@ def test_tbt_projection_swaps_only_the_workers_share_of_the_runs_own_rounds() ->
     assert rows["SD"]["measured_profile_ms_per_round"]["bottleneck"] == "worker"
 
 
+def test_drafting_ahead_that_outlasts_the_other_workers_wait_is_charged_to_the_round() -> None:
+    """A run that drafted 120 ms a round inside a 196.5 ms wait: with a 13 ms pass the wait is 34.5 ms, so 85.5 ms of
+    that drafting no longer hides; it is charged to the round, as drafts. With a pass long enough, nothing is."""
+    ahead = json.loads(json.dumps(HAT))
+    ahead["table4"]["SD"]["stats"]["profile_ms_per_round"]["ahead"] = 120.0
+    gpu = _run("gpu", {1: 10.0, 2: 12.0, 4: 14.0}, {})
+    sd = {r["method"]: r for r in wc.project_tbt(ahead, gpu, context=128)}["SD"]
+    assert sd["ahead_unfit_ms_per_round"] == pytest.approx(120 - (21.5 + 13))
+    assert sd["model_tbt_ms_other_worker"] == pytest.approx((320 - 175 + 13 + 85.5) / 2, abs=0.05)
+    assert sd["other_profile_ms_per_round"]["drafts"] == pytest.approx(6 + 85.5)
+    slow = _run("slow", {1: 150.0, 2: 160.0, 4: 170.0}, {})
+    sd = {r["method"]: r for r in wc.project_tbt(ahead, slow, context=128)}["SD"]
+    assert sd["ahead_unfit_ms_per_round"] == 0  # a 3-row pass of 165 ms: the wait holds the 120 ms
+    assert sd["model_tbt_ms_other_worker"] == pytest.approx((320 - 175 + 165) / 2, abs=0.05)
+
+
 def test_projection_refuses_a_run_without_the_rounds_profile(tmp_path) -> None:
     """A run from before the profile cannot separate its device's costs from its worker's: refused, not guessed."""
     old = json.loads(json.dumps(HAT))

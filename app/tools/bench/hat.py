@@ -18,8 +18,9 @@ Sections (`--sections`, all by default):
   and TBT (mean time per token after the first).
 - table4: accept length (tokens per verification round) and decode speedup (U-shape TBT / HAT TBT) on the first
   --table4-prompts (24) held-out prompts of deploy/adapter_prompts.txt, SD alone, as in the paper's Table 4 (the
-  first 8 alone were an easy sample: accept 2.15 where the first 16 gave 1.90); with --table4-proactive also SD with
-  proactive drafting, with --table4-no-lookup also SD without its lookup branch (lookup_tokens = 0). Under it, each
+  first 8 alone were an easy sample: accept 2.15 where the first 16 gave 1.90); with --table4-ahead also SD drafting
+  ahead inside the wait (proactive and parallel drafting), with --table4-no-lookup also SD without its lookup branch
+  (lookup_tokens = 0); every configuration's requests interleaved prompt by prompt. Under it, each
   method's rounds' profile (input layers, drafts, head, link, worker: where a round's time went, and the
   bottleneck), which `bench worker-compute --project --hat` takes from the --out JSON.
 - components: the device's input submodel, draft step (reduced and full vocabulary), LM head; the worker's
@@ -216,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="code-reading prompts per length (the default's 4 lengths: 24 prompts)")  # fmt: skip
     p.add_argument("--table4-prompts", type=int, default=24, help="held-out chat prompts (Table 4, widths)")
     p.add_argument("--table4-tokens", type=int, default=64)
-    p.add_argument("--table4-no-ahead", action="store_true", help="Table 4: also SD without drafting ahead")
+    p.add_argument("--table4-ahead", action="store_true", help="Table 4: also SD drafting ahead (proactive + parallel)")
     p.add_argument("--table4-no-lookup", action="store_true", help="Table 4: also SD without the lookup branch")
     p.add_argument(
         "--worker-counts", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 1024],

@@ -172,10 +172,8 @@ class Bench:
         from clients.hat.device import HATBackend
         from clients.hat.options import HATOptions
 
-        # the variant's PD: drafting ahead inside the wait, both kinds (parallel drafting and proactive drafting)
-        ahead = {k: options.pop(k, v.pd) for k in ("parallel_drafting", "proactive_drafting")}
         options = HATOptions(
-            **ahead,
+            parallel_drafting=options.pop("parallel_drafting", v.pd),
             worker_url=self.url,
             m=self.args.m,
             speculative=v.sd,

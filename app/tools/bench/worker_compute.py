@@ -241,15 +241,22 @@ def table4_rounds(hat: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 def project_tbt(hat: dict[str, Any], other: dict[str, Any], context: int) -> list[dict]:
     """Table 4's methods with the worker swapped: each method's rounds as `hat`'s run measured them — accept length,
     ms per round and its profile — with the worker's share of the round (the wait minus the link's) out and
-    `other`'s pass for the round's rows at `context` in. The device's and the link's shares stay as measured."""
+    `other`'s pass for the round's rows at `context` in. The device's and the link's shares stay as measured.
+
+    Drafting done ahead inside the wait (the profile's `ahead`) fits only as long as the wait lasts: whatever of it
+    would outlast the other worker's shorter wait (link + its pass) is charged to the round in full, as drafts (the
+    device's one core has to do it somewhere; in the product the reply cuts it short and the hits it would have made
+    are drafted after the reply instead)."""
     out = []
     for method, row in table4_rounds(hat):
         stats = row["stats"]
         profile = stats["profile_ms_per_round"]
         rows = 1 + stats["drafted_per_round"]
         worker = rows_ms(other, rows, context)
-        swapped = stats["ms_per_round"] - profile["worker"] + worker
+        unfit = max(0.0, profile.get("ahead", 0.0) - (profile["link"] + worker))
+        swapped = stats["ms_per_round"] - profile["worker"] + worker + unfit
         parts = {k: round(profile[k], 1) for k in ("input", "drafts", "head", "link", "other")}
+        parts["drafts"] = round(profile["drafts"] + unfit, 1)
         parts["worker"] = round(worker, 1)
         out.append({
             "method": method, "rows_per_round": round(rows, 2), "accept_length": round(stats["accept_length"], 3),
@@ -258,6 +265,7 @@ def project_tbt(hat: dict[str, Any], other: dict[str, Any], context: int) -> lis
             "model_tbt_ms_other_worker": round(swapped / stats["accept_length"], 1),
             "measured_profile_ms_per_round": {k: v if isinstance(v, str) else round(v, 1) for k, v in profile.items()},
             "other_profile_ms_per_round": parts,
+            "ahead_unfit_ms_per_round": round(unfit, 1),
             "other_bottleneck": max(parts, key=lambda k: parts[k]),
         })  # fmt: skip
     return out
@@ -376,6 +384,9 @@ def report_project(p: dict[str, Any]) -> str:
         lines.append(
             f"| {r['method']} | " + " | ".join(cells) + f" | {measured['bottleneck']} → {r['other_bottleneck']} |"
         )
+    unfit = [f"{r['method']} {r['ahead_unfit_ms_per_round']} ms" for r in p["tbt"] if r["ahead_unfit_ms_per_round"]]
+    if unfit:
+        lines += ["", "drafting ahead that outlasts the other worker's wait, charged to drafts: " + ", ".join(unfit)]
     if not p["ttft"]:
         return "\n".join([*lines, "", "(no TTFT projection: the hat run has no components section)"])
     lines += ["", "| worker | prompt | one frame ms | Eq. 3 chunks ms (ratio) | planned ms (ratio) | measured PC / U |",
