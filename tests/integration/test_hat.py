@@ -972,20 +972,27 @@ async def test_proactive_drafts_dropped_on_a_mismatch_never_reach_the_client(
         check_against_reference(outputs[True], ref, gaps)
 
 
-def test_a_branch_fed_to_its_last_draft_inside_the_wait_is_adopted_without_another_feed(smol) -> None:
-    """Drafting ahead feeds a branch's last draft before the reply comes (Drafter.feed_last), so taking the branch
-    after verification runs no input layer: the prepared draft's states are those a teacher-forced feed gives."""
+def greedy_drafter(model: Any, ids: list[int], max_draft: int) -> tuple[Any, Any, Any]:
+    """(a Drafter over the untrained adapter, drafting max_draft tokens a round with no confidence stop; its draft
+    state with all of `ids` but the last token prefilled, so the first round's root is ids[-1]; greedy sampling)."""
     from clients.hat.drafting import Drafter
     from clients.hat.request_sampling import Sampling
     from policies.drafting import DraftStopRule
 
-    model, tok = smol
-    drafter = Drafter(DeviceHalf.load(model, 2), DraftStopRule(eta=0.0, max_draft=3), 3)
-    ids = prompt_ids(tok)
-    position = len(ids) - 1
+    drafter = Drafter(DeviceHalf.load(model, 2), DraftStopRule(eta=0.0, max_draft=max_draft), 3)
     st = drafter.new_state()
     drafter.prefill(st, ids[:-1], 0)
     sampling = Sampling.of(GenerationRequest(prompt_text="", prompt_ids=tuple(ids), temperature=0.0), None, None, None)
+    return drafter, st, sampling
+
+
+def test_a_branch_fed_to_its_last_draft_inside_the_wait_is_adopted_without_another_feed(smol) -> None:
+    """Drafting ahead feeds a branch's last draft before the reply comes (Drafter.feed_last), so taking the branch
+    after verification runs no input layer: the prepared draft's states are those a teacher-forced feed gives."""
+    model, tok = smol
+    ids = prompt_ids(tok)
+    position = len(ids) - 1
+    drafter, st, sampling = greedy_drafter(model, ids, max_draft=3)
     chain = drafter.draft(st, ids[-1], position, 2, sampling)
     guessed = drafter.ahead(st, chain, position)
     assert guessed is not None

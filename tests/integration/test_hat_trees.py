@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 
-from clients.base import GenerationRequest
 from clients.hat import wire
 from clients.hat.options import HATOptions
 from clients.hat.tree import draft_lookup, draft_tree, keep_path
@@ -25,6 +24,7 @@ from tests.integration.test_hat import (
     OracleHAT,
     WorkerServer,
     collect,
+    greedy_drafter,
     open_raw,
     prompt_ids,
     recv_reply,
@@ -264,17 +264,9 @@ def test_a_lookup_branch_kept_leaves_the_caches_as_if_its_path_were_fed_as_a_cha
     """A chain drafted, a lookup branch leaving it after its first draft fed beside it in one call, and the path
     through the branch kept: the draft caches are a teacher-forced feed of that path."""
     model, tok = smol
-    from clients.hat.drafting import Drafter
-    from clients.hat.half import DeviceHalf
-    from clients.hat.request_sampling import Sampling
-    from policies.drafting import DraftStopRule
-
-    drafter = Drafter(DeviceHalf.load(model, 2), DraftStopRule(eta=0.0, max_draft=3), 3)
     ids = prompt_ids(tok)
     position = len(ids) - 1
-    st = drafter.new_state()
-    drafter.prefill(st, ids[:-1], 0)
-    sampling = Sampling.of(GenerationRequest(prompt_text="", prompt_ids=tuple(ids), temperature=0.0), None, None, None)
+    drafter, st, sampling = greedy_drafter(model, ids, max_draft=3)
     chain = drafter.draft(st, ids[-1], position, 3, sampling)
     assert len(chain.tokens) == 3
     branch = [t for t in (11, 12, 13) if t != chain.tokens[1]][:2]
