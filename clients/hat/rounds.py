@@ -45,6 +45,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from clients.base import BackendError
 from clients.hat import wire
@@ -355,23 +356,22 @@ class DecodeRounds:
         """Proactive drafting (SpecEdge): the next round's draft, from the guess that all of this one is accepted and
         of the token verification adds after it, drafted step by step until its stop rule ends it or the reply
         arrives (at most one step late)."""
-        t = time.perf_counter()
-        guessed = await self.thread.run(self.drafter.ahead, st, draft, position)
-        stats.ahead_seconds += time.perf_counter() - t
+        guessed, _ = await self._timed(stats, self.drafter.ahead, st, draft, position)
         while guessed is not None and not stop.is_set() and not self.drafter.branch_done(guessed):
-            t = time.perf_counter()
-            await self.thread.run(self.drafter.step, guessed, sampling)
-            stats.ahead_seconds += time.perf_counter() - t
+            await self._timed(stats, self.drafter.step, guessed, sampling)
             stats.proactive_steps += 1
         if guessed is not None and not stop.is_set():
-            await self._timed(self.drafter.feed_last, guessed, stats)
+            await self._timed(stats, self.drafter.feed_last, guessed)
         return guessed
 
-    async def _timed(self, work: Callable[[Branches], None], branches: Branches, stats: HATStats) -> None:
-        """Drafting-ahead work on the model thread, its time counted as drafting inside the wait."""
+    async def _timed(self, stats: HATStats, work: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """Drafting-ahead work on the model thread: (its result, its seconds), the seconds counted as drafting
+        inside the wait."""
         t = time.perf_counter()
-        await self.thread.run(work, branches)
-        stats.ahead_seconds += time.perf_counter() - t
+        result = await self.thread.run(work, *args)
+        seconds = time.perf_counter() - t
+        stats.ahead_seconds += seconds
+        return result, seconds
 
     async def _parallel(
         self,
@@ -385,9 +385,7 @@ class DecodeRounds:
         start: float,
     ) -> Branches | None:
         g, window = timing
-        t = time.perf_counter()
-        branches = await self.thread.run(self.drafter.branch, st, draft, position)
-        stats.ahead_seconds += time.perf_counter() - t
+        branches, _ = await self._timed(stats, self.drafter.branch, st, draft, position)
         if branches is None:
             return None
         step = self.pd_gamma.get(self.gamma.get(0.05))
@@ -403,12 +401,10 @@ class DecodeRounds:
         for _ in range(max(steps, 1)):
             if stop.is_set() or time.perf_counter() - start + step > window:
                 break
-            t = time.perf_counter()
-            await self.thread.run(self.drafter.step, branches, sampling)
-            self.pd_gamma.update(time.perf_counter() - t)
-            stats.ahead_seconds += time.perf_counter() - t
+            _, seconds = await self._timed(stats, self.drafter.step, branches, sampling)
+            self.pd_gamma.update(seconds)
             stats.parallel_steps += 1
             step = self.pd_gamma.get(step)
         if not stop.is_set() and time.perf_counter() - start + step <= window:
-            await self._timed(self.drafter.feed_last, branches, stats)
+            await self._timed(stats, self.drafter.feed_last, branches)
         return branches
