@@ -242,9 +242,13 @@ def test_a_cloud_that_refuses_fails_over_to_the_device(gw, upstream, browser, sh
     assert [lane.get_attribute("data-outcome") for lane in lanes] == ["failed", "finished"]
     assert "scripted 500" in lanes[0].text
     browser.switch_to.active_element.send_keys(Keys.ESCAPE)
+
     # The endpoint health panel shows both endpoints with their TTFT histograms from /metrics.
-    wait(browser).until(lambda d: "samples" in d.find_element(By.CSS_SELECTOR, '[data-endpoint="device"]').text)
-    device = browser.find_element(By.CSS_SELECTOR, '[data-endpoint="device"]').text
+    def device_card(d) -> str:  # read inside the wait: the panel's cards are replaced on every refresh (stale)
+        text = d.find_element(By.CSS_SELECTOR, '[data-endpoint="device"]').text
+        return text if "samples" in text else ""
+
+    device = wait(browser).until(device_card)
     assert "device (device, device)" in device and "ready" in device and "TTFT:" in device
     assert "Inter-token:" in device
 
