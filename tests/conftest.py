@@ -53,6 +53,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # suite's time"). Where the cloud must be the better model (test_quality_agents.py) or where its text is told from the
 # device's (test_policy_moves.py, test_migration_targets.py, test_ollama_api.py, test_anthropic_sdk.py), the module's
 # gateway keeps the 1.5B. Device and cloud share a model name here: a request naming it goes to the device.
+# Unlike `make serve`, it does not profile the device at start (the TTFT line only DiSCo's races read; the modules
+# that race keep it: test_disco_live.py).
 EMBEDDED_CONFIG = """
 [gateway]
 policy = "device"
@@ -60,6 +62,8 @@ policy = "device"
 reproducible = true   # greedy text is compared across requests: one evaluation path
 model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
+[disco]
+profile_device = false   # its three prefills (16, 128, 512 tokens) cost ~9 CPU-seconds a start
 [clouds.cloud]
 model = "qwen2.5-coder-0.5b-instruct"
 tokenizer = "device"
@@ -149,6 +153,8 @@ request_read_timeout = 1
 [device]
 model = "smollm2-135m-instruct"
 n_ctx = 2048
+[disco]
+profile_device = false
 [clouds.cloud]
 base_url = "http://127.0.0.1:{dead}/v1"
 model = "remote-model"
@@ -177,6 +183,8 @@ fallback = true
 reproducible = true   # greedy text is compared across requests: one evaluation path
 model = "smollm2-135m-instruct"
 n_ctx = 2048
+[disco]
+profile_device = false
 [clouds.cloud]
 base_url = "http://127.0.0.1:{dead}/v1"
 model = "remote-model"
