@@ -18,6 +18,11 @@ import os
 # processes (BENCHMARKS.md, "The suite's time": two modules took 86 s passive, 224 s spinning 30,000 times under
 # load). The servers inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One OpenMP thread per process (llama.cpp's and torch's, the servers' included): three pytest processes and their
+# servers share two cores, so a second thread in each only adds barriers. The gateway modules on the session's
+# gateway, side by side: 19,004 against 20,226 busy ticks, 105 against 109 s (BENCHMARKS.md, "The suite's time",
+# session 24); no oracle depends on the thread count (the whole suite passes either way).
+os.environ.setdefault("OMP_THREAD_LIMIT", "1")
 
 import socket
 import threading
