@@ -26,19 +26,16 @@ from endpoints.answer import answer_headers, begin, collect, streamed, while_con
 from endpoints.api_options import ApiOptionsDep
 from endpoints.auth import require_api_key
 from endpoints.errors import refusal
+from endpoints.responses_schemas import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
 from endpoints.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
-    FunctionCallItem,
-    FunctionCallOutputItem,
     FunctionDefinition,
-    InputMessage,
     JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
-    ResponsesRequest,
     Tool,
     ToolCall,
 )

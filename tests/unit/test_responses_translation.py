@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from endpoints.responses import chat_request
-from endpoints.schemas import ResponsesRequest
+from endpoints.responses_schemas import ResponsesRequest
 
 
 def test_a_string_input_with_instructions_is_a_system_then_a_user_message() -> None:
