@@ -88,6 +88,13 @@ class ApiKeySettings(_Strict):
         )
 
 
+def default_state_file() -> str:
+    """The budget's state file under the XDG base directories: $XDG_STATE_HOME, else ~/.local/state (a test run
+    points XDG_STATE_HOME at its own folder, so no gateway it starts reads the user's saved budget)."""
+    state_home = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(state_home, "tandem", "budget.json")
+
+
 def key_label(key: SecretStr) -> str:
     """A key's name where it has none of its own: a short hash, never the secret nor a piece of it."""
     return "sha256-" + hashlib.sha256(key.get_secret_value().encode()).hexdigest()[:16]
@@ -144,8 +151,9 @@ class GatewaySettings(_Strict):
     # Keys the prompt-cache keys derived for conversations (app/serving/cache_key.py): set it to keep clouds' caches
     # warm across restarts and shared by a fleet's gateways; unset, one is drawn at start-up.
     prompt_cache_secret: SecretStr | None = None
-    # Where budget settings changed over HTTP are kept across restarts.
-    state_file: str = "~/.local/state/tandem/budget.json"
+    # Where budget settings changed over HTTP are kept across restarts: $XDG_STATE_HOME/tandem/budget.json
+    # (~/.local/state/tandem/budget.json when XDG_STATE_HOME is unset), read when the settings load; "" = not kept.
+    state_file: str = Field(default_factory=lambda: default_state_file())
     policy: str = "disco"
     cloud: str = "cloud"  # which entry of [clouds] the "cloud" policy and fallbacks use
     # Before the first token, try the other endpoint when the chosen one fails.

@@ -24,7 +24,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # session 24); no oracle depends on the thread count (the whole suite passes either way).
 os.environ.setdefault("OMP_THREAD_LIMIT", "1")
 
+
+import atexit
+import shutil
 import socket
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,9 +37,36 @@ import pytest
 
 from app.launcher import GatewayProcess, ServerProcess, start_gateway, start_llama_server, stop_gateway, stop_server
 from deploy.models import model_path
+from tests.integration.browser_helpers import require_browser
 from tests.integration.otlp_receiver import OTLPReceiver
 from tests.integration.scripted_upstream import ScriptedUpstream
 from tests.integration.store_helpers import StoreServer
+
+
+def _hermetic_user_dirs() -> None:
+    """No test reads or writes the user's home, state, config or cache directories, but the read-only caches of
+    the bundled models, the built binaries and the agent CLIs: those three are pinned where the user's environment
+    puts them, then HOME and the XDG base directories move to a folder of this run (a budget saved by the user's own
+    gateway, a prompt cache, a CLI's settings stay out of every result). Every process the suite starts inherits
+    it; pytest-xdist's workers take their controller's folder (TANDEM_TEST_HOME)."""
+    if os.environ.get("TANDEM_TEST_HOME"):
+        return
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    for variable, folder in (
+        ("TANDEM_MODEL_DIR", "models"),
+        ("TANDEM_BIN_DIR", "bin"),
+        ("TANDEM_AGENTS_DIR", "agents"),
+    ):
+        os.environ.setdefault(variable, os.path.join(cache, "tandem", folder))
+    home = tempfile.mkdtemp(prefix="tandem-test-home-")
+    atexit.register(shutil.rmtree, home, True)
+    os.environ["TANDEM_TEST_HOME"] = os.environ["HOME"] = home
+    for variable, folder in (("XDG_STATE_HOME", "state"), ("XDG_CONFIG_HOME", "config"), ("XDG_CACHE_HOME", "cache")):
+        os.environ[variable] = os.path.join(home, folder)
+        os.makedirs(os.environ[variable])
+
+
+_hermetic_user_dirs()
 
 _RESERVED: list[socket.socket] = []
 
@@ -224,3 +255,10 @@ def store_server() -> Iterator[StoreServer]:
     server.start()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def browser_installed() -> None:
+    """Asked first by a module's browser fixture: without Chromium only the tests that need it fail, naming the line
+    that installs it, before their gateway starts; the rest of the suite runs."""
+    require_browser()

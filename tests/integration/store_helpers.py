@@ -11,19 +11,23 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from app.launcher import child_setup, free_port
 
 SERVERS = ("valkey-server", "redis-server")
 
 
 def server_binary() -> str:
+    """The store's binary; without one, only the tests that need a store fail, with the line that installs it."""
     for name in SERVERS:
         path = shutil.which(name)
         if path is not None:
             return path
-    raise RuntimeError(
-        "No Redis-protocol server on PATH (valkey-server or redis-server 7+): `make setup` installs one as root; "
-        "otherwise see README, 'Several gateways, one store'."
+    pytest.fail(
+        "these tests need a Redis-protocol server on PATH (valkey-server or redis-server 7+): "
+        "sudo apt-get install redis-server (or valkey-server); make setup does it as root",
+        pytrace=False,
     )
 
 

@@ -13,22 +13,14 @@ from unittest import mock
 
 import httpx
 import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
 
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
+from tests.integration.browser_helpers import CHROMEDRIVER, CHROMIUM
 from tests.integration.scripted_upstream import Answer, ScriptedUpstream
-
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):  # a named, visible reason, never a silent pass
-    pytest.fail(
-        f"the dashboard's browser tests need {CHROMIUM} and {CHROMEDRIVER}: "
-        "sudo apt-get install chromium chromium-driver (make setup does it as root)",
-        pytrace=False,
-    )
-
-from selenium import webdriver  # noqa: E402 (after the check that says what is missing)
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 API_KEY = "breaker-page-key"
 MESSAGES = [{"role": "user", "content": "Name one prime number."}]
@@ -62,7 +54,7 @@ retry_budget_seconds = 1
 
 
 @pytest.fixture(scope="module")
-def browser(gw: GatewayProcess, tmp_path_factory) -> Iterator[webdriver.Chrome]:
+def browser(browser_installed: None, gw: GatewayProcess, tmp_path_factory) -> Iterator[webdriver.Chrome]:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     profile = tmp_path_factory.mktemp("chromium-profile")

@@ -23,27 +23,19 @@ import httpx
 import openai
 import pytest
 from pydantic import SecretStr
+from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support.ui import WebDriverWait
 
 from app.config import key_label
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
 from app.serving.limits import to_micro
+from tests.integration.browser_helpers import CHROMEDRIVER, CHROMIUM
 from tests.integration.otlp_receiver import OTLPReceiver
 from tests.integration.scripted_upstream import PIECES, Answer, ScriptedUpstream
-
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):  # a named, visible reason, never a silent pass
-    pytest.fail(
-        f"the dashboard's browser tests need {CHROMIUM} and {CHROMEDRIVER}: "
-        "sudo apt-get install chromium chromium-driver (make setup does it as root)",
-        pytrace=False,
-    )
-
-from selenium import webdriver  # noqa: E402 (after the check that says what is missing)
-from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 API_KEY, TEAM_KEY, ADMIN_KEY = "page-user-key", "page-team-key", "page-admin-key"
 # Long enough that the device's prefill takes longer than the scripted cloud's first piece: the cloud wins the race.
@@ -95,7 +87,7 @@ def shots(tmp_path_factory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def browser(gw: GatewayProcess, tmp_path_factory) -> Iterator[webdriver.Chrome]:
+def browser(browser_installed: None, gw: GatewayProcess, tmp_path_factory) -> Iterator[webdriver.Chrome]:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in (
