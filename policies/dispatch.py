@@ -491,6 +491,10 @@ class PolicyDeclaration:
     by_disco: bool = False
     cost_migration: bool = False  # moves an answer mid-way when that saves cost (Eqs. 4-6)
     quality_migration: bool = False  # moves a device answer onto the cloud when the device falters
+    # A device answer that writes again a tool call the conversation holds answered (a small model in an agent loop)
+    # is a fault: the call is never delivered and the answer goes on on the cloud. Every policy that can reach a
+    # cloud says so; device-only delivers the call as written (it promised the device).
+    escapes_loops: bool = True
     needs_cloud: bool = True
 
 
@@ -500,7 +504,7 @@ DECLARATIONS: tuple[PolicyDeclaration, ...] = (
     PolicyDeclaration("disco-d", DiscoD, side="device", by_disco=True, cost_migration=True),
     PolicyDeclaration("quality", Disco, by_disco=True, cost_migration=True, quality_migration=True),
     PolicyDeclaration("server-only", ServerOnly, aliases=("cloud",)),
-    PolicyDeclaration("device-only", DeviceOnly, aliases=("device",), needs_cloud=False),
+    PolicyDeclaration("device-only", DeviceOnly, aliases=("device",), escapes_loops=False, needs_cloud=False),
     PolicyDeclaration("stoch-s", StochS, side="server"),
     PolicyDeclaration("stoch-d", StochD, side="device"),
 )

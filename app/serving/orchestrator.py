@@ -589,10 +589,11 @@ class Orchestrator:
 
     def _loop_target(self, job: Job, attempt: Attempt, relay: Relay, event: TokenEvent) -> str | None:
         """The cloud, when `event` completes a device tool call that the conversation already holds answered (an agent
-        loop) under the quality policy and the answer may go on there; else None."""
-        if not (job.declared.quality_migration and job.answered_calls and attempt.role == "device"):
+        loop) under a policy that escapes loops and the answer may go on there; else None. A fault, not a choice: the
+        budget's `migration` switch (DiSCo's moves for cost) does not hold it back."""
+        if not (job.declared.escapes_loops and job.answered_calls and attempt.role == "device"):
             return None
-        if job.pinned is not None or job.migrations or not self.disco.settings.migration or job.cloud is None:
+        if job.pinned is not None or job.migrations or job.cloud is None:
             return None
         call = relay.call_completed_by(event)
         if call is None or not repeats(call_key(call.name, call.arguments), job.answered_calls):
@@ -609,15 +610,18 @@ class Orchestrator:
         relay.rewind_uncommitted_call()
         await self._close(source)
         for name in (target, self.device):
-            moved = await self._migrate(job, source, name, "quality", relay)
+            moved = await self._migrate(job, source, name, "loop", relay)
             if moved is not None:
                 return moved
         raise BackendError(f"the answer could not go on after a repeated tool call: {job.migrations[-1]['error']}", 502)
 
     def _looping(self, job: Job) -> bool:
-        """Whether the quality policy starts this request on the cloud: its conversation already holds one tool call
-        answered twice (an agent loop that the endpoint which wrote it has not left)."""
-        return job.declared.quality_migration and loops(job.answered_calls) and self._serves(job, job.cloud)
+        """Whether DiSCo's policies start this request on the cloud: its conversation already holds one tool call
+        answered twice (an agent loop that the endpoint which wrote it has not left). A baseline keeps its plan."""
+        declared = job.declared
+        return (
+            declared.escapes_loops and declared.by_disco and loops(job.answered_calls) and self._serves(job, job.cloud)
+        )
 
     def _cached_prefix(self, name: str | None, job: Job, ids: list[int] | None) -> int:
         """Context tokens a migration target would take from its own KV cache (e.g. the device that lost the

@@ -1,10 +1,11 @@
-"""The quality policy on a real agent loop: the OpenAI Agents SDK, one `add(a, b)` tool, `tool_choice` left at auto.
+"""A real agent loop under each policy: the OpenAI Agents SDK, one `add(a, b)` tool, `tool_choice` left at auto.
 
 Handed the tool's result, Qwen2.5-Coder-0.5B calls `add` again rather than answering, whatever the instructions say,
 until the turn limit (tests/integration/test_agents_sdk.py stops the agent at its first call for that reason); the
-1.5B stand-in cloud, told to tell the user the result, tells it. Under the quality policy the device's repeated call is
-never delivered: the answer goes on on the cloud. The run completes with the tool called once and the answer given.
-τ = 0 here, so only the repeated call can escalate.
+1.5B stand-in cloud, told to tell the user the result, tells it. Under every policy that can reach the cloud the
+device's repeated call is a fault, never delivered: the answer goes on on the cloud (reason `loop`). The run completes
+with the tool called once and the answer given. The quality policy runs at τ = 0 here, so only the repeated call can
+move the answer. device-only delivers the call as written.
 
 Real parts: a gateway of the embedded default's shape with its own 1.5B cloud (the session's `gateway` stands the 0.5B
 in for the cloud as well: here the cloud must be the better model), the 0.5B device in reproducible mode,
@@ -17,7 +18,15 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 from app.launcher import GatewayProcess, start_gateway, stop_gateway
@@ -81,17 +90,28 @@ def run_agent(gw, extra_body: dict, max_turns: int = 4) -> tuple[str, list, list
     return asyncio.run(main()), calls, ids
 
 
-def test_a_repeated_tool_call_escalates_to_the_cloud_and_the_run_completes(gateway):
-    output, calls, ids = run_agent(gateway, QUALITY)
+@pytest.mark.parametrize("body", [QUALITY, {"tandem": {"policy": "disco"}}], ids=["quality", "disco"])
+def test_a_repeated_tool_call_is_a_fault_the_cloud_takes_over_and_the_run_completes(gateway, body):
+    """Under every policy that can reach a cloud the device's repeated call is a fault: never delivered, the answer
+    goes on on the cloud. DiSCo's start for a request with tools under auto is the device (its calls come out whole
+    there); the quality policy's is DiSCo's."""
+    policy = body["tandem"]["policy"]
+    output, calls, ids = run_agent(gateway, body)
     assert calls == [(17, 25)]
     assert "42" in str(output)
     first, second = (trace(gateway, rid) for rid in ids)  # the call, then the answer: no third turn
-    assert first["policy"] == "quality" and first["migrations"] == []
+    assert first["policy"] == policy and first["migrations"] == []
     assert [e["backend"] for e in first["endpoints"]] == ["device"]  # the call itself, written on the device
     (move,) = second["migrations"]
-    assert (move["from"], move["to"], move["reason"], move["at_token"]) == ("device", "cloud", "quality", 0)
+    assert (move["from"], move["to"], move["reason"], move["at_token"]) == ("device", "cloud", "loop", 0)
     assert [(e["backend"], e["outcome"]) for e in second["endpoints"]] == [
         ("device", "migrated-from"),
         ("cloud", "finished"),
     ]
-    assert gateway.metric("tandem_migrations_total", source="device", target="cloud", reason="quality") >= 1
+    assert gateway.metric("tandem_migrations_total", source="device", target="cloud", reason="loop") >= 1
+
+
+def test_device_only_delivers_the_repeated_call_as_written(gateway):
+    """device-only promised the device: its repeated call reaches the client, and the loop runs to the turn limit."""
+    with pytest.raises(MaxTurnsExceeded):
+        run_agent(gateway, {"tandem": {"policy": "device-only"}}, max_turns=3)

@@ -35,6 +35,9 @@ def test_only_disco_and_quality_migrate_for_cost():
     moves = {d.name for d in DECLARATIONS if d.cost_migration}
     assert moves == {"disco", "disco-s", "disco-d", "quality"}
     assert {d.name for d in DECLARATIONS if d.quality_migration} == {"quality"}
+    # a repeated tool call is a fault wherever a cloud can take over; device-only delivers it
+    assert {d.name for d in DECLARATIONS if not d.escapes_loops} == {"device-only"}
+    assert all(d.escapes_loops == d.needs_cloud for d in DECLARATIONS)
     for baseline in ("server-only", "cloud", "device-only", "device", "stoch-s", "stoch-d"):
         d = declaration(baseline)
         assert not (d.cost_migration or d.quality_migration or d.by_disco), baseline

@@ -1,7 +1,8 @@
 """What each policy lets the orchestrator do mid-answer, on scripted endpoints (the orchestrator's own logic; the same
 on the real models: tests/integration/test_policy_moves.py and test_quality_agents.py): the baselines never move an
 answer for cost, DiSCo does; the quality policy escalates a device answer whose confidence falls below τ, and one that
-writes again a tool call the conversation holds answered, onto the cloud from exactly the delivered prefix."""
+writes again a tool call the conversation holds answered (under every policy that can reach the cloud: a fault),
+onto the cloud from exactly the delivered prefix."""
 
 from __future__ import annotations
 
@@ -131,14 +132,15 @@ def test_a_repeated_tool_call_goes_to_the_cloud_undelivered():
     answered = (call_key("add", '{"a": 1, "b": 2}'),)
     equal = {"exchange_rate": 0.0, "prices": {"cloud": Price(0.0, 0.0)}, "constrained_side": "server"}
     o = gateway(knobs(budget=0.0, **equal), device, cloud)
-    job, deltas = run(o, "quality", tools=(ADD,), answered_calls=answered)
-    assert moves(job) == [("device", "cloud", "quality")] and job.migrations[0]["at_token"] == 0
-    assert not any(d.tool_calls for d in deltas)
-    assert "".join(d.text for d in deltas) == " The sum is 3."
-    assert [(a.name, a.outcome) for a in job.attempts] == [("device", "migrated-from"), ("cloud", "finished")]
+    for policy in ("quality", "disco"):  # a fault under every policy that can reach the cloud
+        job, deltas = run(o, policy, tools=(ADD,), answered_calls=answered)
+        assert moves(job) == [("device", "cloud", "loop")] and job.migrations[0]["at_token"] == 0, policy
+        assert not any(d.tool_calls for d in deltas)
+        assert "".join(d.text for d in deltas) == " The sum is 3."
+        assert [(a.name, a.outcome) for a in job.attempts] == [("device", "migrated-from"), ("cloud", "finished")]
 
-    # A call not yet answered, or the same one under DiSCo, is delivered as the device wrote it.
-    for policy, calls in (("quality", (call_key("add", {"a": 2, "b": 2}),)), ("disco", answered)):
+    # A call not yet answered, or the same one under device-only, is delivered as the device wrote it.
+    for policy, calls in (("quality", (call_key("add", {"a": 2, "b": 2}),)), ("device-only", answered)):
         job, deltas = run(o, policy, tools=(ADD,), answered_calls=calls)
         assert moves(job) == []
         (call,) = [c for d in deltas for c in d.tool_calls]
@@ -149,11 +151,14 @@ def test_a_conversation_already_looping_starts_on_the_cloud():
     device, cloud = Scripted("device", "device", WORDS), Scripted("cloud", "cloud", WORDS)
     twice = (call_key("add", {"a": 1, "b": 2}),) * 2
     o = gateway(knobs(budget=0.0, constrained_side="server"), device, cloud)  # DiSCo alone: the device
-    job, _ = run(o, "quality", tools=(ADD,), answered_calls=twice)
-    assert job.plan.start_cloud and not job.plan.start_device and "loop" in job.plan.reason
-    job, _ = run(o, "disco", tools=(ADD,), answered_calls=twice)
+    for policy in ("quality", "disco"):
+        job, _ = run(o, policy, tools=(ADD,), answered_calls=twice)
+        assert job.plan.start_cloud and not job.plan.start_device and "loop" in job.plan.reason, policy
+    job, _ = run(o, "disco", tools=(ADD,), answered_calls=twice[:1])  # answered once: DiSCo's own plan
     assert not job.plan.start_cloud
 
+    job, _ = run(o, "stoch-d", tools=(ADD,), answered_calls=twice)  # a baseline's plan is the experiment
+    assert "loop" not in job.plan.reason
 
 def test_a_co_located_cloud_is_planned_without_a_race():
     ledger = Ledger(None, BudgetSettings(policy="disco-s", budget=1.0, prices={"cloud": Price(0.15, 0.6)}))
