@@ -227,6 +227,16 @@ class DeviceSettings(_Strict):
     # writes at a pace known in advance, while a cloud may pause for long (a provider's queue, a reasoning model's
     # silent thinking): each can be given the patience it deserves.
     stall_timeout: Annotated[float, Field(gt=0)] | None = None
+    # The prompt cache (llama.cpp only; docs/prompt-cache.md): KV states of evaluated prefixes, kept past the request
+    # and looked up by the longest common token prefix, restored in place of a prefill. In RAM up to this many MiB
+    # (least recently used out; 0: only the live KV cache, as without it).
+    prompt_cache_mb: Annotated[int, Field(ge=0)] = 1024
+    # States of prefixes of at least `prompt_cache_disk_min_tokens` tokens also go to disk, kept across restarts, up
+    # to this many MiB (every model's and build's together, oldest out; 0: nothing on disk), in `prompt_cache_dir`
+    # (unset: $XDG_CACHE_HOME/tandem/kv, i.e. ~/.cache/tandem/kv).
+    prompt_cache_disk_mb: Annotated[int, Field(ge=0)] = 2048
+    prompt_cache_disk_min_tokens: Annotated[int, Field(gt=0)] = 1024
+    prompt_cache_dir: str = ""
 
 
 class EmbeddedServerSettings(_Strict):

@@ -25,12 +25,20 @@ from position 0 and then one token at a time, reusing only whole chunks that the
 path: the same input gives the same greedy answer whatever the cache held and however the request arrived (fresh,
 repeated, or as a migration onto the device). Its price is re-evaluating up to one chunk of a repeated prompt
 (BENCHMARKS.md, "Reproducible device path").
+
+The prompt cache (`prompt_cache`, clients/prompt_cache.py; docs/prompt-cache.md) keeps the states of earlier
+prefixes beside the live KV cache: before an input is evaluated, a stored state that serves more of it than the
+live cache does is restored in its place (`_take_from_cache`); a live state about to be overwritten is saved first,
+and so is one left idle (`IDLE_SNAPSHOT_SECONDS`), which is also when a long one goes to disk. On the reproducible
+path only whole canonical chunks are stored and restored: the restored positions hold the bits the same path would
+compute, so the answer is the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import logging
 import random
 import threading
@@ -42,7 +50,9 @@ from clients.base import BackendError, Concurrency, GenerationRequest, TokenEven
 from clients.chat_template import render_chat
 from clients.dialects import LLAMA_CPP
 from clients.grammar import LlamaVocabGrammars, TokenMask
+from clients.llamacpp_state import identity_of, restore_state, take_state, trim_state
 from clients.logprobs import NumpyLogitAdjuster, confidence_of, entry_from_logprobs, log_softmax
+from clients.prompt_cache import CacheIdentity, PromptCache, PromptCacheOptions, StoredState, as_tokens
 from clients.prompt_tokens import PromptTokenizer
 from clients.token_emitter import TokenEmitter
 from policies.lookup import common_prefix
@@ -54,6 +64,13 @@ _END = object()
 # Tokens per evaluation batch on the reproducible path. Small enough that a repeated prompt re-evaluates little
 # (at most this many tokens), large enough that a long prompt is still evaluated in efficient batches.
 CANONICAL_CHUNK = 32
+# A live state idle this long is saved to the prompt cache (and a long one written to disk): off the requests' path,
+# and at most once between two generations however fast turns come.
+IDLE_SNAPSHOT_SECONDS = 1.0
+# A stored state is restored when it serves at least this many more positions than the live KV cache; one read from
+# disk (its bytes read and hashed) when it also spares at least 1/32 of its own length.
+RESTORE_MIN_GAIN = 32
+DISK_RESTORE_SHARE = 32
 
 
 class LlamaCppBackend:
@@ -73,6 +90,7 @@ class LlamaCppBackend:
         n_threads: int = 2,
         reproducible: bool = False,
         chunk: int = CANONICAL_CHUNK,
+        prompt_cache: PromptCacheOptions | None = None,
     ):
         self.name = name
         self.model_id = model_id
@@ -85,12 +103,21 @@ class LlamaCppBackend:
         self.active = 0
         self._count_lock = threading.Lock()
         self.tokens_generated = 0
-        self.evaluations = 0  # generate calls started: the KV cache can only have changed if this moved
+        self._generations = 0
         self._pieces: dict[int, bytes] = {}  # token id -> its bytes (logprobs), filled on the model thread
         self.reproducible = reproducible
         self.chunk = chunk  # the reproducible path's evaluation batch
         # Reproducible path: the KV cache's leading positions that were evaluated as whole canonical chunks.
         self._canonical_end = 0
+        self._cache_options = prompt_cache
+        self.prompt_cache: PromptCache | None = None  # built once the model is loaded (its identity needs it)
+        self._live_saved = False  # the live KV cache is held by a stored state (nothing to save before it changes)
+        self._idle_timer: threading.Timer | None = None
+
+    @property
+    def evaluations(self) -> int:
+        """Moves whenever what `cached_prefix` counts may have changed: a generation started, a stored state left."""
+        return self._generations + (self.prompt_cache.changes if self.prompt_cache is not None else 0)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -117,7 +144,17 @@ class LlamaCppBackend:
         self._prompt_tokens = PromptTokenizer(self._llm)
         self._bos = self._token_text(self._llm.token_bos())
         self._eos = self._token_text(self._llm.token_eos())
+        if self._cache_options is not None and self._cache_options.enabled:
+            self.prompt_cache = self._open_prompt_cache(self._cache_options)
         log.info("device model %s loaded (%s)", self.model_id, self.model_path.name)
+
+    def _open_prompt_cache(self, options: PromptCacheOptions) -> PromptCache:
+        """The prompt cache; its disk part under the identity of this model, tokenizer, context and build."""
+        if options.persists:
+            identity = identity_of(self._llm, self.model_path, self.n_ctx, options.folder / "identity")
+        else:  # RAM only: the states never leave this context, which is all they must match
+            identity = CacheIdentity("", "", self.n_ctx, "", "")
+        return PromptCache(identity, options)
 
     def _token_text(self, tok: int) -> str:
         if tok is None or tok < 0:
@@ -125,7 +162,16 @@ class LlamaCppBackend:
         return self._llm.detokenize([tok], special=True).decode("utf-8", errors="replace")
 
     async def close(self) -> None:
+        cache = self.prompt_cache
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        if cache is not None and cache.persists and self.active == 0 and self._llm is not None:
+            # The live state, if not saved yet, goes to disk before the process does (a restart finds it).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.wrap_future(self._executor.submit(self._save_live)), 10)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if cache is not None:
+            await asyncio.to_thread(cache.close)
 
     async def ready(self) -> bool:
         return self._llm is not None
@@ -168,15 +214,104 @@ class LlamaCppBackend:
         return Concurrency(lanes=1, limit=1)  # generations queue on the model thread: one at a time
 
     def cached_prefix(self, ids) -> int:
-        """How many leading tokens of `ids` will be taken from the KV cache instead of evaluated: the longest common
-        prefix with the last sequence evaluated (llama.cpp always evaluates at least the last token), or on the
-        reproducible path the whole canonical chunks of it. Exact when read on the model thread."""
-        llm = self._llm
-        if llm is None:
+        """How many leading tokens of `ids` will be taken from a cache instead of evaluated: from the live KV cache,
+        the longest common prefix with the last sequence evaluated (llama.cpp always evaluates at least the last
+        token), or on the reproducible path the whole canonical chunks of it; from the prompt cache, what a stored
+        state it would restore serves. Exact when read on the model thread."""
+        if self._llm is None:
             return 0
+        live, _, restored = self._plan(ids)
+        return max(live, restored)
+
+    def _live_reuse(self, ids) -> int:
+        """What the live KV cache serves of `ids`."""
+        llm = self._llm
         if self.reproducible:
             return self._reusable_chunks(ids)
         return common_prefix(llm.input_ids[: llm.n_tokens].tolist(), ids[:-1])  # a snapshot of the cache
+
+    def _plan(self, ids) -> tuple[int, StoredState | None, int]:
+        """(what the live KV cache serves of `ids`, the stored state worth restoring instead or None, what it
+        serves)."""
+        live = self._live_reuse(ids)
+        cache = self.prompt_cache
+        if cache is None or len(ids) < 2:
+            return live, None, 0
+        limit = self._last_chunk_start(len(ids)) if self.reproducible else len(ids) - 1
+        entry, served = cache.best(as_tokens(ids), limit, self.reproducible, self.chunk)
+        if entry is None:
+            return live, None, 0
+        on_disk_only = entry.payload is None
+        need = max(RESTORE_MIN_GAIN, entry.n_tokens // DISK_RESTORE_SHARE) if on_disk_only else RESTORE_MIN_GAIN
+        return (live, entry, served) if served - live >= need else (live, None, 0)
+
+    def _take_from_cache(self, ids) -> int:
+        """Before `ids` are evaluated (model thread): restore the stored state that serves more of them than the live
+        KV cache, saving the live state first where it is about to be lost; returns the positions taken from a
+        cache (the trace's cached tokens)."""
+        cache = self.prompt_cache
+        if cache is None:
+            return self._live_reuse(ids)
+        live, entry, _ = self._plan(ids)
+        source = None
+        if entry is not None:
+            self._save_live()
+            from_disk = entry.payload is None
+            payload = cache.load(entry)
+            if payload is not None and restore_state(self._llm, payload, entry.tokens):
+                self._canonical_end = entry.usable(self.reproducible, self.chunk) if self.reproducible else 0
+                self._live_saved = True
+                source = "disk" if from_disk else "ram"
+            elif payload is not None:  # llama.cpp refused the bytes: the live cache is gone with them
+                log.warning("prompt cache: llama.cpp refused a stored state; removed")
+                cache.forget(entry)
+                self._canonical_end = 0
+            live = self._live_reuse(ids)
+        elif self._live_end() - live >= RESTORE_MIN_GAIN:
+            self._save_live()  # this input overwrites a long stretch of the live cache: keep it
+        cache.record_lookup(len(ids), live, source, live if source else 0)
+        self._live_saved = False  # the evaluation that follows changes the live cache
+        return live
+
+    def _live_end(self) -> int:
+        """The live KV cache's positions that a later input could reuse."""
+        return min(self._canonical_end, self._llm.n_tokens) if self.reproducible else self._llm.n_tokens
+
+    def _save_live(self) -> None:
+        """Keep the live KV cache's state in the prompt cache (model thread), unless a stored state holds it already;
+        on the reproducible path only its canonical chunks (the rest is dropped: no input could reuse it)."""
+        cache = self.prompt_cache
+        if cache is None or self._live_saved:
+            return
+        if self.reproducible:
+            trim_state(self._llm, self._live_end())
+        n = self._llm.n_tokens
+        self._live_saved = True
+        if n < cache.ram_min_tokens:
+            return
+        tokens = as_tokens(self._llm.input_ids[:n])
+        canonical = n if self.reproducible else 0
+        if not cache.covers(tokens, canonical):
+            cache.put(tokens, canonical, self.chunk, take_state(self._llm))
+
+    def _after_generation(self) -> None:
+        """Once this generation is over and nothing else has run for IDLE_SNAPSHOT_SECONDS, save the live state."""
+        if self.prompt_cache is None:
+            return
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = threading.Timer(IDLE_SNAPSHOT_SECONDS, self._submit_idle_snapshot, (self._generations,))
+        self._idle_timer.daemon = True
+        self._idle_timer.start()
+
+    def _submit_idle_snapshot(self, generation: int) -> None:
+        def snapshot() -> None:
+            if self._generations == generation and self.active == 0:
+                self._save_live()
+
+        if self._generations == generation and self.active == 0:
+            with contextlib.suppress(RuntimeError):  # the executor is shut down: the gateway is closing
+                self._executor.submit(snapshot)
 
     def _reusable_chunks(self, ids) -> int:
         """Reproducible path: the cached positions a request for `ids` may keep — whole canonical chunks whose
@@ -251,6 +386,7 @@ class LlamaCppBackend:
                 with self._count_lock:
                     self.active -= 1
                 emit(_END)
+                self._after_generation()
 
         with self._count_lock:
             self.active += 1
@@ -325,8 +461,8 @@ class LlamaCppBackend:
         greedy = request.temperature <= 0
         extras = request.extras
         emitter = TokenEmitter(PieceDetokenizer(lambda tok: llm.detokenize([tok])), self._is_eog, max_tokens, mask)
-        cached: int | None = self.cached_prefix(ids)
-        self.evaluations += 1
+        cached: int | None = self._take_from_cache(ids)
+        self._generations += 1
         processors, captured, adjuster = self._logits_processors(request, mask)
         if self.reproducible:
             tail = self._evaluate_canonically(list(ids), cached)

@@ -353,6 +353,9 @@ class ServingCore:
             breaker = self.orchestrator.breakers.get(name)
             if breaker is not None:  # a cloud's: whether it cools now, and why
                 row["breaker"] = breaker.describe(time.monotonic(), time.time())
+            cache = getattr(backend, "prompt_cache", None)
+            if cache is not None:  # the llama.cpp device's prompt cache: entries, bytes, hit rate, on disk
+                row["prompt_cache"] = cache.describe()
             stats = getattr(backend, "stats", None)
             if stats is not None:  # a HAT device half
                 row["hat"] = {

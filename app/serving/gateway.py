@@ -51,9 +51,19 @@ def _device_backend(settings: Settings) -> Backend:
 
         return TorchBackend(name=dev.name, gguf_path=path, model_id=model_id)
     from clients.llamacpp import LlamaCppBackend
+    from clients.prompt_cache import PromptCacheOptions
 
+    prompt_cache = PromptCacheOptions(
+        dev.prompt_cache_mb, dev.prompt_cache_disk_mb, dev.prompt_cache_dir or None, dev.prompt_cache_disk_min_tokens
+    )
     return LlamaCppBackend(
-        dev.name, path, model_id, n_ctx=dev.n_ctx, n_threads=dev.n_threads, reproducible=dev.reproducible
+        dev.name,
+        path,
+        model_id,
+        n_ctx=dev.n_ctx,
+        n_threads=dev.n_threads,
+        reproducible=dev.reproducible,
+        prompt_cache=prompt_cache,
     )
 
 
@@ -143,6 +153,8 @@ class Gateway:
         for name, backend in self.backends.items():
             self.metrics.backend_active.labels(backend=name).set_function(lambda b=backend: b.active)
             self.metrics.backend_generated.labels(backend=name).set_function(lambda b=backend: b.tokens_generated)
+            if hasattr(backend, "prompt_cache"):  # the llama.cpp device's: built once its model is loaded
+                self.metrics.watch_prompt_cache(name, lambda b=backend: b.prompt_cache)
         cloud = settings.gateway.cloud if settings.gateway.cloud in self.backends else None
         self.ledger = Ledger.from_settings(settings)
         self.disco = DiscoRuntime(

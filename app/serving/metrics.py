@@ -3,7 +3,10 @@ live in one process (tests) without colliding in the global default registry."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -98,6 +101,11 @@ class Metrics:
         self.store_queued.labels(queue="traces").set(store["traces_pending"])
         self.store_traces_dropped.set(store["traces_dropped"])
 
+    def watch_prompt_cache(self, backend: str, cache: Callable[[], object | None]) -> None:
+        """The device's prompt cache (clients/prompt_cache.py) as tandem_prompt_cache_* metrics, read when scraped;
+        `cache` gives it, or None before the model is loaded (or with the cache off)."""
+        self.registry.register(_PromptCacheCollector(backend, cache))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -108,6 +116,71 @@ class Metrics:
         if child is None:
             child = self._inter_token_of[backend] = self.inter_token.labels(backend=backend)
         return child
+
+
+class _PromptCacheCollector:
+    """tandem_prompt_cache_*: what the device's prompt cache holds (RAM and disk) and what it served."""
+
+    def __init__(self, backend: str, cache: Callable[[], object | None]) -> None:
+        self.backend = backend
+        self.cache = cache
+
+    def describe(self):
+        return self._families({})  # the names, for the registry's collision check: no scrape at registration
+
+    def collect(self):
+        cache = self.cache()
+        return self._families(cache.describe() if cache is not None else {})
+
+    def _families(self, d: dict) -> list:
+        b = self.backend
+        entries = GaugeMetricFamily(
+            "tandem_prompt_cache_entries", "Prompt states held, by tier", labels=["backend", "tier"]
+        )
+        size = GaugeMetricFamily(
+            "tandem_prompt_cache_bytes", "Bytes of prompt states held, by tier", labels=["backend", "tier"]
+        )
+        limit = GaugeMetricFamily("tandem_prompt_cache_limit_bytes", "The tier's bound", labels=["backend", "tier"])
+        lookups = CounterMetricFamily(
+            "tandem_prompt_cache_lookups", "Device generations whose input was looked up", labels=["backend"]
+        )
+        hits = CounterMetricFamily(
+            "tandem_prompt_cache_hits", "Lookups that took at least one prompt token from a cache", labels=["backend"]
+        )
+        tokens = CounterMetricFamily(
+            "tandem_prompt_cache_tokens",
+            "Prompt tokens looked up, taken from a cache (live KV or a stored state), restored from a stored state",
+            labels=["backend", "kind"],
+        )
+        restores = CounterMetricFamily(
+            "tandem_prompt_cache_restores", "Stored states restored in place of a prefill", labels=["backend", "tier"]
+        )
+        evictions = CounterMetricFamily(
+            "tandem_prompt_cache_evictions", "States pushed out by the tier's bound", labels=["backend", "tier"]
+        )
+        writes = CounterMetricFamily("tandem_prompt_cache_disk_writes", "States written to disk", labels=["backend"])
+        refused = CounterMetricFamily(
+            "tandem_prompt_cache_disk_refused",
+            "Files removed unloaded: another model or build, cut short, or not matching their checksum",
+            labels=["backend"],
+        )
+        if d:
+            for tier, count, held, bound in (
+                ("ram", d["entries"], d["bytes"], d["limit_bytes"]),
+                ("disk", d["disk_entries"], d["disk_bytes"], d["disk_limit_bytes"]),
+            ):
+                entries.add_metric([b, tier], count)
+                size.add_metric([b, tier], held)
+                limit.add_metric([b, tier], bound)
+                restores.add_metric([b, tier], d[f"restores_{tier}"])
+                evictions.add_metric([b, tier], d[f"{tier}_evictions"])
+            lookups.add_metric([b], d["lookups"])
+            hits.add_metric([b], d["hits"])
+            for kind in ("looked_up", "cached", "restored"):
+                tokens.add_metric([b, kind], d[f"tokens_{kind}"])
+            writes.add_metric([b], d["disk_writes"])
+            refused.add_metric([b], d["disk_refused"])
+        return [entries, size, limit, lookups, hits, tokens, restores, evictions, writes, refused]
 
 
 class RequestMetricsMiddleware:

@@ -385,6 +385,14 @@ async function loadHealth() {
       card.appendChild(histogramFigure("Inter-token", itl[e.name] || []));
       if (e.hat) card.appendChild(el("p", `HAT: worker ${e.hat.workers.map((w) => w.url).join(", ")}, ${e.hat.sessions} sessions, ` +
         `accept length ${e.hat.accept_length.toFixed(2)}, ${e.hat.draft_shape}`));
+      if (e.prompt_cache) {  // the device's prompt cache (docs/prompt-cache.md)
+        const c = e.prompt_cache, mb = (n) => (n / 1048576).toFixed(1);
+        const line = el("p", `prompt cache: ${c.entries} states, ${mb(c.bytes)} of ${mb(c.limit_bytes)} MB in RAM · ` +
+          `${c.disk_entries} states, ${mb(c.disk_bytes)} MB on disk · hit rate ${(100 * c.hit_rate).toFixed(0)} %, ` +
+          `${(100 * c.token_hit_rate).toFixed(0)} % of prompt tokens cached · ${c.restores_ram + c.restores_disk} restored`);
+        line.dataset.promptCache = "";
+        card.appendChild(line);
+      }
       return card;
     });
     $("health-body").replaceChildren(...cards);

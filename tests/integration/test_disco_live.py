@@ -34,6 +34,8 @@ trace_file = "{state.parent / "trace.jsonl"}"
 [device]
 model = "qwen2.5-coder-0.5b-instruct"
 n_ctx = 2048
+prompt_cache_mb = 0        # evict_cache's "evaluated from position 0" holds only without stored states
+prompt_cache_disk_mb = 0   # (the fast path: docs/prompt-cache.md, "Exactness")
 [clouds.cloud]
 model = "qwen2.5-coder-0.5b-instruct"
 tokenizer = "device"

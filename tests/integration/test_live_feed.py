@@ -41,6 +41,8 @@ stall_timeout = 30    # a loaded CI box must not turn a slow device into a fault
 [device]
 model = "{SMOL}"
 n_ctx = 2048
+prompt_cache_mb = 0        # evict_cache's "evaluated from position 0" holds only without stored states
+prompt_cache_disk_mb = 0   # (the fast path: docs/prompt-cache.md, "Exactness")
 [disco]
 budget = 1.0          # disco-s at b = 1: every request races
 migration = false     # only the fault moves the answer
