@@ -59,7 +59,7 @@ class Limits:
     memory_bytes: int = 1 << 30  # per process (RLIMIT_AS)
     file_bytes: int = 1 << 20  # any one file it writes (RLIMIT_FSIZE)
     scratch_bytes: int = 64 << 20  # its scratch directory, a tmpfs of that size (its input is copied there)
-    processes: int = 0  # processes it may start beside itself; 0: no fork, no exec of another program
+    processes: int = 0  # processes (and threads) it may start beside itself; 0: no fork, no thread, no other program
 
 
 @dataclass(frozen=True)
