@@ -244,15 +244,15 @@ def _execute(m: _Mechanism, tree: Path, script: str, args: tuple[str, ...], limi
             except BrokenPipeError:
                 pass
             pidfd = _open_init(info_read, started + limits.wall_s)
-            timed_out = False
-            try:
-                process.wait(timeout=max(0.0, started + limits.wall_s - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            # Waited for on a pidfd: Popen.wait(timeout) polls, up to 50 ms late.
+            with _pidfd(process.pid) as bwrap:
+                remaining = max(0.0, started + limits.wall_s - time.monotonic())
+                timed_out = not select.select([bwrap], [], [], remaining)[0]
+            if timed_out:
                 _kill(pidfd)
                 with contextlib.suppress(ProcessLookupError):  # it may have ended just now
                     os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            process.wait()
             _await_end(pidfd)  # the namespace's init gone: no process of the run is left
             seconds = time.monotonic() - started
             status = _read_all(read_fd)
@@ -321,6 +321,15 @@ def _open_init(info_fd: int, deadline: float) -> int:
             except ProcessLookupError:
                 return -1
     return -1
+
+
+@contextlib.contextmanager
+def _pidfd(pid: int):
+    fd = os.pidfd_open(pid)  # our child, not reaped before Popen.wait: it exists
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _kill(pidfd: int) -> None:
