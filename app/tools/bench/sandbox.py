@@ -273,10 +273,10 @@ def _command(m: _Mechanism, tree: Path, info_fd: int, limits: Limits) -> list[st
         command += ["--cap-drop", "ALL"]  # but those setpriv needs to change uid and drop the rest
         command += [a for c in ("SETUID", "SETGID", "SETPCAP") for a in ("--cap-add", f"CAP_{c}")]
     mounts = _read_only_roots()
-    for parent in sorted({str(p) for root in mounts for p in Path(root).parents} - {"/"}):
+    for parent in sorted({str(p) for _, inside in mounts for p in Path(inside).parents} - {"/"}):
         command += ["--perms", "0755", "--dir", parent]  # bwrap would make them 0700: closed to the program's uid
-    for root in mounts:
-        command += ["--ro-bind", root, root]
+    for host, inside in mounts:
+        command += ["--ro-bind", host, inside]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         top = Path("/") / name
         if top.is_symlink():
@@ -294,14 +294,18 @@ def _command(m: _Mechanism, tree: Path, info_fd: int, limits: Limits) -> list[st
 
 
 @functools.cache
-def _read_only_roots() -> tuple[str, ...]:
-    """/usr, the virtual environment and the interpreter it was made from: the smallest set of trees holding the
-    interpreter, its standard library and the environment's packages."""
+def _read_only_roots() -> tuple[tuple[str, str], ...]:
+    """(host path, path inside) of /usr, the virtual environment and the interpreter it was made from: the fewest
+    trees holding the interpreter, its standard library and the environment's packages. The environment is also
+    mounted where sys.executable names it, should a symlink lead there."""
     roots: list[str] = []
     for path in sorted({"/usr", os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}, key=len):
         if not any(path == r or path.startswith(r + os.sep) for r in roots):
             roots.append(path)
-    return tuple(roots)
+    mounts = [(root, root) for root in roots]
+    if os.path.realpath(sys.prefix) != os.path.abspath(sys.prefix):
+        mounts.append((os.path.realpath(sys.prefix), os.path.abspath(sys.prefix)))
+    return tuple(mounts)
 
 
 def _open_init(info_fd: int, deadline: float) -> int:
