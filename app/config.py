@@ -286,6 +286,10 @@ class CloudSettings(_Strict):
     structured_output: Literal["native", "json_object", "none", "gbnf"] = "native"
     # Ask for usage in the stream (`stream_options`); off for a server that refuses the field (it sends usage anyway).
     stream_usage: bool = True
+    # Its context window in tokens, prompt and answer together (no prompt it cannot hold is sent there; max_tokens is
+    # clamped to what is left). Unset: its provider preset's, an embedded server's n_ctx, else what its /v1/models
+    # reports at start-up (vLLM, llama-server, OpenRouter, Mistral, Tandem), else 32,768 (docs/configuration.md).
+    context_length: Annotated[int, Field(gt=0)] | None = None
     connect_timeout: Annotated[float, Field(gt=0)] = 3.0
     read_timeout: Annotated[float, Field(gt=0)] = 60.0  # max gap between two streamed chunks
     write_timeout: Annotated[float, Field(gt=0)] = 10.0
@@ -312,6 +316,23 @@ class CloudSettings(_Strict):
     def shares_device(self) -> bool:
         """Whether this cloud computes on the device's own hardware (`co_located`, else whether it is embedded)."""
         return self.co_located if self.co_located is not None else self.embedded is not None
+
+    @property
+    def window(self) -> int | None:
+        """Its context window as the settings say it (`context_length`, else an embedded server's n_ctx); None: the
+        backend reads the upstream's own (clients/openai_compat.py)."""
+        if self.context_length is not None:
+            return self.context_length
+        return self.embedded.n_ctx if self.embedded is not None else None
+
+    @model_validator(mode="after")
+    def _window_within_embedded(self) -> CloudSettings:
+        if self.embedded is not None and self.context_length is not None and self.context_length > self.embedded.n_ctx:
+            raise ValueError(
+                f"context_length ({self.context_length}) is more than the embedded server holds (its n_ctx, "
+                f"{self.embedded.n_ctx}): leave it unset, or raise [embedded] n_ctx"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -12,14 +12,23 @@ from __future__ import annotations
 from clients.dialects import PROVIDERS
 
 # What each provider's dialect (clients/dialects.py: its continuation, the fields it takes, its usage) does not say:
-# where it is, and how it takes structured output.
+# where it is, how it takes structured output, and its context window where one fits every current chat model it
+# serves and its /v1/models does not say it (the others' is read from there: vLLM, llama-server, OpenRouter, Mistral).
 _WHERE: dict[str, dict[str, object]] = {
-    "openai": {"base_url": "https://api.openai.com/v1"},
+    "openai": {"base_url": "https://api.openai.com/v1", "context_length": 128_000},  # gpt-4o's; gpt-4.1, gpt-5 more
     # The compatibility layer ignores response_format, so forced formats stay away from it.
-    "anthropic-openai": {"base_url": "https://api.anthropic.com/v1", "structured_output": "none"},
+    "anthropic-openai": {
+        "base_url": "https://api.anthropic.com/v1",
+        "structured_output": "none",
+        "context_length": 200_000,
+    },
     # Prefix completion on the beta base URL only. Its JSON mode takes json_object only: a json_schema format goes as
     # json_object, the schema in the prompt, checked here.
-    "deepseek": {"base_url": "https://api.deepseek.com/beta", "structured_output": "json_object"},
+    "deepseek": {
+        "base_url": "https://api.deepseek.com/beta",
+        "structured_output": "json_object",
+        "context_length": 128_000,
+    },
     "mistral": {"base_url": "https://api.mistral.ai/v1"},
     "vllm": {"base_url": "http://127.0.0.1:8000/v1"},
     # llama.cpp's own server continues a final assistant message unless started with --no-prefill-assistant.

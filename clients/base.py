@@ -195,6 +195,10 @@ class Backend(Protocol):
     # What leaves the device when it serves (policies/privacy.py): "device" nothing, "split" hidden states (HAT),
     # "cloud" the prompt's text.
     locality: str
+    # The most tokens it holds at once, prompt and answer together (the device's n_ctx, a cloud's configured or
+    # reported window, a split model's context): the planner sends it no prompt (with the answer delivered so far) it
+    # cannot hold with one token more, and clamps an answer's max_tokens to what the window leaves.
+    context_window: int
 
     def cached_prefix(self, ids: Sequence[int]) -> int:
         """How many leading tokens of `ids` it would take from its own KV cache instead of prefilling them."""

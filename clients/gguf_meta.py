@@ -144,3 +144,10 @@ def read_chat_template(gguf_path: str | os.PathLike[str]) -> str | None:
     """The model's own chat template (`tokenizer.chat_template`), None when the file has none."""
     template = _metadata(str(Path(gguf_path))).scalars.get("tokenizer.chat_template")
     return template if isinstance(template, str) and template else None
+
+
+def read_context_length(gguf_path: str | os.PathLike[str]) -> int | None:
+    """The context the model was trained for (`<arch>.context_length`), None when the file does not say."""
+    scalars = _metadata(str(Path(gguf_path))).scalars
+    value = scalars.get(f"{scalars.get('general.architecture')}.context_length")
+    return int(value) if value else None

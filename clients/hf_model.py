@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from clients.base import BackendError, GenerationRequest
+from clients.gguf_meta import GGUFMetaError, read_context_length
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,21 @@ def find_eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     vocab = tokenizer.get_vocab()
     ids.update(vocab[t] for t in _END_TOKENS if t in vocab)
     return frozenset(ids)
+
+
+# The window of a model that declares no context of its own: nothing is kept from it for want of one.
+UNKNOWN_CONTEXT = 1 << 30
+
+
+def declared_context(gguf_path: str | os.PathLike[str] | None, model: Any = None) -> int | None:
+    """The context a model declares before it is loaded: a given model's max_position_embeddings, else its GGUF's
+    context_length (what `open_token_source` reads from the loaded model); None when neither says."""
+    if model is not None:
+        return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    try:
+        return read_context_length(gguf_path) if gguf_path is not None else None
+    except GGUFMetaError:
+        return None  # not readable as a GGUF: loading it will say why
 
 
 @dataclass

@@ -119,6 +119,11 @@ class LlamaCppBackend:
         """Moves whenever what `cached_prefix` counts may have changed: a generation started, a stored state left."""
         return self._generations + (self.prompt_cache.changes if self.prompt_cache is not None else 0)
 
+    @property
+    def context_window(self) -> int:
+        """Its n_ctx: the prompt, the delivered prefix and the answer share it."""
+        return self.n_ctx
+
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

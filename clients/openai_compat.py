@@ -46,6 +46,31 @@ from policies.breaker import BreakerSettings, CircuitBreaker, RetrySettings, par
 log = logging.getLogger(__name__)
 
 
+# The window of an upstream whose settings name none and whose /v1/models reports none (docs/configuration.md).
+DEFAULT_CONTEXT_WINDOW = 32_768
+# Where servers report a model's window in their /v1/models entries, in order: vLLM, OpenRouter and Tandem, Mistral and
+# LM Studio, Groq; llama.cpp's llama-server under `meta` (`n_ctx`: a slot's window, which a request gets; then the
+# trained one).
+_WINDOW_KEYS = ("max_model_len", "context_length", "max_context_length", "context_window")
+_META_WINDOW_KEYS = ("n_ctx", "n_ctx_train")
+
+
+def reported_window(models: object, model: str) -> int | None:
+    """The context window an OpenAI-compatible server's /v1/models body reports for `model` (or for its only model,
+    by whatever name it lists it), None when it reports none."""
+    entries = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(entries, list):
+        return None
+    entries = [e for e in entries if isinstance(e, dict)]
+    named = [e for e in entries if e.get("id") == model] or (entries if len(entries) == 1 else [])
+    for entry in named:
+        meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
+        for value in [entry.get(k) for k in _WINDOW_KEYS] + [meta.get(k) for k in _META_WINDOW_KEYS]:
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 @dataclass(frozen=True)
 class UpstreamOptions:
     """What the backend needs to know of its upstream (the composition root builds it from the settings)."""
@@ -64,6 +89,9 @@ class UpstreamOptions:
     # the schema in a system message, and the answer is checked against the schema before it is called finished.
     json_object_only: bool = False
     gbnf: bool = False  # a completions upstream enforces a GBNF `grammar` field (llama.cpp's servers)
+    # Its context window, from the settings (the entry's `context_length`, its provider's preset, an embedded server's
+    # n_ctx); None: read from its /v1/models at start-up (`reported_window`), else DEFAULT_CONTEXT_WINDOW.
+    context_window: int | None = None
     connect_timeout: float = 3.0
     read_timeout: float = 60.0  # the longest silence between two streamed chunks
     write_timeout: float = 10.0
@@ -133,9 +161,13 @@ class OpenAICompatBackend(NoPrefixCache):
         self.breaker = CircuitBreaker(options.breaker)  # the orchestrator's planner reads it too
         self.on_retry: Callable[[], None] | None = None  # told before each retry (a metric counts them)
         self._jitter = random.Random()
+        # The settings' window, else the default until the upstream's /v1/models says otherwise (read once).
+        self.context_window = options.context_window or DEFAULT_CONTEXT_WINDOW
+        self._window_read = options.context_window is not None
 
     async def start(self) -> None:
-        pass
+        if not self._window_read:
+            await self.ready()  # its /v1/models, for the window it reports (a failure leaves it to a later check)
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -145,6 +177,15 @@ class OpenAICompatBackend(NoPrefixCache):
             response = await self._client.get("/models", timeout=2.0)
         except httpx.HTTPError:
             return False
+        if response.status_code == 200 and not self._window_read:
+            self._window_read = True
+            try:
+                window = reported_window(response.json(), self.options.model)
+            except ValueError:
+                window = None
+            self.context_window = window or self.context_window
+            how = "its /v1/models" if window else "the default: its /v1/models reports none"
+            log.info("%s: context window %d tokens (%s)", self.name, self.context_window, how)
         return response.status_code == 200
 
     def count_tokens(self, text: str) -> tuple[int, bool]:

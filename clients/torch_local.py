@@ -36,7 +36,13 @@ import torch
 from clients.base import BackendError, Concurrency, GenerationRequest, NoPrefixCache, TokenEvent
 from clients.dialects import TORCH
 from clients.grammar import HFTokenizerGrammars, TokenMask
-from clients.hf_model import HFTokenizerMixin, IncrementalDetokenizer, open_token_source
+from clients.hf_model import (
+    UNKNOWN_CONTEXT,
+    HFTokenizerMixin,
+    IncrementalDetokenizer,
+    declared_context,
+    open_token_source,
+)
 from clients.sampling import LogitAdjuster, sample_next, seeded_generator, token_logprob
 from clients.token_emitter import TokenEmitter
 
@@ -184,11 +190,16 @@ class TorchBackend(NoPrefixCache, HFTokenizerMixin):
         self._thread: _ModelThread | None = None
         self._ready = False
         self.eos_ids: frozenset[int] = frozenset()
-        self.max_context: int | None = None
+        self.max_context: int | None = declared_context(gguf_path, model)  # the loaded model's config's, once loaded
         # Counters (written on the model thread; read anywhere): for metrics and tests.
         self.tokens_generated = 0
         self.forward_calls = 0
         self.load_seconds: float | None = None
+
+    @property
+    def context_window(self) -> int:
+        """The model's context (max_position_embeddings): the prompt, the delivered prefix and the answer share it."""
+        return self.max_context or UNKNOWN_CONTEXT
 
     # --- lifecycle ------------------------------------------------------------------------------
 

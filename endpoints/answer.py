@@ -61,12 +61,17 @@ async def while_connected(request: Request, work: Awaitable, what: str):
 
 def answer_headers(job: Job, choices: Sequence[Job] = ()) -> dict[str, str]:
     """An answer's headers once its first token is here: its trace's id, the endpoint that serves it, its key's
-    rate-limit headers, and the request's fields that endpoint (or, with n > 1, an endpoint serving one of its
-    `choices`) did not apply (the trace says why)."""
+    rate-limit headers, the request's fields that endpoint (or, with n > 1, an endpoint serving one of its
+    `choices`) did not apply (the trace says why), and its max_tokens where the window of the endpoint writing it
+    left less (`<asked>-><given>`; with n > 1, the choice given least)."""
     headers = {"x-request-id": job.id, "x-tandem-backend": job.backend or "", **job.limit_headers}
     ignored = {name: why for j in (job, *choices) for name, why in j.ignored_fields().items()}
     if ignored:
         headers["x-tandem-ignored-fields"] = ", ".join(ignored)
+    clamps = [j.max_tokens_clamped for j in (job, *choices) if j.max_tokens_clamped]
+    if clamps:
+        least = min(clamps, key=lambda clamp: clamp["given"])
+        headers["x-tandem-max-tokens-clamped"] = f"{least['asked']}->{least['given']}"
     return headers
 
 

@@ -234,13 +234,26 @@ async def request_trace(request_id: str, serving: ServingDep):
 
 def _model_object(serving: Serving, card: dict) -> dict:
     """OpenAI's model object, with what serves it under the keys vLLM (`max_model_len`) and OpenRouter
-    (`context_length`, `pricing`) use, and Tandem's own (`capabilities`, `locality`, `endpoints`)."""
-    return {"id": card["id"], "object": "model", "created": serving.created, "owned_by": "tandem", **card}
+    (`context_length`, `pricing`) use, and Tandem's own (`capabilities`, `locality`, `endpoints`); and the Anthropic
+    Models API's (`type`, `display_name`, `created_at`, `max_input_tokens`, `max_tokens`: a Messages client lists
+    models on the same path). Its window is its own: the prompt and the answer share it, one token each at least."""
+    window = card["context_length"]
+    anthropic = {
+        "type": "model",
+        "display_name": card["id"],
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(serving.created)),
+        "max_input_tokens": max(window - 1, 0),
+        "max_tokens": max(window - 1, 0),
+    }
+    return {"id": card["id"], "object": "model", "created": serving.created, "owned_by": "tandem", **anthropic, **card}
 
 
 @router.get("/models")
 async def list_models(serving: ServingDep):
-    return {"object": "list", "data": [_model_object(serving, card) for card in serving.models()]}
+    """OpenAI's list, which is also the Anthropic Models API's (its paging fields: every model fits one page)."""
+    data = [_model_object(serving, card) for card in serving.models()]
+    ids = [model["id"] for model in data]
+    return {"object": "list", "data": data, "has_more": False, "first_id": ids[0], "last_id": ids[-1]}
 
 
 @router.get("/models/{model_id:path}")

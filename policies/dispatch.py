@@ -496,6 +496,9 @@ class PolicyDeclaration:
     # cloud says so; device-only delivers the call as written (it promised the device).
     escapes_loops: bool = True
     needs_cloud: bool = True
+    # The one endpoint of the pair its plans start every answer on ("device" | "cloud"); None: either. A prompt that
+    # endpoint cannot hold is refused, never sent to the other (app/serving/windows.py).
+    only_on: str | None = None
 
 
 DECLARATIONS: tuple[PolicyDeclaration, ...] = (
@@ -503,8 +506,10 @@ DECLARATIONS: tuple[PolicyDeclaration, ...] = (
     PolicyDeclaration("disco-s", DiscoS, side="server", by_disco=True, cost_migration=True),
     PolicyDeclaration("disco-d", DiscoD, side="device", by_disco=True, cost_migration=True),
     PolicyDeclaration("quality", Disco, by_disco=True, cost_migration=True, quality_migration=True),
-    PolicyDeclaration("server-only", ServerOnly, aliases=("cloud",)),
-    PolicyDeclaration("device-only", DeviceOnly, aliases=("device",), escapes_loops=False, needs_cloud=False),
+    PolicyDeclaration("server-only", ServerOnly, aliases=("cloud",), only_on="cloud"),
+    PolicyDeclaration(
+        "device-only", DeviceOnly, aliases=("device",), escapes_loops=False, needs_cloud=False, only_on="device"
+    ),
     PolicyDeclaration("stoch-s", StochS, side="server"),
     PolicyDeclaration("stoch-d", StochD, side="device"),
 )

@@ -36,6 +36,7 @@ from app.serving.requests import ChatInput, CompletionInput, RequestInput
 from app.serving.seam import split_trailing_whitespace
 from app.serving.state import StateStore, StoreUnavailable
 from app.serving.structured import Structure, add_tools_prompt, message_text, structure_of, template_messages
+from app.serving.windows import check_fits, largest_window, starts_on
 from clients.base import Backend, GenerationRequest
 from clients.embeddings import SentenceEmbedder
 from deploy.models import resolve_model
@@ -57,7 +58,6 @@ class CoreOptions:
 
     model_name: str  # the gateway's own model name: DiSCo routes it
     default_max_tokens: int
-    n_ctx: int  # the device's context window
     privacy: str  # the gateway's privacy level
     decoding: str  # sequential | outline | auto, unless a request says
     # Keys the conversations' derived prompt-cache keys (app/serving/cache_key.py); None: one drawn at start-up.
@@ -145,12 +145,15 @@ class ServingCore:
 
     def models(self) -> list[dict]:
         """Every model id a request may name, the embedding model's included, each with what serves it: the context
-        window a prompt must fit (every route's: the device may have to take an answer over), the capabilities, the
-        locality (device / split / cloud, or routed: the gateway's own name, which DiSCo places) and the price per
-        token (a cloud's list price, the device's energy at λ)."""
+        window a prompt must fit (its endpoint's; the routed name's: the largest of the endpoints a request naming it
+        may start on), the capabilities, the locality (device / split / cloud, or routed: the gateway's own name, which
+        DiSCo places) and the price per token (a cloud's list price, the device's energy at λ)."""
         device_prices = self.disco.cost(self.orchestrator.cloud or self.device.name).prices("device")
+        plain = (None, self.ledger.settings.policy, self.orchestrator.cloud, self.options.privacy)
+        routed = starts_on(self.backends, self.device.name, *plain) or [self.device.name]
         cards: dict[str, dict] = {
             self.options.model_name: {
+                **_window(largest_window(self.backends, routed)),
                 "locality": "routed",
                 "endpoints": list(self.backends),
                 "capabilities": _capabilities(any(_takes_tools(b) for b in self.backends.values()), True),
@@ -159,6 +162,7 @@ class ServingCore:
         for name, backend in self.backends.items():
             prices = device_prices if backend.locality == "device" else self.disco.cost(name).prices("cloud")
             card = {
+                **_window(backend.context_window),
                 "locality": backend.locality,
                 "endpoints": [name],
                 "capabilities": _capabilities(_takes_tools(backend), backend.structured_output != "none"),
@@ -166,15 +170,13 @@ class ServingCore:
             }
             for model_id in (name, backend.model_id):
                 cards.setdefault(model_id, card)
-        window = {"context_length": self.options.n_ctx, "max_model_len": self.options.n_ctx}
-        out = [{"id": model_id, **window, **card} for model_id, card in cards.items()]
+        out = [{"id": model_id, **card} for model_id, card in cards.items()]
         if self.embedder is not None:
             embeddings = {"chat": False, "completions": False, "tools": False, "structured_output": False}
             out.append(
                 {
                     "id": self.embedder.model_id,
-                    "context_length": self.embedder.max_tokens,
-                    "max_model_len": self.embedder.max_tokens,
+                    **_window(self.embedder.max_tokens),
                     "locality": "device",
                     "endpoints": [],
                     "capabilities": {**embeddings, "logprobs": False, "embeddings": True},
@@ -457,6 +459,7 @@ class ServingCore:
 
     def _job(self, prefix: str, gen: GenerationRequest, prompt_tokens: int, route) -> Job:
         pinned, policy, cloud, privacy = route
+        check_fits(self.backends, self.device.name, route, prompt_tokens)
         return Job(
             id=f"{prefix}{uuid.uuid4().hex[:24]}",
             gen=gen,
@@ -466,17 +469,6 @@ class ServingCore:
             cloud=cloud,
             privacy=privacy,
         )
-
-    def _limits(self, request: RequestInput, prompt_tokens: int) -> int:
-        limit = request.max_tokens or self.options.default_max_tokens
-        n_ctx = self.options.n_ctx
-        if prompt_tokens >= n_ctx:
-            raise InvalidRequest(
-                f"This prompt is {prompt_tokens} tokens, more than the context window of {n_ctx} tokens.",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        return limit
 
     async def _tokenize_prompt(self, text: str) -> tuple[int, ...]:
         """A long prompt is tokenised on a worker thread: seconds of tokenising must not hold up every other
@@ -502,7 +494,8 @@ class ServingCore:
             prompt_text=prompt_text,
             prompt_ids=prompt_ids,
             messages=messages,
-            max_tokens=self._limits(request, len(prompt_ids)),
+            # As asked: each endpoint's attempt is clamped to what its window leaves (app/serving/orchestrator.py).
+            max_tokens=request.max_tokens or self.options.default_max_tokens,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=request.top_k or 0,
@@ -625,6 +618,11 @@ class ServingCore:
 def _takes_tools(backend: Backend) -> bool:
     """Tools travel in the prompt the gateway renders, except to a chat upstream, which must take them itself."""
     return not (backend.structured_output == "none" and not backend.can_continue)
+
+
+def _window(tokens: int) -> dict[str, int]:
+    """A model's context window under the keys OpenRouter (`context_length`) and vLLM (`max_model_len`) use."""
+    return {"context_length": tokens, "max_model_len": tokens}
 
 
 def _capabilities(tools: bool, structured: bool) -> dict[str, bool]:

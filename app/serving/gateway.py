@@ -90,6 +90,7 @@ def upstream_options(cloud: CloudSettings) -> UpstreamOptions:
         native_structure=cloud.structured_output in ("native", "json_object"),
         json_object_only=cloud.structured_output == "json_object",
         gbnf=cloud.gbnf,
+        context_window=cloud.window,
         connect_timeout=cloud.connect_timeout,
         read_timeout=cloud.read_timeout,
         write_timeout=cloud.write_timeout,
@@ -203,7 +204,6 @@ class Gateway:
             CoreOptions(
                 gw.model_name,
                 gw.default_max_tokens,
-                settings.device.n_ctx,
                 gw.privacy,
                 gw.decoding,
                 gw.prompt_cache_secret.get_secret_value().encode() if gw.prompt_cache_secret else None,
@@ -261,7 +261,10 @@ class Gateway:
             if self.settings.disco.profile_device:
                 await self._profile_device()
             self.core.loaded.set()
-            log.info("gateway ready: %s", ", ".join(f"{n} ({b.model_id})" for n, b in self.backends.items()))
+            log.info(
+                "gateway ready: %s",
+                ", ".join(f"{n} ({b.model_id}, {b.context_window}-token window)" for n, b in self.backends.items()),
+            )
         except Exception as exc:
             self.core.startup_error = str(exc)
             log.error("start-up failed: %s", exc)

@@ -92,6 +92,9 @@ class Job:
     attempts: list[Attempt] = field(default_factory=list)
     migrations: list[dict] = field(default_factory=list)
     delayed_tokens: int = 0
+    # Its max_tokens cut to what the window of the endpoint writing the answer leaves after the prompt: {"asked",
+    # "given", "endpoint"} (the last cut, a migration onto a smaller window included); None when nothing was cut.
+    max_tokens_clamped: dict | None = None
     cost: float = 0.0  # what its attempts cost: booked so far while it runs, the whole once it ended
     booked_at: float = field(
         default_factory=time.monotonic

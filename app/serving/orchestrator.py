@@ -121,12 +121,15 @@ class Orchestrator:
         endpoint can give the answer the structure it asks for (a grammar from tool_choice or response_format: a
         chat upstream that enforces it natively only from the start, a backend that applies the grammar itself, or
         an upstream sent its GBNF form, also from a delivered prefix; tools without a grammar go anywhere but to a
-        chat upstream configured not to take them). Starts, races, fallbacks, cost migrations and fault migrations
+        chat upstream configured not to take them), and its context window holds the prompt, the answer delivered so
+        far when it continues one, and one token more. Starts, races, fallbacks, cost migrations and fault migrations
         all ask here."""
         if name is None:
             return False
         backend = self.backends[name]
         if not allows(job.privacy, backend.locality):  # the one place every route passes: plan, race, moves
+            return False
+        if not self._holds(job, name, continuing):
             return False
         continuing = continuing or bool(job.gen.prefill)  # the client's own prefill is continued from the start
         if continuing and not backend.can_continue:
@@ -140,6 +143,12 @@ class Orchestrator:
             return kind == "grammar" or (kind == "native" and not continuing)
         # Tools travel in the prompt the gateway renders, except to a chat upstream, which must take them itself.
         return not (job.gen.tools and kind == "none" and not backend.can_continue)
+
+    def _holds(self, job: Job, name: str, continuing: bool = False) -> bool:
+        """Whether endpoint `name`'s window holds the prompt (with the answer delivered so far, when it would continue
+        it) and one token more."""
+        context = job.prompt_tokens + (_delivered(job) if continuing else 0)
+        return context < self.backends[name].context_window
 
     def _keeps_calls_whole(self, job: Job, name: str | None, continuing: bool = False) -> bool:
         """Whether a call the model starts on `name` comes out whole and valid: it applies the request's tool grammar
@@ -200,6 +209,9 @@ class Orchestrator:
         attempt = Attempt(self.role_of(name), name, time.monotonic(), context, migration, from_token)
         backend = self.backends[name]
         attempt.ignored = backend.dialect.ignored(gen.extras, name)
+        room = max(1, backend.context_window - context)  # what its window leaves the answer (`_serves` saw room)
+        if gen.max_tokens > room:
+            gen = replace(gen, max_tokens=room)
         if gen.request_id != job.id:  # what the backend's own events name (a choice of n, an outline's point: its own)
             gen = replace(gen, request_id=job.id)
         if attempt.role == "device" and job.declared.quality_migration:
@@ -272,6 +284,7 @@ class Orchestrator:
         # (At most its context as counted here: a prefix delivered as another endpoint's text pieces may be more
         # tokens of the device's own.)
         attempt.cached_tokens = min(event.cached_tokens or 0, attempt.context_tokens)
+        self._clamp(job, attempt.name)
         self.disco.observe_first_token(
             attempt.role,
             job.cloud,
@@ -288,6 +301,17 @@ class Orchestrator:
             cached_tokens=attempt.cached_tokens,
         )
 
+    def _clamp(self, job: Job, name: str) -> None:
+        """The answer is written on `name` from now on: its max_tokens cut to what `name`'s window leaves after the
+        prompt, said in the trace and a response header (`x-tandem-max-tokens-clamped`), never refused. Answers that
+        move onto a smaller window are cut again there (the relay's limit follows: `_migrate`)."""
+        room = self.backends[name].context_window - job.prompt_tokens
+        if room >= job.gen.max_tokens:
+            return
+        asked = job.max_tokens_clamped["asked"] if job.max_tokens_clamped else job.gen.max_tokens
+        job.gen = replace(job.gen, max_tokens=room)
+        job.max_tokens_clamped = {"asked": asked, "given": room, "endpoint": name}
+
     # -- start: plan and race ----------------------------------------------------------------------
     def _plan(self, job: Job) -> DispatchPlan:
         if job.pinned is not None:
@@ -299,7 +323,24 @@ class Orchestrator:
         # DiSCo starts nothing on a cloud that cools: the device answers. A baseline keeps its plan (an operator who
         # chose server-only chose where answers go; its client still retries and fails fast).
         cooling = self._cooling(job.cloud) if plan.start_cloud and job.declared.by_disco else None
-        return plan if cooling is None else DispatchPlan(False, True, None, plan.policy, cooling)
+        plan = plan if cooling is None else DispatchPlan(False, True, None, plan.policy, cooling)
+        return self._within_windows(job, plan)
+
+    def _within_windows(self, job: Job, plan: DispatchPlan) -> DispatchPlan:
+        """The plan without the endpoint of the pair whose window cannot hold the prompt: the other starts alone (the
+        core refused a prompt that neither holds, and a policy's one endpoint that cannot)."""
+        cloud = job.cloud is not None and self._holds(job, job.cloud)
+        holds = {"device": self._holds(job, self.device), "cloud": cloud}
+        starts = {"device": plan.start_device, "cloud": plan.start_cloud}
+        for role, other in (("device", "cloud"), ("cloud", "device")):
+            if starts[role] and not holds[role] and holds[other]:
+                name = self._name_of(job, role)
+                why = (
+                    f"the prompt's {job.prompt_tokens} tokens leave no room in {name}'s "
+                    f"{self.backends[name].context_window}-token window"
+                )
+                return DispatchPlan(other == "cloud", other == "device", None, plan.policy, why)
+        return plan
 
     async def _start(self, job: Job) -> tuple[Attempt, TokenEvent]:
         plan = job.plan = self._plan(job)
@@ -339,6 +380,16 @@ class Orchestrator:
             if (self.fallback and other is not None) or not self._serves(job, names[0]):
                 names.append(other)
         names = [n for n in names if self._serves(job, n)]
+        pair = [job.pinned] if job.pinned is not None else [self.device, job.cloud]
+        allowed = [n for n in pair if n is not None and allows(job.privacy, self.backends[n].locality)]
+        if not names and allowed and not any(self._holds(job, n) for n in allowed):
+            # Kept on the device after the core routed it (an API key at its dollar cap, a lost shared store).
+            window = max(self.backends[n].context_window for n in allowed)
+            raise BackendError(
+                f"This prompt is {job.prompt_tokens} tokens, more than the context window of {window} tokens of the "
+                f"endpoints it may use now ({', '.join(allowed)})",
+                400,
+            )
         if not names:
             raise BackendError(
                 f"{job.pinned or 'no endpoint of this request'} cannot serve it: its tool_choice or response_format "
@@ -750,6 +801,7 @@ class Orchestrator:
         await self._close(source)
         self.metrics.migrations.labels(source=source.role, target=attempt.role, reason=reason).inc()
         self._won(job, attempt, event)
+        relay.limit_to(job.gen.max_tokens)  # the target's window may leave the answer less than the source's did
         record["t_m_ms"] = ms(event.t - attempt.started)
         job.backend = target
         self.events.publish("migration.completed", request_id=job.id, **record)
@@ -772,6 +824,11 @@ class Orchestrator:
     def close(self) -> None:
         if self._trace_out is not None:
             self._trace_out.close()
+
+
+def _delivered(job: Job) -> int:
+    """The answer's tokens delivered so far (or held back by the relay): where the endpoints that wrote it reached."""
+    return max((a.from_token + a.decode_tokens for a in job.attempts if a.first_at is not None), default=0)
 
 
 def _backend_error(name: str, exc: BaseException, ended: str = "produced nothing") -> BackendError:

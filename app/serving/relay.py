@@ -135,6 +135,10 @@ class Relay:
             text, logprobs = self._aligner.release(text, final=True)
         return Delta(text, finish, logprobs, tuple(calls))
 
+    def limit_to(self, tokens: int) -> None:
+        """The answer may have at most `tokens` tokens from now on (it moved onto an endpoint with a smaller window)."""
+        self._limit = min(self._limit, tokens)
+
     def call_completed_by(self, event: TokenEvent) -> ToolCall | None:
         """The tool call `event` would complete, fed next (nothing changes here): the orchestrator's look at a call
         before the client gets it."""

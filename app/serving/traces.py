@@ -83,6 +83,7 @@ def trace_of(job: Job) -> dict:
         ],
         # The request's fields that an endpoint which delivered part of the answer did not apply, and why.
         **({"ignored_fields": ignored} if (ignored := job.ignored_fields()) else {}),
+        **({"max_tokens_clamped": job.max_tokens_clamped} if job.max_tokens_clamped else {}),
         "migrations": job.migrations,
         "delayed_tokens": job.delayed_tokens,
         "cost_usd": job.cost,

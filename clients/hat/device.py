@@ -94,7 +94,13 @@ from clients.hat.rounds import DecodeRounds
 from clients.hat.session import FrameSession
 from clients.hat.station import DraftingStation, StreamSlot
 from clients.hat.transport import LinkOptions
-from clients.hf_model import HFTokenizerMixin, IncrementalDetokenizer, open_token_source
+from clients.hf_model import (
+    UNKNOWN_CONTEXT,
+    HFTokenizerMixin,
+    IncrementalDetokenizer,
+    declared_context,
+    open_token_source,
+)
 from clients.sampling import LogitAdjuster, sample_next, seeded_generator, token_logprob
 from clients.token_emitter import TokenEmitter
 from policies.drafting import DraftLengthController, DraftStopRule
@@ -242,7 +248,8 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         self._ready = False
         self._worker_ok: tuple[float, bool] = (0.0, False)
         self.eos_ids: frozenset[int] = frozenset()
-        self.max_context: int | None = None
+        self.max_context: int | None = declared_context(gguf_path, model)  # the loaded model's config's, once loaded
+        self._worker_context: int | None = None  # the context a worker's /health/ready said its sessions hold
         # Set at load: the device's parts, its draft model, the prefill's chunking, the decode rounds and (drafting =
         # "batched") the station batching concurrent streams' device work.
         self.half: DeviceHalf | None = None
@@ -265,6 +272,15 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         if self.tree is not None:
             return f"tree w={self.tree.width} (draft cap {self.max_draft})"
         return f"chain, draft cap {self.max_draft}" if self.speculative else "U-shape (no drafts)"
+
+    @property
+    def context_window(self) -> int:
+        """The split model's context, within what its workers' sessions hold (the largest a worker reported: on
+        /health/ready, or on opening a session)."""
+        reported = [int(w.info["max_context"]) for w in self.pool.workers if w.info.get("max_context")]
+        reported += [self._worker_context] if self._worker_context else []
+        model = self.max_context or UNKNOWN_CONTEXT
+        return min(model, max(reported)) if reported else model
 
     @property
     def hidden_size(self) -> int:
@@ -353,10 +369,12 @@ class HATBackend(NoPrefixCache, HFTokenizerMixin):
         async with httpx.AsyncClient(timeout=2.0) as client:
             for worker in self.pool.workers:
                 try:
-                    if (await client.get(worker.address.http_base + "/health/ready")).status_code == 200:
+                    response = await client.get(worker.address.http_base + "/health/ready")
+                    if response.status_code == 200:
+                        self._worker_context = response.json().get("max_context") or self._worker_context
                         ok = True
                         break
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):
                     continue
         self._worker_ok = (time.monotonic(), ok)
         return ok

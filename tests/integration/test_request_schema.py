@@ -404,8 +404,11 @@ def test_models_carry_what_serves_them_and_the_sdk_parses_them(gw):
     # Every name a request may use: the gateway's, each backend's name and model id, the embedding model.
     assert {"tandem", "device", SMOL, "oai", "oai-model", "llama", "vllm", "all-minilm-l6-v2"} <= set(models)
     device, oai = models["device"].model_dump(), models["oai-model"].model_dump()
-    # The device's window bounds every route's prompt (the device may have to take an answer over).
-    assert {m.model_dump()["context_length"] for m in models.values() if m.id != "all-minilm-l6-v2"} == {2048}
+    # Each model's own window: the device's n_ctx, a provider preset's (OpenAI's), the default where the upstream's
+    # /v1/models reports none; the routed name's is the largest it may start on (the device and its cloud, oai).
+    windows = {name: m.model_dump()["context_length"] for name, m in models.items()}
+    assert windows["device"] == windows[SMOL] == 2048 and windows["oai"] == windows["tandem"] == 128_000
+    assert windows["llama"] == windows["vllm"] == 32_768
     assert device["max_model_len"] == 2048 and device["locality"] == "device"
     assert models[SMOL].model_dump()["locality"] == "device"
     assert oai["locality"] == "cloud" and oai["endpoints"] == ["oai"]

@@ -36,7 +36,7 @@ def make_app(ledger: Ledger, *, admin_keys=(), api_keys=(), state=None) -> FastA
         api_keys=keys, key_limits=tuple(map(key_limits, keys)), admin_keys=tuple(SecretStr(k) for k in admin_keys)
     )
     disco = DiscoRuntime(ledger, "cloud", QWEN2_5_0_5B)
-    options = CoreOptions("tandem", 256, 2048, "any", "sequential")
+    options = CoreOptions("tandem", 256, "any", "sequential")
     app.state.serving = ServingCore(
         options, None, {}, None, ledger, disco, None, None, created=0, state=state or MemoryStore(ledger)
     )

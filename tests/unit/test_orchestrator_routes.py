@@ -23,6 +23,7 @@ def endpoint(locality: str, structured: str, continues: bool = True, ids: bool =
         accepts_token_ids=ids,
         dialect=upstream_dialect(None, "completions" if continues else "chat"),
         device_vocabulary=ids,
+        context_window=4096,
     )
 
 

@@ -35,6 +35,7 @@ class Scripted:
         self.words, self.sure = words, sure or [0.99] * len(words)
         self.structured_output, self.dialect = "grammar", LLAMA_CPP  # continues from token ids
         self.can_continue = self.accepts_token_ids = self.device_vocabulary = True
+        self.context_window = 4096
         self.evaluations = 0
         self.requests: list[GenerationRequest] = []
 
@@ -156,9 +157,9 @@ def test_a_conversation_already_looping_starts_on_the_cloud():
         assert job.plan.start_cloud and not job.plan.start_device and "loop" in job.plan.reason, policy
     job, _ = run(o, "disco", tools=(ADD,), answered_calls=twice[:1])  # answered once: DiSCo's own plan
     assert not job.plan.start_cloud
-
     job, _ = run(o, "stoch-d", tools=(ADD,), answered_calls=twice)  # a baseline's plan is the experiment
     assert "loop" not in job.plan.reason
+
 
 def test_a_co_located_cloud_is_planned_without_a_race():
     ledger = Ledger(None, BudgetSettings(policy="disco-s", budget=1.0, prices={"cloud": Price(0.15, 0.6)}))
