@@ -14,7 +14,7 @@ BIN    := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed
 DEV_STAMP   := $(VENV)/.installed-dev
 
-.PHONY: setup models llama-server store-server browser serve test test-portable lint bench clean
+.PHONY: setup models llama-server store-server browser sandbox serve test test-portable lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,12 +69,21 @@ browser:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
 	else echo "the dashboard's browser tests will fail until chromium is installed: sudo apt-get install chromium chromium-driver" >&2; fi
 
+# The sandbox that runs model-written code (app/tools/bench/sandbox.py: bench quality, bench agents) is Debian's
+# bubblewrap (and util-linux's setpriv). As root (CI) the set-up installs it; elsewhere it says what to install and goes
+# on: without it the sandbox refuses to run model code, and only the tests that need it fail, naming the command.
+sandbox:
+	@if command -v bwrap >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	else echo "the sandbox that runs model code needs bubblewrap: sudo apt-get install bubblewrap" >&2; fi
+
 # deploy.llama_server needs the standard library, pip, cmake and a C++ compiler; after the package
 # install, so that it links the libllama/libggml the installed llama-cpp-python built (~3 min on 2 cores).
 llama-server: $(SERVE_STAMP)
 	$(BIN)/python -m deploy.llama_server build
 
-setup: $(DEV_STAMP) models llama-server store-server browser
+setup: $(DEV_STAMP) models llama-server store-server browser sandbox
 
 # CONFIG=deploy/fleet.toml (or any settings file) serves that instead of the embedded default.
 serve: $(SERVE_STAMP) models
@@ -127,7 +136,7 @@ $(PORTABLE)/.installed: pyproject.toml deploy/constraints.txt
 PORTABLE_TORCH := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 DNNL_MAX_CPU_ISA=AVX2 \
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TANDEM_TEST_TORCH_THREADS=1
 
-test-portable: models $(PORTABLE)/.installed store-server browser
+test-portable: models $(PORTABLE)/.installed store-server browser sandbox
 	$(PORTABLE)/bin/python -m deploy.llama_server build  # linked to the portable build's libraries: a server of its own
 	$(PORTABLE_TORCH) $(PORTABLE)/bin/python -c "import torch, sys; c = torch.backends.cpu.get_cpu_capability(); \
 		print('torch CPU capability:', c); sys.exit(c != 'DEFAULT')"
