@@ -159,6 +159,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.tools.bench.events_bench import main
     elif args.what == "quality":
         from app.tools.bench.quality_bench import main
+    elif args.what == "prompt-cache":
+        from app.tools.bench.prompt_cache_bench import main
     else:  # pragma: no cover - argparse restricts choices
         raise AssertionError(args.what)
     return main(args.rest)
@@ -272,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             "fleet",
             "events",
             "quality",
+            "prompt-cache",
         ],
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
