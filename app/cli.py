@@ -159,6 +159,8 @@ def _bench(args: argparse.Namespace) -> int:
         from app.tools.bench.events_bench import main
     elif args.what == "quality":
         from app.tools.bench.quality_bench import main
+    elif args.what == "agents":
+        from app.tools.bench.agents_bench import main
     elif args.what == "prompt-cache":
         from app.tools.bench.prompt_cache_bench import main
     else:  # pragma: no cover - argparse restricts choices
@@ -274,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             "fleet",
             "events",
             "quality",
+            "agents",
             "prompt-cache",
         ],
     )
