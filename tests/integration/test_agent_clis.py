@@ -91,7 +91,7 @@ def test_an_agent_cli_runs_against_the_gateway_with_every_request_answered(agent
     refused_before = refusals(agent_gateway)
     started = time.monotonic()
     with WireRecorder(agent_gateway.url) as wire:
-        run = AgentRun(tmp_path / "repo", tmp_path / "home", wire.url, MODEL, TASK, transcript=tmp_path)
+        run = AgentRun(tmp_path / "repo", tmp_path / "home", wire.url, MODEL, TASK, transcript=tmp_path, lean=True)
         result = run_agent(agent, run, TIME_CAP)
     print(f"{agent}: {time.monotonic() - started:.1f} s, {len(wire.exchanges)} requests")  # the module's time budget
     turns = [e for e in wire.exchanges if e.generation]

@@ -40,6 +40,12 @@ class AgentRun:
     files: tuple[str, ...] = ()
     test_command: str | None = None
     transcript: Path | None = None  # where its own history goes (aider's), when the CLI writes one to a file
+    # Its own long system prompt replaced by LEAN_PROMPT and its tools cut to a few, through its documented settings
+    # (the suite's runs: the wire's fields and tool kinds are the same, the prompt a few thousand tokens, not 10-20k).
+    lean: bool = False
+
+
+LEAN_PROMPT = "You are a coding agent. Use your tools to create and edit files in the current folder."
 
 
 @dataclass
@@ -84,8 +90,9 @@ class ClaudeCode(AgentDriver):
     tools: str = "Bash,Read,Write,Edit,Glob,Grep"
 
     def command(self, run: AgentRun) -> list[str]:
+        lean = ["--system-prompt", LEAN_PROMPT, "--tools", "Write,Bash"] if run.lean else []
         return [str(agent_clis.executable(self.name)), "-p", run.task, "--model", run.model, "--output-format",
-                "stream-json", "--verbose", "--allowedTools", self.tools]  # fmt: skip
+                "stream-json", "--verbose", "--allowedTools", self.tools, *lean]  # fmt: skip
 
     def environment(self, run: AgentRun) -> dict[str, str]:
         # Its background model (titles, summaries) and its sub-agents' names: the same model, so every request it
@@ -101,8 +108,12 @@ class CodexCli(AgentDriver):
     def configure(self, run: AgentRun) -> None:
         codex_home = run.home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)
+        lean = ""
+        if run.lean:
+            (codex_home / "instructions.md").write_text(LEAN_PROMPT + "\n")
+            lean = f'model_instructions_file = "{codex_home / "instructions.md"}"\n'
         (codex_home / "config.toml").write_text(
-            f'model = "{run.model}"\nmodel_provider = "tandem"\ncheck_for_update_on_startup = false\n\n'
+            f'model = "{run.model}"\nmodel_provider = "tandem"\ncheck_for_update_on_startup = false\n{lean}\n'
             f'[model_providers.tandem]\nname = "Tandem"\nbase_url = "{run.base_url}/v1"\nwire_api = "responses"\n'
             f'env_key = "TANDEM_API_KEY"\n'
         )
@@ -137,6 +148,9 @@ class OpenCode(AgentDriver):
             "share": "disabled",
             "permission": {"edit": "allow", "bash": "allow", "webfetch": "deny"},
         }
+        if run.lean:
+            config["agent"] = {"build": {"prompt": LEAN_PROMPT}}
+            config["tools"] = dict.fromkeys(("bash", "glob", "grep", "webfetch", "todowrite", "task", "skill"), False)
         (folder / "opencode.json").write_text(json.dumps(config, indent=1))
 
     def command(self, run: AgentRun) -> list[str]:

@@ -218,7 +218,14 @@ class Gateway:
 
 
 def run_task(
-    agent: str, task: Task, gateway: Gateway, wire: WireRecorder, folder: Path, time_cap: float, limits: Limits
+    agent: str,
+    task: Task,
+    gateway: Gateway,
+    wire: WireRecorder,
+    folder: Path,
+    time_cap: float,
+    limits: Limits,
+    lean: bool = False,
 ) -> dict:
     """One CLI on one task: its repository in a scratch folder, the run, the hidden tests; the record and the
     transcript (folder: the wire, the CLI's output, the solution it left)."""
@@ -231,7 +238,8 @@ def run_task(
         mark = len(wire.exchanges)
         wire.transcripts = folder / "wire"
         before = gateway.cloud_spend()
-        run = AgentRun(repo, home, wire.url, gateway.model, task.instruction, (MODULE, TEST), TEST_COMMAND, folder)
+        files = (MODULE, TEST)
+        run = AgentRun(repo, home, wire.url, gateway.model, task.instruction, files, TEST_COMMAND, folder, lean)
         result = run_agent(agent, run, time_cap)
         after = gateway.cloud_spend()
         wire.transcripts = None
@@ -403,6 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a setting")
     parser.add_argument("--gateway", default=None, help="a gateway already serving (its URL): one configuration")
     parser.add_argument("--quick", action="store_true", help="one task, the first CLI, the first configuration")
+    parser.add_argument(
+        "--lean",
+        action="store_true",
+        help="each CLI's system prompt and tools cut down through its own settings (agent_runs.py: not as shipped)",
+    )
     parser.add_argument("--out", default="var/bench/agents", help="folder for the table, JSON, plot, transcripts")
     args = parser.parse_args(argv)
 
@@ -431,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows = records.setdefault((agent, config), [])
                     for i, task in enumerate(tasks):
                         folder = out / "transcripts" / config / agent / task.name
-                        record = run_task(agent, task, gateway, wire, folder, args.time_cap, limits)
+                        record = run_task(agent, task, gateway, wire, folder, args.time_cap, limits, args.lean)
                         rows.append(record)
                         print(
                             f"[{config} {agent} {i + 1}/{len(tasks)}] {task.problem.task_id}: "
@@ -450,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         f"tandem bench agents {shlex.join(argv if argv is not None else sys.argv[1:])}  ({time.strftime('%Y-%m-%d')}; "
         f"{cpu_name()}; gateway: {args.gateway or args.config or 'the embedded default'}"
         f"{' with ' + ', '.join(args.set) if args.set else ''}; {len(tasks)} HumanEval problems, half {args.half}; "
+        f"{'lean CLI prompts (--lean); ' if args.lean else ''}"
         f"sandbox network isolation: {network_isolation()})"
     )
     report = [header, "", *table(summaries), "", f"(this run: {time.perf_counter() - started:.0f} s)"]
