@@ -7,10 +7,12 @@ orchestrator answers it, so routing, races, migrations, fault recovery, privacy 
 unchanged. What is this API's own: `system` as the first message, tool_use / tool_result blocks as the chat shape's
 tool calls and tool messages, `tool_choice` any / tool as a forced call (grammar-constrained, as `required` / a named
 function are), `top_k`, `stop_sequences` beyond chat's four, and a trailing assistant message, which the answer
-continues (ChatInput.continue_final). Only the wire differs on the way out: a `message` object, or its
-named SSE events (`MessageEvents`), `stop_reason` for chat's finish reasons, and the errors in this API's envelope
-(endpoints/errors.py, by path). As everywhere the HTTP status waits for the first token; a failure after it is an
-`error` event that ends the stream.
+continues (ChatInput.continue_final). Thinking asks a reasoning endpoint for an effort (`reasoning_effort`); what no
+endpoint applies (the API's own services, server tools, earlier thinking, the `anthropic-beta` header's features)
+joins the request's extras, so the answer's `x-tandem-ignored-fields` and its trace name it. Only the wire differs
+on the way out: a `message` object, or its named SSE events (`MessageEvents`), `stop_reason` for chat's finish
+reasons, and the errors in this API's envelope (endpoints/errors.py, by path). As everywhere the HTTP status waits
+for the first token; a failure after it is an `error` event that ends the stream.
 
 The message's id is its job's (`msg_…`), so `GET /v1/requests/{id}` finds its trace. `count_tokens` renders the
 request as /v1/messages would and returns the prompt's length in the device model's tokens: exactly what the
@@ -20,6 +22,7 @@ device prefills for it; it runs nothing, so it is not admitted against the key's
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
@@ -35,7 +38,9 @@ from endpoints.anthropic_schemas import (
     Conversation,
     CountTokensRequest,
     MessagesRequest,
+    SearchResultBlock,
     TextBlock,
+    ToolDefinition,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -47,8 +52,10 @@ from endpoints.schemas import (
     ChatMessage,
     FunctionCall,
     FunctionDefinition,
+    JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
+    ResponseFormat,
     Tool,
 )
 from endpoints.schemas import ToolCall as ChatToolCall
@@ -75,7 +82,7 @@ def _chat_messages(body: Conversation) -> list[ChatMessage]:
         if message.role == "user":
             results = [b for b in blocks if isinstance(b, ToolResultBlock)]
             out += [ChatMessage(role="tool", content=b.text(), tool_call_id=b.tool_use_id) for b in results]
-            if not results or any(isinstance(b, TextBlock) for b in blocks):
+            if not results or any(isinstance(b, TextBlock | SearchResultBlock) for b in blocks):
                 out.append(ChatMessage(role="user", content=message.text("\n\n")))
             continue
         calls = [
@@ -83,7 +90,9 @@ def _chat_messages(body: Conversation) -> list[ChatMessage]:
             for b in blocks
             if isinstance(b, ToolUseBlock)
         ]
-        out.append(ChatMessage(role="assistant", content=message.text(""), tool_calls=calls or None))
+        text = message.text("")
+        if text or calls or message is not body.messages[-1]:  # a final one of thinking alone begins no answer
+            out.append(ChatMessage(role="assistant", content=text, tool_calls=calls or None))
     return out
 
 
@@ -96,18 +105,37 @@ def _tool_choice(body: Conversation) -> str | NamedToolChoice | None:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
+def _response_format(body: Conversation) -> ResponseFormat | None:
+    """`output_config.format` (structured output) as chat's json_schema format."""
+    fmt = body.output_config.format if body.output_config is not None else None
+    if fmt is None:
+        return None
+    return ResponseFormat(
+        type="json_schema", json_schema=JsonSchemaFormat(name="output", schema=fmt.schema_, strict=True)
+    )
+
+
+# This API's service tiers as chat's: "standard_only" is OpenAI's standard tier, "default".
+_SERVICE_TIERS = {"auto": "auto", "standard_only": "default"}
+
+
 def chat_request(body: Conversation) -> ChatCompletionRequest:
     """The chat request that answers a Messages request (the sampling fields chat cannot hold are added to the
-    ChatInput by `messages_input`)."""
+    ChatInput by `messages_input`). Only the client's own tools are offered; thinking asks a reasoning endpoint for an
+    effort (`Conversation.reasoning_effort`)."""
     sampling = body if isinstance(body, MessagesRequest) else None
     tools = [
         Tool(
             type="function",
-            function=FunctionDefinition(name=t.name, description=t.description, parameters=t.input_schema),
+            function=FunctionDefinition(
+                name=t.name, description=t.description, parameters=t.input_schema, strict=t.strict
+            ),
         )
-        for t in body.tools or ()
+        for t in body.custom_tools
     ]
     parallel = body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use
+    user = sampling.metadata.user_id if sampling and sampling.metadata else None
+    tier = sampling.service_tier if sampling else None
     return ChatCompletionRequest(
         model=body.model,
         messages=_chat_messages(body),
@@ -116,39 +144,49 @@ def chat_request(body: Conversation) -> ChatCompletionRequest:
         top_p=sampling.top_p if sampling else None,
         stream=bool(sampling and sampling.stream),
         tools=tools or None,
-        tool_choice=_tool_choice(body),
+        tool_choice=_tool_choice(body) if tools or not body.tools else None,  # (server tools alone: none)
         parallel_tool_calls=False if parallel else None,
+        response_format=_response_format(body),
+        user=user,
+        reasoning_effort=body.reasoning_effort(),
+        service_tier=_SERVICE_TIERS[tier] if tier else None,
         tandem=body.tandem,
     )
 
 
-def messages_input(body: Conversation, key: KeyAccess | None) -> ChatInput:
-    """A Messages body as the core takes it."""
+def messages_input(body: Conversation, key: KeyAccess | None, beta: str | None = None) -> ChatInput:
+    """A Messages body as the core takes it; `beta` is its `anthropic-beta` header (no feature of it applied)."""
     chat = chat_input(chat_request(body), key, id_prefix="msg_")
     extra = {}
     if isinstance(body, MessagesRequest):
         extra = {"stop": tuple(body.stop_sequences or ()), "top_k": body.top_k}
+    extras = {**chat.extras, **body.ignored_extras(beta)}
     if (hint := body.cache_hint()) is not None:
-        extra["extras"] = {**chat.extras, "cache_control": hint}
-    return replace(chat, continue_final=body.prefill, **extra)
+        extras["cache_control"] = hint
+    return replace(chat, continue_final=body.prefill, extras=extras, **extra)
 
 
-def _param(chat_param: str | None) -> str | None:
-    """A field the core's refusal names (chat's names) as this API names it."""
-    if chat_param is not None and chat_param.startswith("tools[") and chat_param.endswith("].function.parameters"):
-        return chat_param.replace("].function.parameters", "].input_schema")
+_TOOL_SCHEMA = re.compile(r"^tools\[(\d+)\]\.function\.parameters$")
+
+
+def _param(chat_param: str | None, body: Conversation) -> str | None:
+    """A field the core's refusal names (chat's names) as this API names it (a tool's index among all `tools`,
+    server tools included)."""
+    if chat_param is not None and (match := _TOOL_SCHEMA.match(chat_param)):
+        indices = [i for i, t in enumerate(body.tools or ()) if isinstance(t, ToolDefinition)]
+        return f"tools[{indices[int(match[1])]}].input_schema"
     return chat_param
 
 
 async def _prepare(serving: Serving, body: Conversation, request: Request, count: bool = False) -> Job | int:
     """The request's job (or, with `count`, only its prompt's length: nothing admitted), a refusal in this API's
     names."""
-    chat = messages_input(body, request.state.key)
+    chat = messages_input(body, request.state.key, request.headers.get("anthropic-beta"))
     try:
         return await (serving.count_tokens(chat) if count else serving.prepare(chat))
     except Refused as exc:
         error = refusal(exc)
-        error.param = _param(error.param)
+        error.param = _param(error.param, body)
         raise error from exc
 
 

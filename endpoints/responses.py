@@ -1,10 +1,13 @@
 """POST /v1/responses: the OpenAI Responses API, stateless, on top of the chat path.
 
 A request is translated into a ChatCompletionRequest (`chat_request`), prepared by the serving core like any chat
-request and answered by the same orchestrator, so DiSCo's routing, racing and migration apply unchanged. Only
-the wire differs: a `response` object, or named SSE events (`event:` + `data:`, numbered by `sequence_number`,
-no [DONE]). As on the chat path the HTTP status waits for the first token; a failure after it is a
-`response.failed` event that ends the stream.
+request and answered by the same orchestrator, so DiSCo's routing, racing and migration apply unchanged. Tools are
+offered as chat's functions (`ResponsesRequest.offered`): function tools as they are, a namespace's tools under
+`<namespace>__<name>`, a custom (freeform) tool as a function of one string, `input`; the built-in tools are not
+offered (reported ignored). A call comes back as the item of the tool it stands for: a function_call with its own
+name and namespace, or a custom_tool_call with its input. Only the wire differs: a `response` object, or named SSE
+events (`event:` + `data:`, numbered by `sequence_number`, no [DONE]). As on the chat path the HTTP status waits
+for the first token; a failure after it is a `response.failed` event that ends the stream.
 
 The response's id is its job's id (`resp_…`), so `GET /v1/requests/{id}` finds its trace. Nothing is stored.
 """
@@ -12,6 +15,7 @@ The response's id is its job's id (`resp_…`), so `GET /v1/requests/{id}` finds
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import replace
 
@@ -26,7 +30,18 @@ from endpoints.answer import answer_headers, begin, collect, streamed, while_con
 from endpoints.api_options import ApiOptionsDep
 from endpoints.auth import require_api_key
 from endpoints.errors import refusal
-from endpoints.responses_schemas import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
+from endpoints.responses_schemas import (
+    AllowedTools,
+    CustomTool,
+    CustomToolCallItem,
+    CustomToolCallOutputItem,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputMessage,
+    Offered,
+    ResponsesNamedTool,
+    ResponsesRequest,
+)
 from endpoints.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -49,22 +64,72 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 
 
 def _messages(body: ResponsesRequest) -> list[ChatMessage]:
-    """The input items as chat messages: consecutive function calls are one assistant turn with tool_calls, each
-    function call output a tool turn."""
+    """The input items as chat messages: calls (function and custom tool calls) one assistant turn with tool_calls,
+    after the assistant's text of the same turn, each call's output a tool turn. Dropped items (reasoning, the
+    built-in tools' calls) are not shown; `ignored_extras` reports them."""
     items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     out = [ChatMessage(role="system", content=body.instructions)] if body.instructions is not None else []
     for item in items:
-        if isinstance(item, FunctionCallItem):
-            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
-            if out and out[-1].role == "assistant" and out[-1].tool_calls is not None:
-                out[-1].tool_calls.append(call)
+        if isinstance(item, FunctionCallItem | CustomToolCallItem):
+            arguments = item.arguments if isinstance(item, FunctionCallItem) else custom_arguments(item.input)
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.function_name, arguments=arguments))
+            if out and out[-1].role == "assistant":
+                out[-1].tool_calls = [*(out[-1].tool_calls or ()), call]
             else:
                 out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
-        elif isinstance(item, FunctionCallOutputItem):
-            out.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
-        else:
+        elif isinstance(item, FunctionCallOutputItem | CustomToolCallOutputItem):
+            out.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id))
+        elif isinstance(item, InputMessage):
             out.append(ChatMessage(role=item.role, content=item.text()))
     return out
+
+
+def custom_arguments(text: str) -> str:
+    """A custom tool's input as the arguments of the function it is offered as."""
+    return json.dumps({"input": text}, ensure_ascii=False)
+
+
+def custom_input(arguments: str) -> str:
+    """The input of a custom tool's call, from the arguments the model wrote for its function: `input`'s string (the
+    arguments as written, when an endpoint that does not enforce the schema wrote something else)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if isinstance(value, dict) and len(value) == 1 and isinstance(text := next(iter(value.values())), str):
+        return text
+    return arguments
+
+
+def _function(name: str, offered: Offered) -> FunctionDefinition:
+    """A tool as the function the model is offered: a custom tool takes its input as one string, `input`."""
+    tool = offered.tool
+    description = tool.description
+    if offered.namespace_description:
+        description = "\n\n".join(filter(None, (offered.namespace_description, description)))
+    if not isinstance(tool, CustomTool):
+        return FunctionDefinition(name=name, description=description, parameters=tool.parameters, strict=tool.strict)
+    text = {"type": "string", "description": "The input, as plain text."}
+    grammar = tool.grammar
+    if grammar is not None and grammar.syntax == "regex":
+        text["pattern"] = f"^(?:{grammar.definition})$"
+    elif grammar is not None:  # a Lark grammar: a string inside the call's JSON cannot follow it; the model reads it
+        description = f"{description or ''}\n\nThe input follows this Lark grammar:\n{grammar.definition}".lstrip()
+    parameters = {"type": "object", "properties": {"input": text}, "required": ["input"], "additionalProperties": False}
+    return FunctionDefinition(name=name, description=description, parameters=parameters)
+
+
+def _tool_choice(body: ResponsesRequest, offered: dict[str, Offered]) -> str | NamedToolChoice | None:
+    choice = body.tool_choice
+    if isinstance(choice, AllowedTools):
+        return choice.mode
+    if isinstance(choice, ResponsesNamedTool):
+        named = [n for n, o in offered.items() if o.tool.name == choice.name and o.tool.type == choice.type]
+        name = choice.name if choice.name in offered or not named else named[0]
+        return NamedToolChoice(type="function", function=NamedFunction(name=name))
+    if not isinstance(choice, str) or (not offered and choice != "required"):
+        return None  # a built-in tool forced (none is offered: reported ignored), or nothing to choose from
+    return choice
 
 
 def _response_format(body: ResponsesRequest) -> ResponseFormat | None:
@@ -79,12 +144,9 @@ def _response_format(body: ResponsesRequest) -> ResponseFormat | None:
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that answers a Responses request."""
-    tools = [
-        Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"}))) for t in body.tools or ()
-    ]
-    choice = body.tool_choice
-    if choice is not None and not isinstance(choice, str):
-        choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+    offered = body.offered()
+    tools = [Tool(type="function", function=_function(name, o)) for name, o in offered.items()]
+    choice = _tool_choice(body, offered)
     return ChatCompletionRequest(
         model=body.model,
         messages=_messages(body),
@@ -128,11 +190,15 @@ _PARAMS = {
 }
 
 
-def _param(chat_param: str | None) -> str | None:
+_TOOL_SCHEMA = re.compile(r"^tools\[(\d+)\]\.function\.parameters$")
+
+
+def _param(chat_param: str | None, body: ResponsesRequest) -> str | None:
     if chat_param is None:
         return None
-    if chat_param.startswith("tools[") and chat_param.endswith("].function.parameters"):
-        return chat_param.replace("].function.parameters", "].parameters")
+    if match := _TOOL_SCHEMA.match(chat_param):  # the i-th function offered: where the request defines it
+        offered = list(body.offered().values())[int(match[1])]
+        return offered.path + (".format" if isinstance(offered.tool, CustomTool) else ".parameters")
     return _PARAMS.get(chat_param, chat_param)
 
 
@@ -143,12 +209,13 @@ def _status(finish: str) -> str:
 class _Response:
     """One response's objects and, when streamed, its SSE events in order (endpoints/sse.py's `Events`: `opening`,
     `text` per delta, `tool_calls`, then `closing` or `failure`). Output items follow the answer: a message item
-    opens at the first text, each complete tool call is a function_call item. The per-token event is pre-rendered
-    around the only parts that change, its sequence number and text."""
+    opens at the first text, each complete tool call is a function_call or custom_tool_call item. The per-token
+    event is pre-rendered around the only parts that change, its sequence number and text."""
 
     def __init__(self, job: Job, body: ResponsesRequest):
         self.job = job
         self.body = body
+        self.offered = body.offered()  # what each call's function name stands for
         self.created_at = int(time.time())
         self._base = job.id.removeprefix("resp_")
         self.seq = 0
@@ -207,21 +274,27 @@ class _Response:
             "tool_choice": (
                 body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice or "auto"
             ),
-            "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+            "tools": [t.model_dump(exclude_none=True, by_alias=True) for t in body.tools or ()],
             "truncation": "disabled",
             "usage": usage if status != "in_progress" else None,
             "user": body.user,
         }
 
     def _call_item(self, call) -> dict:
-        return {
-            "type": "function_call",
-            "id": "fc_" + call.id.removeprefix("call_"),
-            "call_id": call.id,
-            "name": call.name,
-            "arguments": call.arguments,
-            "status": "completed",
-        }
+        """A call as its output item: a function_call, or a custom_tool_call (its input the function's one
+        argument), with its tool's own name and namespace apart."""
+        offered = self.offered.get(call.name)
+        base = call.id.removeprefix("call_")
+        name = offered.tool.name if offered is not None else call.name
+        if offered is not None and isinstance(offered.tool, CustomTool):
+            item = {"type": "custom_tool_call", "id": "ctc_" + base, "call_id": call.id, "name": name}
+            item["input"] = custom_input(call.arguments)
+        else:
+            item = {"type": "function_call", "id": "fc_" + base, "call_id": call.id, "name": name}
+            item |= {"arguments": call.arguments, "status": "completed"}
+        if offered is not None and offered.namespace is not None:
+            item["namespace"] = offered.namespace
+        return item
 
     def _open_message(self) -> bytes:
         """Open a message item if none is open; its events when streamed."""
@@ -286,17 +359,18 @@ class _Response:
             self.items.append(item)
             index = len(self.items) - 1
             where = {"item_id": item["id"], "output_index": index}
+            if item["type"] == "custom_tool_call":
+                text, kind, done = item["input"], "response.custom_tool_call_input", {"input": item["input"]}
+                opened = {**item, "input": ""}
+            else:
+                text, kind, done = call.arguments, "response.function_call_arguments", {"arguments": call.arguments}
+                opened = {**item, "arguments": "", "status": "in_progress"}
+                done = {"name": item["name"], **done}
             out.append(
                 (
-                    self._event(
-                        "response.output_item.added",
-                        output_index=index,
-                        item={**item, "arguments": "", "status": "in_progress"},
-                    )
-                    + self._event("response.function_call_arguments.delta", **where, delta=call.arguments)
-                    + self._event(
-                        "response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments
-                    )
+                    self._event("response.output_item.added", output_index=index, item=opened)
+                    + self._event(f"{kind}.delta", **where, delta=text)
+                    + self._event(f"{kind}.done", **where, **done)
                     + self._event("response.output_item.done", output_index=index, item=item)
                 ).encode()
             )
@@ -329,7 +403,7 @@ async def create_response(body: ResponsesRequest, request: Request, serving: Ser
         job = await serving.prepare(responses_input(body, request.state.key))
     except Refused as exc:
         error = refusal(exc)
-        error.param = _param(error.param)  # named as this API names it (e.g. the prompt as a whole is `input`)
+        error.param = _param(error.param, body)  # named as this API names it (e.g. the prompt as a whole is `input`)
         raise error from exc
     response = _Response(job, body)
     first, stream = await begin(request, serving, job)

@@ -128,6 +128,11 @@ class ChatMessage(_Request):
     refusal: str | None = None  # an earlier answer's refusal sent back: history, not for the model
     # Mistral's and DeepSeek's prefix completion: this final assistant message is the start of the answer.
     prefix: bool | None = None
+    # A reasoning model's earlier thinking, sent back with its answer (the AI SDK's openai-compatible provider, which
+    # opencode uses, sends `reasoning_content`; OpenRouter's clients `reasoning`): history the model does not read
+    # (reasoning upstreams refuse it there), so never passed on; reported ignored (ChatCompletionRequest.extras).
+    reasoning_content: str | None = Field(None, exclude=True)
+    reasoning: str | None = Field(None, exclude=True)
 
     @model_validator(mode="after")
     def _tool_fields_fit_the_role(self):
@@ -141,6 +146,8 @@ class ChatMessage(_Request):
             raise ValueError("only an assistant message without tool_calls carries a function_call")
         if self.role == "function" and not self.name:
             raise ValueError("a function message needs the name of the function it answers")
+        if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
+            raise ValueError("only an assistant message carries its reasoning")
         return self
 
     def text(self) -> str:
@@ -344,6 +351,13 @@ class ChatCompletionRequest(_Sampling):
     )
 
     _metadata = field_validator("metadata")(_metadata_limits)
+
+    def extras(self) -> dict[str, object]:
+        out = super().extras()
+        for name in ("reasoning_content", "reasoning"):  # earlier reasoning in the history: dropped, reported
+            if count := sum(getattr(m, name) is not None for m in self.messages):
+                out[f"messages.{name}"] = count
+        return out
 
     @field_validator("modalities")
     @classmethod

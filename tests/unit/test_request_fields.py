@@ -75,3 +75,40 @@ def test_the_fields_beyond_the_core_reach_the_core_as_sent_and_only_when_set():
     }
     assert core.top_k == 5  # the core's own field: it adds it to the extras it forwards
     assert chat_input(chat(), None).extras == {}
+
+
+def test_what_opencode_and_aider_send_is_taken_and_earlier_reasoning_is_dropped_visibly():
+    """opencode's @ai-sdk/openai-compatible body (max_tokens 32,000, include_usage, tool_choice auto, a reasoning
+    endpoint's earlier thinking sent back as `reasoning_content`) and LiteLLM's (aider)."""
+    bash = {"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}
+    history = [
+        {"role": "system", "content": "You are a coding agent."},
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "The user wants a sum.",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        {"role": "assistant", "content": "5", "reasoning": "Done."},
+        {"role": "user", "content": [{"type": "text", "text": "Thanks"}]},
+    ]
+    request = chat(
+        messages=history,
+        max_tokens=32000,
+        stream=True,
+        stream_options={"include_usage": True},
+        tools=[bash],
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        user="opencode-session",
+        temperature=0,
+    )
+    core = chat_input(request, None)
+    assert core.max_tokens == 32000 and core.tool_choice == "auto" and request.include_usage
+    assert all("reasoning" not in m and "reasoning_content" not in m for m in core.messages)
+    assert core.messages[2]["tool_calls"][0]["id"] == "c1"
+    assert core.extras == {"user": "opencode-session", "messages.reasoning_content": 1, "messages.reasoning": 1}
+    with pytest.raises(ValidationError, match="only an assistant message carries its reasoning"):
+        chat(messages=[{"role": "user", "content": "x", "reasoning_content": "y"}])
