@@ -322,9 +322,12 @@ def test_a_matched_random_router_follows_every_routing_rows_cloud_share(problems
     for config in configs:
         collect(config, chosen, cache, ask)
     matched = parse_configs("device,cloud,disco:0.5,policy:quality+threshold=0.8,random:matched")
-    summaries = quality_bench._frontier(matched, chosen, cache, None, FAST, {}, seed=0)
-    assert [s["config"] for s in summaries][-2:] == ["random-s0.75", "random-s0.50"]  # DiSCo's share, the policy's
+    answered = quality_bench.Answered(None, FAST)
+    summaries = quality_bench._frontier(matched, lambda c: answered(c, chosen, cache), seed=0)
+    assert [s["config"] for s in summaries][-3:] == ["oracle router", "random-s0.75", "random-s0.50"]
+    assert [s.get("matched_to") for s in summaries][-2:] == ["disco-b0.5", "policy:quality+threshold=0.8"]
     assert [s["random_at_same_bill"] for s in summaries] == [0.25] * len(summaries)  # both endpoints: 1 of 4
+    assert [s["bill_ratio"] for s in summaries[:4]] == [0.0, 1.0, 0.75, 0.5]  # the bill against cloud-only's
 
 
 def test_the_report_pairs_each_configuration_with_the_endpoints(problems, tmp_path):
@@ -338,7 +341,7 @@ def test_the_report_pairs_each_configuration_with_the_endpoints(problems, tmp_pa
     assert summaries[0]["paired"]["cloud"]["mcnemar_p"] == pytest.approx(2 / 16)
     assert summaries[1]["pass_at_1"] == 1.0 and "cloud" not in summaries[1]["paired"]
     lines = quality_report.table(summaries)
-    assert lines[2].startswith("| device | 0.0 (0/4)") and lines[3].startswith("| cloud | 100.0 (4/4)")
+    assert lines[2].startswith("| device | — | 0.0 (0/4)") and lines[3].startswith("| cloud | — | 100.0 (4/4)")
     assert quality_report.model_time(summaries) == (
         "Model time, as the answers were asked: device 12 s (3.0 s an answer, 15.6 tokens/s); cloud 12 s (3.0 s an "
         "answer, 15.6 tokens/s)."

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 from app.tools import pyplot
+from app.tools.bench.quality_configs import BOUND, EXPLORATION, ORACLE
 from app.tools.bench.quality_scores import ENDPOINTS, Scored
 
 
@@ -15,11 +16,15 @@ def _pct(x: float) -> str:
 
 
 def table(summaries: list[dict]) -> list[str]:
+    """One row per summary: what it is and its standing in the report (a result, a bound, a reference, an
+    exploration), pass@1, the paired differences, the bill and the unified cost with their ratios to cloud-only's,
+    and what a coin-flip router paying the same bill scores in expectation."""
     lines = [
-        "| configuration | pass@1 % [95 % CI] | vs cloud: Δ points [95 % CI], McNemar p | vs device: Δ points "
-        "[95 % CI] | cloud bill µUSD/answer | unified cost µUSD/answer | median TTFT s | cloud token share | "
-        "answers migrated (reasons) | a random router at the same cloud bill (expected pass@1 %) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | standing | pass@1 % [Wilson 95 %] | vs cloud: Δ points [paired bootstrap 95 %], McNemar p | "
+        "vs device: Δ points [95 %] | cloud bill µUSD/answer (× cloud-only's) | unified cost µUSD/answer (×) | "
+        "median TTFT s | cloud token share | answers migrated (reasons) | a coin-flip router at the same bill: "
+        "expected pass@1 % (problems) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         low, high = s["wilson_95"]
@@ -34,25 +39,34 @@ def table(summaries: list[dict]) -> list[str]:
             paired.append(text + (f", p = {p['mcnemar_p']:.3g}" if ref == "cloud" else ""))
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["migrations_by_reason"].items()))
         ttft = "—" if s["ttft_s_median"] is None else f"{s['ttft_s_median']:.2f}"
-        expected = "—" if s.get("random_at_same_bill") is None else _pct(s["random_at_same_bill"])
+        expected = s.get("random_at_same_bill")
+        coin = "—" if expected is None else f"{_pct(expected)} ({expected * s['problems']:.1f}/{s['problems']})"
+        name = s.get("description", s["config"])
+        name = name if name == s["config"] else f"{name} (`{s['config']}`)"
         lines.append(
-            f"| {s['config']} | {_pct(s['pass_at_1'])} ({s['passed']}/{s['problems']}) [{_pct(low)}, {_pct(high)}] | "
-            f"{paired[1]} | {paired[0]} | {1e6 * s['cloud_cost_usd_per_answer']:.1f} | "
-            f"{1e6 * s['unified_cost_usd_per_answer']:.1f} | {ttft} | {s['cloud_token_share']:.2f} | "
-            f"{s['answers_migrated']}{f' ({reasons})' if reasons else ''} | {expected} |"
+            f"| {name} | {s.get('standing', '—')} | {_pct(s['pass_at_1'])} ({s['passed']}/{s['problems']}) "
+            f"[{_pct(low)}, {_pct(high)}] | {paired[1]} | {paired[0]} | "
+            f"{_cost(s['cloud_cost_usd_per_answer'], s.get('bill_ratio'))} | "
+            f"{_cost(s['unified_cost_usd_per_answer'], s.get('unified_ratio'))} | {ttft} | "
+            f"{s['cloud_token_share']:.2f} | {s['answers_migrated']}{f' ({reasons})' if reasons else ''} | {coin} |"
         )
     return lines
 
 
+def _cost(usd: float, ratio: float | None) -> str:
+    return f"{1e6 * usd:.1f}" + ("" if ratio is None else f" ({ratio:.2f}×)")
+
+
 def model_time(summaries: list[dict]) -> str:
     """How long the models took over each asked configuration's answers (as measured when they were asked, maybe
-    in an earlier run: the cache keeps it); a random router's answers are the endpoints' own and took none."""
+    in an earlier run: the cache keeps it); a random or the oracle router's answers are the endpoints' own and took
+    none."""
     parts = [
         f"{s['config']} {s['answer_seconds_total']:.0f} s ({s['answer_seconds_total'] / s['problems']:.1f} s an answer"
         + (f", {s['decode_tokens_per_s_median']:.1f} tokens/s" if s["decode_tokens_per_s_median"] else "")
         + ")"
         for s in summaries
-        if s["problems"] and not s["config"].startswith("random")
+        if s["problems"] and not s["config"].startswith("random") and s["config"] != ORACLE
     ]
     return "Model time, as the answers were asked: " + "; ".join(parts) + "."
 
@@ -65,6 +79,16 @@ def _short(name: str) -> str:
     return name.replace("+", " ")
 
 
+def plot_label(s: dict) -> str:
+    """A row's label on the plot: its short name, with its standing where it is not a result."""
+    label = _short(s["config"])
+    if s.get("standing") == EXPLORATION:
+        return f"{label} ({EXPLORATION})"
+    if s.get("standing") == BOUND:
+        return f"{label} (bound)"
+    return label
+
+
 def plot_frontier(summaries: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
@@ -75,9 +99,13 @@ def plot_frontier(summaries: list[dict], path: Path) -> None:
         for s in summaries:
             x, y = 1e6 * s[key], 100 * s["pass_at_1"]
             low, high = (100 * v for v in s["wilson_95"])
-            marker = {"device": "s", "cloud": "D"}.get(s["config"], "o" if s["config"].startswith("disco") else "^")
-            ax.errorbar(x, y, yerr=[[y - low], [high - y]], fmt=marker, capsize=3)
-            ax.annotate(_short(s["config"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            marker = {"device": "s", "cloud": "D", ORACLE: "*"}.get(
+                s["config"], "o" if s["config"].startswith("disco") else "^"
+            )
+            explored = s.get("standing") == EXPLORATION  # hollow and grey: not a result
+            style = {"mfc": "none", "color": "grey"} if explored else {}
+            ax.errorbar(x, y, yerr=[[y - low], [high - y]], fmt=marker, capsize=3, **style)
+            ax.annotate(plot_label(s), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ends = {s["config"]: s for s in summaries if s["config"] in ENDPOINTS}
         if len(ends) == 2:  # a random router, in expectation: the straight line between the endpoints
             line = [ends["device"], ends["cloud"]]
@@ -85,7 +113,10 @@ def plot_frontier(summaries: list[dict], path: Path) -> None:
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("HumanEval pass@1 (%) [Wilson 95 %]")
-    fig.suptitle("tandem bench quality: pass@1 against cost")
+    title = "tandem bench quality: pass@1 against cost"
+    if any(s.get("standing") == EXPLORATION for s in summaries):
+        title += f" (hollow grey: {EXPLORATION}, not results)"
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

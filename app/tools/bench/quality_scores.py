@@ -70,6 +70,17 @@ def random_router(share: float, device: list[Scored], cloud: list[Scored], seed:
     return rows
 
 
+def oracle_router(device: list[Scored], cloud: list[Scored]) -> list[Scored]:
+    """The best any router between the two endpoints could do: each problem goes to the cloud only where the cloud's
+    answer passes and the device's does not (a problem passes if either endpoint's answer does), so its bill is the
+    cloud's on the problems only the cloud solves."""
+    rows = []
+    for d, c in zip(device, cloud, strict=True):
+        chosen = c if c.passed and not d.passed else d
+        rows.append(replace(chosen, routed_to="cloud" if chosen is c else "device"))
+    return rows
+
+
 def cloud_share(rows: Iterable[Scored]) -> float:
     rows = list(rows)
     cloud = sum(r.decode.get("cloud", 0) for r in rows)
@@ -126,6 +137,12 @@ def _median_rate(rows: list[Scored]) -> float | None:
         if r.ttft_s is not None and r.seconds > r.ttft_s and sum(r.decode.values()) > 1
     ]
     return statistics.median(rates) if rates else None
+
+
+def against_cloud(row: dict, cloud: dict) -> None:
+    """The row's bill and unified cost as multiples of cloud-only's (None where cloud-only's is nothing)."""
+    for key, ratio in (("cloud_cost_usd_per_answer", "bill_ratio"), ("unified_cost_usd_per_answer", "unified_ratio")):
+        row[ratio] = row[key] / cloud[key] if cloud[key] > 0 else None
 
 
 def random_at_same_bill(row: dict, device: dict, cloud: dict) -> float | None:
