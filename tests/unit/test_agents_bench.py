@@ -264,6 +264,7 @@ def _record(solved: bool, turns: list[tuple[float, dict]], cloud: float = 0.0, r
         "exit_code": 0,
         "timed_out": False,
         "refused": [{}] * refused,
+        "unanswered": [],
         "turns": [{"ttft_s": ttft, "endpoints": endpoints} for ttft, endpoints in turns],
     }
 

@@ -181,8 +181,9 @@ def gateway_config(base: str, policy: str, settings: list[str]) -> str:
 class Gateway:
     """The gateway a configuration runs on: started here (and stopped), or one already serving (--gateway)."""
 
-    def __init__(self, config: str | None = None, url: str | None = None):
+    def __init__(self, model: str, config: str | None = None, url: str | None = None):
         self.process = None
+        self.model = model  # the name the CLIs ask for (the gateway's routed model)
         if url is None:
             from app.launcher import start_gateway
 
@@ -193,7 +194,6 @@ class Gateway:
         import httpx
 
         self.http = httpx.Client(timeout=60, trust_env=False)
-        self.model = self.http.get(self.url + "/v1/models").json()["data"][0]["id"]
 
     def cloud_spend(self) -> float:
         spend = self.http.get(self.url + "/v1/budget").json()["spend"]["endpoints"]
@@ -241,6 +241,7 @@ def run_task(
         files = (MODULE, TEST)
         run = AgentRun(repo, home, wire.url, gateway.model, task.instruction, files, TEST_COMMAND, folder, lean)
         result = run_agent(agent, run, time_cap)
+        wire.settle(mark)
         after = gateway.cloud_spend()
         wire.transcripts = None
         exchanges = wire.since(mark)
@@ -329,6 +330,7 @@ def summarize(agent: str, config: str, records: list[dict]) -> dict:
         "tokens": tokens,
         "cloud_usd": sum(r["cloud_usd"] for r in records),
         "refused": sum(len(r["refused"]) for r in records),
+        "unanswered": sum(len(r.get("unanswered", ())) for r in records),
         "nonzero_exits": sum(1 for r in records if r["exit_code"] != 0),
         "timed_out": sum(1 for r in records if r["timed_out"]),
     }
@@ -348,7 +350,7 @@ def table(summaries: list[dict]) -> list[str]:
     head = (
         "| CLI | configuration | solved | turns | wall s / task | TTFT first turn s | TTFT later turns s "
         "| device: prompt (cached) / answer tokens | cloud: prompt (cached) / answer tokens | cloud bill $ "
-        "| refused | exit != 0 (time cap) |"
+        "| refused (cut off) | exit != 0 (time cap) |"
     )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
@@ -360,7 +362,8 @@ def table(summaries: list[dict]) -> list[str]:
         rows.append(
             f"| {s['agent']} | {s['config']} | {s['solved']}/{s['tasks']} | {s['turns'] / n:.1f} "
             f"| {s['seconds'] / n:.0f} | {_s(s['ttft_first_s'])} | {_s(s['ttft_later_s'])} "
-            f"| {_tokens(s['tokens'].get('device'))} | {_tokens(cloud)} | {s['cloud_usd']:.5f} | {s['refused']} "
+            f"| {_tokens(s['tokens'].get('device'))} | {_tokens(cloud)} | {s['cloud_usd']:.5f} "
+            f"| {s['refused']} ({s['unanswered']}) "
             f"| {s['nonzero_exits']} ({s['timed_out']}) |"
         )
     return rows
@@ -410,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help="the gateway's base settings (default: the embedded default)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a setting")
     parser.add_argument("--gateway", default=None, help="a gateway already serving (its URL): one configuration")
+    parser.add_argument("--model", default=None, help="the model the CLIs ask for (default: gateway.model_name)")
     parser.add_argument("--quick", action="store_true", help="one task, the first CLI, the first configuration")
     parser.add_argument(
         "--lean",
@@ -428,15 +432,16 @@ def main(argv: list[str] | None = None) -> int:
     from app.config import embedded_default
 
     base = Path(args.config or embedded_default()).read_text()
+    model = args.model or tomllib.loads(base).get("gateway", {}).get("model_name", "tandem")
     out = Path(args.out)
     limits = Limits()
     records: dict[tuple[str, str], list[dict]] = {}
     started = time.perf_counter()
     for config in configs:
         gateway = (
-            Gateway(url=args.gateway)
+            Gateway(model, url=args.gateway)
             if args.gateway
-            else Gateway(gateway_config(base, CONFIGURATIONS[config], args.set))
+            else Gateway(model, gateway_config(base, CONFIGURATIONS[config], args.set))
         )
         try:
             with WireRecorder(gateway.url) as wire:

@@ -162,6 +162,13 @@ class WireRecorder:
         with self._lock:
             return list(self.exchanges[mark:])
 
+    def settle(self, mark: int, timeout: float = 10.0) -> None:
+        """Wait (up to `timeout` s) until every exchange after `mark` has ended: one cut off by its CLI's time cap ends
+        once the watcher has closed its gateway side."""
+        deadline = time.monotonic() + timeout
+        while any(e.seconds is None for e in self.since(mark)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _new(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> Exchange:
         with self._lock:
             exchange = Exchange(next(self._ids), method, path, time.monotonic() - self._t0, len(body),
