@@ -61,7 +61,9 @@ def _tools_prompt(seed: int, tokens: int, count) -> str:
 def _tool_result(session: int, turn: int, tokens: int) -> str:
     """A turn's new user content: a tool's output of roughly `tokens` tokens (100-400 a turn)."""
     rows = [f"Tool output {session}.{turn}:"]
-    rows += [f"  line {j}: value_{session}_{turn}_{j} = compute({j}, {turn * j % 97})" for j in range(tokens // 16)]
+    rows += [
+        f"  line {j}: value_{session}_{turn}_{j} = compute({j}, {turn * j % 97})" for j in range(max(tokens // 24, 1))
+    ]
     return "\n".join(rows)
 
 
