@@ -58,6 +58,7 @@ def test_the_bench_gateway_runs_the_shipped_config_with_only_what_the_bench_need
     expected["gateway"]["admin_keys"] = [quality_configs.ADMIN_KEY]
     expected["clouds"] = {ship.cloud: expected["clouds"][ship.cloud]}  # no HAT cloud: no row asks it
     expected["clouds"][ship.cloud]["embedded"]["port"] = 0
+    expected["device"] |= {"prompt_cache_mb": 0, "prompt_cache_disk_mb": 0}  # each row's answers as a new prompt's
     assert asked == expected
     small = tomllib.loads(gateway_config(ship, "smollm2-135m", "smollm2-135m"))
     assert small["device"]["model"] == small["clouds"]["cloud"]["model"] == "smollm2-135m"

@@ -1,10 +1,11 @@
 """`tandem bench quality`: what the answers are worth. HumanEval's 164 problems answered through a real gateway.
 
 A real `tandem serve` running the shipped config (deploy/embedded.toml: the device, Qwen2.5-Coder-0.5B on llama.cpp,
-and the cloud, the 1.5B behind a loopback OpenAI-compatible server; its HAT cloud left out, an admin key added:
-quality_configs.gateway_config) is asked with the `openai` SDK, greedy, `max_tokens` 512, EvalPlus's instruct prompt
-with its response prefix, which the gateway continues as a prefill (app/tools/bench/humaneval.py). Each answer's code
-runs against the problem's tests in the sandbox (app/tools/bench/sandbox.py).
+and the cloud, the 1.5B behind a loopback OpenAI-compatible server; its HAT cloud and the device's prompt cache left
+out, an admin key added: quality_configs.gateway_config) is asked with the `openai` SDK, greedy, `max_tokens` 512,
+EvalPlus's instruct prompt with its response prefix, which the gateway continues as a prefill
+(app/tools/bench/humaneval.py). Each answer's code runs against the problem's tests in the sandbox
+(app/tools/bench/sandbox.py).
 
 Configurations (`--configs`):
 - `shipped` (the default): what a user gets, read from deploy/embedded.toml and policies/ — the endpoints alone, the
@@ -451,6 +452,10 @@ def _shipped_line(ship: Shipped, models_shipped: bool) -> str:
         f"The shipped default, read from {ship.where} and policies/: the embedded default's policy "
         f"`{ship.policy}` (b = {ship.budget:g}), the `quality` policy at τ = {ship.quality_threshold:g} "
         f"({ship.threshold_source}); its rows: {', '.join(ship.tokens)}."
+    )
+    line += (
+        " The bench's gateway is that config with an admin key, its cloud on a free port, no HAT cloud and no device "
+        "prompt cache (each prompt is asked once a row: a user's new prompt is in no cache)."
     )
     if not models_shipped:
         line += " This run asked other models than the shipped ones: none of its rows is the shipped default."

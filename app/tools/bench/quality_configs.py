@@ -24,6 +24,7 @@ from app.tools.bench.quality_scores import ENDPOINTS
 from policies.quality import DEFAULT_THRESHOLD, check_threshold
 
 ADMIN_KEY = "quality-bench-admin"  # the bench's own gateway, on loopback: PUT /v1/budget sets DiSCo's b
+NO_PROMPT_CACHE = {"prompt_cache_mb": 0, "prompt_cache_disk_mb": 0}  # see gateway_config
 OVERRIDDEN_N_CTX = 4096  # a model other than the shipped one (a test's small model): HumanEval needs < 1,500 tokens
 
 RESULT = "shipped default (held out)"
@@ -131,10 +132,13 @@ def shipped(path: Path | None = None) -> Shipped:
 def gateway_config(ship: Shipped, device_model: str, cloud_model: str) -> str:
     """The shipped config with what the bench needs changed and nothing else: its admin key (the bench sets DiSCo's b
     for a `disco:B` row), the embedded cloud on a free port, only the gateway's own cloud (the HAT cloud, which no row
-    asks, would share the cores); and, where a model other than the shipped one is asked (a test's small model), that
-    model with a 4,096-token window."""
+    asks, would share the cores), and the device's prompt cache off: the bench asks each prompt once per row, so
+    with it every row after the first would restore the whole prompt (TTFT ~0.1 s, one token prefilled) and decode
+    along another path than the first row's, where a user's new prompt is in no cache. Where a model other than the
+    shipped one is asked (a test's small model): that model with a 4,096-token window."""
     data = copy.deepcopy(ship.toml)
     data.setdefault("gateway", {})["admin_keys"] = [ADMIN_KEY]
+    data.setdefault("device", {}).update(NO_PROMPT_CACHE)
     cloud = data["clouds"][ship.cloud]
     data["clouds"] = {ship.cloud: cloud}
     embedded = cloud.get("embedded")
