@@ -14,7 +14,7 @@ BIN    := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed
 DEV_STAMP   := $(VENV)/.installed-dev
 
-.PHONY: setup models llama-server store-server browser sandbox serve test test-portable lint bench clean
+.PHONY: setup models llama-server store-server browser sandbox agents serve test test-portable lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,12 +78,20 @@ sandbox:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
 	else echo "the sandbox that runs model code needs bubblewrap: sudo apt-get install bubblewrap" >&2; fi
 
+# The coding-agent CLIs the suite and `tandem bench agents` drive, unchanged (npm: Claude Code, Codex CLI, opencode;
+# PyPI: aider in a virtualenv of its own), pinned, into ~/.cache/tandem/agents (TANDEM_AGENTS_DIR moves it); Node.js
+# from Debian's packages when root and missing; elsewhere, without Node, it says what to install and goes on: only the
+# tests that drive the CLIs fail, each naming the command. Serving does not need them.
+agents: $(BIN)/python
+	@$(BIN)/python -m deploy.agent_clis install || \
+		echo "the coding-agent tests will fail until the CLIs are installed: make agents (needs Node.js 18+)" >&2
+
 # deploy.llama_server needs the standard library, pip, cmake and a C++ compiler; after the package
 # install, so that it links the libllama/libggml the installed llama-cpp-python built (~3 min on 2 cores).
 llama-server: $(SERVE_STAMP)
 	$(BIN)/python -m deploy.llama_server build
 
-setup: $(DEV_STAMP) models llama-server store-server browser sandbox
+setup: $(DEV_STAMP) models llama-server store-server browser sandbox agents
 
 # CONFIG=deploy/fleet.toml (or any settings file) serves that instead of the embedded default.
 serve: $(SERVE_STAMP) models
