@@ -247,6 +247,13 @@ class EmbeddedServerSettings(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 8001
     n_ctx: Annotated[int, Field(gt=0)] = 4096
     n_threads: Annotated[int, Field(gt=0)] = 2
+    # llama.cpp's flash attention: the attention scores of a long window never held whole (its compute buffer ~300 MiB
+    # instead of ~1 GB at 32,768 tokens) and long prefills faster (docs/bench/context-windows.md); other numerics.
+    flash_attn: bool = False
+    # Logits kept for every position, which a completion's logprobs need: an n_ctx × vocabulary array of floats
+    # (~20 GB for the bundled Qwen pair at 32,768 tokens, ~7 GB touched by a 12,000-token prompt), and the LM head
+    # run over the whole prompt. Off, it computes no logprobs: the gateway sends it no request that asks for them.
+    logits_all: bool = True
     startup_timeout: Annotated[float, Field(gt=0)] = 120.0
     cpus: list[int] | None = None  # pin the server to these CPU cores (benchmarks: keep it off the device's)
 

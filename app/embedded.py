@@ -104,6 +104,8 @@ class EmbeddedServer(_ManagedProcess):
             "--n_ctx", str(self.settings.n_ctx),
             "--n_threads", str(self.settings.n_threads),
             "--n_threads_batch", str(self.settings.n_threads),
+            "--flash_attn", str(self.settings.flash_attn),
+            "--logits_all", str(self.settings.logits_all),
             "--interrupt_requests", "False",
             "--verbose", "False",
         ]  # fmt: skip

@@ -48,9 +48,8 @@ log = logging.getLogger(__name__)
 
 # The window of an upstream whose settings name none and whose /v1/models reports none (docs/configuration.md).
 DEFAULT_CONTEXT_WINDOW = 32_768
-# Where servers report a model's window in their /v1/models entries, in order: vLLM, OpenRouter and Tandem, Mistral and
-# LM Studio, Groq; llama.cpp's llama-server under `meta` (`n_ctx`: a slot's window, which a request gets; then the
-# trained one).
+# Where servers report a model's window in /v1/models, in order: vLLM, OpenRouter and Tandem, Mistral, Groq; llama.cpp's
+# llama-server under `meta` (`n_ctx`: a slot's window, which a request gets; then the trained one).
 _WINDOW_KEYS = ("max_model_len", "context_length", "max_context_length", "context_window")
 _META_WINDOW_KEYS = ("n_ctx", "n_ctx_train")
 
@@ -92,6 +91,7 @@ class UpstreamOptions:
     # Its context window, from the settings (the entry's `context_length`, its provider's preset, an embedded server's
     # n_ctx); None: read from its /v1/models at start-up (`reported_window`), else DEFAULT_CONTEXT_WINDOW.
     context_window: int | None = None
+    logprobs: bool = True  # it computes logprobs (an embedded llama-cpp-python server without logits_all does not)
     connect_timeout: float = 3.0
     read_timeout: float = 60.0  # the longest silence between two streamed chunks
     write_timeout: float = 10.0
@@ -179,13 +179,10 @@ class OpenAICompatBackend(NoPrefixCache):
             return False
         if response.status_code == 200 and not self._window_read:
             self._window_read = True
-            try:
+            window = None
+            with contextlib.suppress(ValueError):  # not JSON: it says no window
                 window = reported_window(response.json(), self.options.model)
-            except ValueError:
-                window = None
-            self.context_window = window or self.context_window
-            how = "its /v1/models" if window else "the default: its /v1/models reports none"
-            log.info("%s: context window %d tokens (%s)", self.name, self.context_window, how)
+            self.context_window = window or self.context_window  # the gateway logs it when ready
         return response.status_code == 200
 
     def count_tokens(self, text: str) -> tuple[int, bool]:
@@ -275,7 +272,10 @@ class OpenAICompatBackend(NoPrefixCache):
             raise BackendError(f"cloud backend {self.name!r}: {exc}", status=400, backend=self.name) from exc
 
     def _sampling_fields(self, request: GenerationRequest, body: dict) -> None:
-        """Penalties and logit_bias, passed through (logprobs go in the shape of the path's API)."""
+        """Penalties and logit_bias, passed through (logprobs go in the shape of the path's API). Logprobs where it
+        computes none: not implemented here (501: the request goes elsewhere, nothing told to the breaker)."""
+        if request.logprobs is not None and not self.options.logprobs:
+            raise BackendError(f"cloud backend {self.name!r} computes no logprobs", 501, self.name)
         if request.presence_penalty:
             body["presence_penalty"] = request.presence_penalty
         if request.frequency_penalty:

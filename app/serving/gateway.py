@@ -91,6 +91,7 @@ def upstream_options(cloud: CloudSettings) -> UpstreamOptions:
         json_object_only=cloud.structured_output == "json_object",
         gbnf=cloud.gbnf,
         context_window=cloud.window,
+        logprobs=cloud.embedded is None or cloud.embedded.logits_all,
         connect_timeout=cloud.connect_timeout,
         read_timeout=cloud.read_timeout,
         write_timeout=cloud.write_timeout,

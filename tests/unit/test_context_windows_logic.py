@@ -271,3 +271,36 @@ def test_a_fault_moves_the_answer_onto_the_device_only_while_its_window_still_ho
     with pytest.raises(Exception, match="went away"):
         answer(device, cloud, "server-only", prompt_tokens=30, max_tokens=32_000)
     assert not device.requests
+
+
+def test_the_embedded_server_gets_its_window_and_what_a_long_one_needs():
+    from itertools import pairwise
+    from pathlib import Path
+
+    from app.config import EmbeddedServerSettings, embedded_default
+    from app.embedded import EmbeddedServer
+
+    def flags(settings: EmbeddedServerSettings) -> dict[str, str]:
+        command = EmbeddedServer(settings, Path("m.gguf"), "m").command()
+        return {name: value for name, value in pairwise(command) if name.startswith("--")}
+
+    assert flags(EmbeddedServerSettings(port=9))["--logits_all"] == "True"  # the server's own default
+    shipped = load_settings(embedded_default())
+    cloud = flags(shipped.clouds["cloud"].embedded)
+    # The embedded default: both bundled models at the 32,768 tokens they were trained for, and the cloud without
+    # an n_ctx x vocabulary array of logits (~20 GB at that window) and with flash attention's small buffers.
+    assert (cloud["--n_ctx"], cloud["--logits_all"], cloud["--flash_attn"]) == ("32768", "False", "True")
+    assert shipped.device.n_ctx == shipped.clouds["cloud"].window == 32_768
+
+
+def test_an_upstream_that_computes_no_logprobs_is_not_asked_for_them():
+    from clients.base import BackendError
+
+    backend = OpenAICompatBackend("c", UpstreamOptions("http://127.0.0.1:9/v1", "m", logprobs=False))
+
+    async def first(gen: GenerationRequest):
+        return await anext(backend.stream(gen))
+
+    with pytest.raises(BackendError, match="computes no logprobs") as refused:  # before anything is sent
+        asyncio.run(first(GenerationRequest(prompt_text="p", messages=({"role": "user", "content": "p"},), logprobs=2)))
+    assert refused.value.status == 501
