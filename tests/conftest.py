@@ -23,6 +23,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # gateway, side by side: 19,004 against 20,226 busy ticks, 105 against 109 s (BENCHMARKS.md, "The suite's time",
 # session 24); no oracle depends on the thread count (the whole suite passes either way).
 os.environ.setdefault("OMP_THREAD_LIMIT", "1")
+# ... and torch told so: with the limit at 1 but torch's intra-op pool at its default (the cores), oneDNN's bfloat16
+# matrix products split their work for two threads that never both run, and half the result is garbage (NaN in a
+# plain bf16 matmul on an AVX512-BF16 CPU; HAT's int8 heads and the privacy bench's shortlist use bf16). Torch's
+# default of one thread matches the limit.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 import atexit

@@ -23,9 +23,14 @@ def test_nearest_rows_is_the_cosine_argmax() -> None:
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(3000, 24, generator=gen)
     queries = torch.randn(300, 24, generator=gen)
-    unit = table / table.norm(dim=-1, keepdim=True)
-    expected = (queries @ unit.T).argmax(dim=-1)  # the query's own norm does not change its argmax
-    assert torch.equal(nearest_rows(queries, table, chunk=64), expected)
+    unit = table.double() / table.double().norm(dim=-1, keepdim=True)
+    cosine = (queries.double() / queries.double().norm(dim=-1, keepdim=True)) @ unit.T  # exact, in float64
+    got = nearest_rows(queries, table, chunk=64)
+    # The float32 argmax: the chosen row is the best up to float32's rounding (two rows within it are a tie whose
+    # winner depends on the kernels' summation order, so it is not compared across computation paths).
+    chosen = cosine.gather(1, got[:, None]).squeeze(1)
+    assert torch.all(cosine.max(dim=-1).values - chosen <= 1e-6)
+    assert (got == cosine.argmax(dim=-1)).float().mean() >= 0.98
     ids = torch.randint(0, 3000, (100,), generator=gen)
     scaled = 7.0 * table[ids] + 0.01 * torch.randn(100, 24, generator=gen)  # cosine ignores scale
     assert recovery_rate(nearest_rows(scaled, table), ids) == 1.0
