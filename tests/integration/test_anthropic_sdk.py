@@ -279,7 +279,7 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
     [
         ({"messages": ASK}, "max_tokens"),
         ({"messages": [{"role": "user", "content": [IMAGE]}], "max_tokens": 4}, "messages[0].content[0].image"),
-        ({"messages": ASK, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"messages": ASK, "max_tokens": 4, "thinking": {"type": "sometimes"}}, "thinking"),  # no such type
         ({"messages": [{"role": "assistant", "content": "Hi"}, *ASK], "max_tokens": 4}, "first message"),
         ({"messages": [*ASK, *ASK], "max_tokens": 4}, "alternate"),
         ({"messages": [*ASK, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]}, "role"),
