@@ -158,7 +158,13 @@ class GatewaySettings(_Strict):
     cloud: str = "cloud"  # which entry of [clouds] the "cloud" policy and fallbacks use
     # Before the first token, try the other endpoint when the chosen one fails.
     fallback: bool = True
-    default_max_tokens: Annotated[int, Field(gt=0)] = 512
+    # The limit of an answer whose request names none; 0: none, as OpenAI's APIs do (it writes until it ends or the
+    # serving endpoint's window is full: Codex CLI's Responses requests name none and take an `incomplete` answer for a
+    # failed turn).
+    default_max_tokens: Annotated[int, Field(ge=0)] = 512
+    # A cap on every answer, asked for or not (0: none), as llama-server's --n-predict: a request asking more is
+    # clamped and told so (`x-tandem-max-tokens-clamped`, the trace), never refused. Agents ask 32,000 tokens.
+    max_answer_tokens: Annotated[int, Field(ge=0)] = 0
     ping_seconds: Annotated[float, Field(gt=0)] = 15.0
     # Mid-answer silence after which the serving endpoint counts as stalled and the
     # answer migrates to the other endpoint (the device's and each cloud's own `stall_timeout` override it).

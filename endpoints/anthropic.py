@@ -79,6 +79,9 @@ def _chat_messages(body: Conversation) -> list[ChatMessage]:
     out = [ChatMessage(role="system", content=system)] if system is not None else []
     for message in body.messages:
         blocks = message.blocks
+        if message.role == "system":
+            out.append(ChatMessage(role="system", content=message.text("\n\n")))
+            continue
         if message.role == "user":
             results = [b for b in blocks if isinstance(b, ToolResultBlock)]
             out += [ChatMessage(role="tool", content=b.text(), tool_call_id=b.tool_use_id) for b in results]

@@ -139,11 +139,15 @@ ContentBlock = Annotated[
 
 
 class Message(_Request):
-    role: Literal["user", "assistant"]
+    # "system": an instruction inside the conversation (the SDK's SystemMessageParam; Claude Code sends one after the
+    # user's first message), text only, kept where it stands; user and assistant alternate around it.
+    role: Literal["user", "assistant", "system"]
     content: str | Annotated[list[ContentBlock], Field(min_length=1)]
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self):
+        if self.role == "system" and any(not isinstance(b, TextBlock) for b in self.blocks):
+            raise ValueError("a system message holds text blocks only")
         for block in self.blocks:
             if isinstance(block, ToolUseBlock) and self.role != "assistant":
                 raise ValueError("tool_use blocks are the assistant's; a user message answers them with tool_result")
@@ -226,7 +230,7 @@ class Thinking(_Request):
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: Annotated[int, Field(ge=0, le=_MAX_COUNT)] | None = None
-    display: Literal["summarized", "omitted"] | None = None
+    display: Literal["summarized", "omitted", "updates"] | None = None
 
     model_config = ConfigDict(extra="allow")  # a newer key: reported ignored as `thinking.<key>`
 
@@ -295,12 +299,13 @@ class Conversation(_Request):
     @field_validator("messages")
     @classmethod
     def _conversation_order(cls, messages: list[Message]):
-        if messages[0].role != "user":
+        turns = [(i, m) for i, m in enumerate(messages) if m.role != "system"]  # a system message takes no turn
+        if not turns or turns[0][1].role != "user":
             raise ValueError("the first message must be the user's")
-        for i, message in enumerate(messages):
-            if i and message.role == messages[i - 1].role:
+        for k, (i, message) in enumerate(turns):
+            if k and message.role == turns[k - 1][1].role:
                 raise ValueError(f"messages[{i}] has the role of the one before it; user and assistant alternate")
-            called = _previous_calls(messages, i)
+            called = _previous_calls([m for _, m in turns], k)
             for block in message.blocks:
                 if isinstance(block, ToolResultBlock) and block.tool_use_id not in called:
                     raise ValueError(

@@ -57,11 +57,12 @@ class CoreOptions:
     """The settings the core reads on every request."""
 
     model_name: str  # the gateway's own model name: DiSCo routes it
-    default_max_tokens: int
+    default_max_tokens: int  # an answer's limit where its request names none; 0: none (the window's)
     privacy: str  # the gateway's privacy level
     decoding: str  # sequential | outline | auto, unless a request says
     # Keys the conversations' derived prompt-cache keys (app/serving/cache_key.py); None: one drawn at start-up.
     prompt_cache_secret: bytes | None = None
+    max_answer_tokens: int = 0  # the gateway's cap on every answer; 0: none
 
 
 class Readiness(NamedTuple):
@@ -457,10 +458,11 @@ class ServingCore:
             detail = f" (start-up failed: {self.startup_error})" if self.startup_error else "; retry shortly"
             raise NotReady("Tandem is still loading its models" + detail)
 
-    def _job(self, prefix: str, gen: GenerationRequest, prompt_tokens: int, route) -> Job:
+    def _job(self, prefix: str, gen: GenerationRequest, prompt_tokens: int, route, asked: int | None) -> Job:
+        """The request's job; `asked` is the limit its client named (None: none), told when the gateway's cap cut it."""
         pinned, policy, cloud, privacy = route
         check_fits(self.backends, self.device.name, route, prompt_tokens)
-        return Job(
+        job = Job(
             id=f"{prefix}{uuid.uuid4().hex[:24]}",
             gen=gen,
             prompt_tokens=prompt_tokens,
@@ -468,7 +470,11 @@ class ServingCore:
             pinned=pinned,
             cloud=cloud,
             privacy=privacy,
+            limit_asked=asked is not None,
         )
+        if asked is not None and asked > gen.max_tokens:
+            job.max_tokens_clamped = {"asked": asked, "given": gen.max_tokens, "endpoint": "gateway"}
+        return job
 
     async def _tokenize_prompt(self, text: str) -> tuple[int, ...]:
         """A long prompt is tokenised on a worker thread: seconds of tokenising must not hold up every other
@@ -494,8 +500,9 @@ class ServingCore:
             prompt_text=prompt_text,
             prompt_ids=prompt_ids,
             messages=messages,
-            # As asked: each endpoint's attempt is clamped to what its window leaves (app/serving/orchestrator.py).
-            max_tokens=request.max_tokens or self.options.default_max_tokens,
+            # As asked, within the gateway's cap: each endpoint's attempt is clamped to what its window leaves
+            # (app/serving/orchestrator.py); no limit at all is the largest window's.
+            max_tokens=self._answer_limit(request.max_tokens),
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=request.top_k or 0,
@@ -508,6 +515,11 @@ class ServingCore:
             frequency_penalty=request.frequency_penalty or 0.0,
             logit_bias=self._logit_bias(request),
         )
+
+    def _answer_limit(self, asked: int | None) -> int:
+        limit = asked or self.options.default_max_tokens or max(b.context_window for b in self.backends.values())
+        cap = self.options.max_answer_tokens
+        return min(limit, cap) if cap else limit
 
     def _logit_bias(self, request: RequestInput) -> tuple[tuple[int, float], ...]:
         pairs = request.logit_bias
@@ -558,7 +570,7 @@ class ServingCore:
         # A chat upstream gets the conversation as the client sent it (tool calls and results included).
         gen = self._generation(chat, prompt_text, prompt_ids, messages, structure)
         gen = replace(gen, prefill=prefill, cache_key=self._cache_key(chat, route[3]))
-        job = self._job(chat.id_prefix, gen, len(prompt_ids), route)
+        job = self._job(chat.id_prefix, gen, len(prompt_ids), route, chat.max_tokens)
         job.migrate_after_tokens = self._forced_migration(chat, route)
         job.call_grammar, job.call_gbnf = structure.call_grammar, structure.call_gbnf
         job.prefill_held = held
@@ -610,7 +622,7 @@ class ServingCore:
                 )
             prompt_text = self.device.detokenize(prompt_ids)
         gen = self._generation(completion, prompt_text, prompt_ids)
-        job = self._job("cmpl-", gen, len(prompt_ids), route)
+        job = self._job("cmpl-", gen, len(prompt_ids), route, completion.max_tokens)
         job.migrate_after_tokens = self._forced_migration(completion, route)
         return job
 

@@ -208,6 +208,7 @@ class Gateway:
                 gw.privacy,
                 gw.decoding,
                 gw.prompt_cache_secret.get_secret_value().encode() if gw.prompt_cache_secret else None,
+                gw.max_answer_tokens,
             ),
             self.device,
             self.backends,

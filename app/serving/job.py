@@ -95,6 +95,7 @@ class Job:
     # Its max_tokens cut to what the window of the endpoint writing the answer leaves after the prompt: {"asked",
     # "given", "endpoint"} (the last cut, a migration onto a smaller window included); None when nothing was cut.
     max_tokens_clamped: dict | None = None
+    limit_asked: bool = True  # its client named a limit (a clamp is told); False: the gateway's default, cut silently
     cost: float = 0.0  # what its attempts cost: booked so far while it runs, the whole once it ended
     booked_at: float = field(
         default_factory=time.monotonic
@@ -146,4 +147,6 @@ class Job:
             admission=self.admission,
             limit_headers=self.limit_headers,
             prefill_held=self.prefill_held,
+            max_tokens_clamped=self.max_tokens_clamped,
+            limit_asked=self.limit_asked,
         )

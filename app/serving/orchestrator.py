@@ -310,7 +310,8 @@ class Orchestrator:
             return
         asked = job.max_tokens_clamped["asked"] if job.max_tokens_clamped else job.gen.max_tokens
         job.gen = replace(job.gen, max_tokens=room)
-        job.max_tokens_clamped = {"asked": asked, "given": room, "endpoint": name}
+        if job.limit_asked:  # a limit the client never named is the gateway's to cut, unsaid
+            job.max_tokens_clamped = {"asked": asked, "given": room, "endpoint": name}
 
     # -- start: plan and race ----------------------------------------------------------------------
     def _plan(self, job: Job) -> DispatchPlan:

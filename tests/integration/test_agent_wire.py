@@ -35,7 +35,8 @@ def gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
 policy = "device"
 cloud = "oai"
 fallback = false
-default_max_tokens = 24   # Codex sends no max_output_tokens: a few tokens are the point here, not the answer
+default_max_tokens = 0    # Codex sends no max_output_tokens: its answer's limit is the window's, as OpenAI's ...
+max_answer_tokens = 96    # ... within the gateway's cap (a forced call's room): short answers are the point here
 stall_timeout = 60        # a shared test machine: the device may be slow, never a fault here
 [device]
 model = "{SMOL}"
@@ -325,7 +326,8 @@ def test_codexs_streamed_request_has_every_event_the_cli_parses(gw):
     assert ignored(raw.headers) >= CODEX_IGNORED_ON_THE_DEVICE, ignored(raw.headers)
     events = list(raw.parse())
     kinds = [e.type for e in events]
-    # Codex asks no max_output_tokens: the gateway's default (a few tokens here) may end the answer.
+    # Codex asks no max_output_tokens: the gateway's cap (a few tokens here) may end the answer, unsaid (nothing asked)
+    assert "x-tandem-max-tokens-clamped" not in raw.headers
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -431,11 +433,14 @@ def test_opencodes_streamed_request_with_32000_max_tokens_and_its_tools(gw):
         stream_options={"include_usage": True},
     )
     assert raw.http_response.status_code == 200
+    assert raw.headers["x-tandem-max-tokens-clamped"] == "32000->96"  # the gateway's cap, said
     assert "messages.reasoning_content" in ignored(raw.headers)
     chunks = list(raw.parse())
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finishes) == 1 and finishes[0] in ("stop", "tool_calls", "length")
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > 800
+    clamped = httpx.get(f"{gw.v1}/requests/{raw.headers['x-request-id']}").json()["max_tokens_clamped"]
+    assert clamped == {"asked": 32000, "given": 96, "endpoint": "gateway"}
 
 
 @pytest.mark.parametrize("stream", [False, True])

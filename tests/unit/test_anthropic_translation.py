@@ -97,6 +97,44 @@ def test_conversations_the_api_refuses(messages, why) -> None:
         body(messages=messages)
 
 
+EPHEMERAL = {"type": "ephemeral"}
+
+
+def test_a_system_message_inside_the_conversation_stays_where_it_stands() -> None:
+    """The SDK's SystemMessageParam: Claude Code's first request is [user, system]; it takes no turn (user and
+    assistant still alternate around it) and holds text only."""
+    chat = messages_input(
+        body(
+            system="Be brief.",
+            messages=[
+                {"role": "user", "content": [{"type": "text", "text": "Write add.py"}]},
+                {"role": "system", "content": [{"type": "text", "text": "Monday.", "cache_control": EPHEMERAL}]},
+                {"role": "assistant", "content": [CALL]},
+                {"role": "system", "content": "Tools may be slow."},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}]},
+            ],
+            tools=[TOOL],
+        ),
+        None,
+    )  # fmt: skip
+    assert [(m["role"], m.get("content")) for m in chat.messages] == [
+        ("system", "Be brief."),
+        ("user", "Write add.py"),
+        ("system", "Monday."),
+        ("assistant", ""),
+        ("system", "Tools may be slow."),
+        ("tool", "Sunny"),
+    ]
+    for messages, why in (
+        ([{"role": "system", "content": "x"}, {"role": "assistant", "content": "y"}], "the first message"),
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": [CALL]}], "text blocks only"),
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "s"}, {"role": "user", "content": "b"}],
+         "messages\\[2\\] has the role"),
+    ):  # fmt: skip
+        with pytest.raises(ValidationError, match=why):
+            body(messages=messages)
+
+
 # -- what Claude Code sends: every field accepted, honoured, mapped or ignored visibly --------------------------------
 
 BASH = {
@@ -120,7 +158,7 @@ def agent_body(**fields) -> MessagesRequest:
     return body(
         max_tokens=32000,
         stream=True,
-        thinking={"type": "adaptive", "display": "omitted"},
+        thinking={"type": "adaptive", "display": "updates"},  # the beta surface's third display
         output_config={"effort": "high"},
         context_management={"edits": [{"type": "clear_tool_uses_20250919"}]},
         metadata={"user_id": '{"device_id": "d1", "session_id": "s1"}'},
