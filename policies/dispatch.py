@@ -47,6 +47,11 @@ embedded stand-in does) makes every plan that runs both endpoints at once a loss
 two share the cores, so each one's first token comes later than it would alone, and a
 race's winner is never sooner than the faster endpoint alone (`unshared`).
 
+Caches: an endpoint that holds a prompt's start prefills only the rest. A policy decides on the *device's* length,
+the tokens it would evaluate (a 15,000-token prompt of which it holds 14,800 is a 200-token prompt to it); each
+endpoint's expected TTFT and prefill cost count what it holds (`Outlook`, filled by the gateway's runtime). A device
+start that cannot win (`beyond_reach`) is dropped: on a long prompt it would prefill for minutes, for nothing.
+
 Randomness comes from the caller's uniform draw `u` or an injected
 `random.Random`; nothing here reads a clock.
 """
@@ -67,6 +72,38 @@ if TYPE_CHECKING:
     from policies.estimate import Estimators
 
 DEFAULT_ALPHA = 0.05  # tail ratio α: reserve budget for the worst 5% of server TTFTs (covers the P99)
+BEYOND_REACH_SECONDS = 5.0  # a device start that cannot win is dropped only when it would hold the device this long
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """What a plan saw of each endpoint for one prompt: the leading tokens each holds in a cache, its expected time to
+    first token (seconds; None where it cannot be said: a cloud not yet measured) and what its prefill is expected to
+    cost (Eq. 8's term: the device's energy for the tokens it evaluates, the cloud's input price and its cached price
+    for the share its provider is expected to read from its cache)."""
+
+    prompt_tokens: int
+    device_cached: int = 0
+    cloud_cached: float = 0.0
+    device_ttft: float | None = None
+    cloud_ttft: float | None = None
+    device_prefill_cost: float = 0.0
+    cloud_prefill_cost: float = 0.0
+
+    @property
+    def device_tokens(self) -> int:
+        """The tokens the device would evaluate: what a policy decides on."""
+        return max(0, self.prompt_tokens - self.device_cached)
+
+    def describe(self) -> dict[str, float | int | None]:
+        return {
+            "device_cached_tokens": self.device_cached,
+            "cloud_cached_tokens": round(self.cloud_cached),
+            "device_ttft_s": None if self.device_ttft is None else round(self.device_ttft, 4),
+            "cloud_ttft_s": None if self.cloud_ttft is None else round(self.cloud_ttft, 4),
+            "device_prefill_usd": self.device_prefill_cost,
+            "cloud_prefill_usd": self.cloud_prefill_cost,
+        }
 
 
 @dataclass(frozen=True)
@@ -85,6 +122,7 @@ class DispatchPlan:
     device_delay: float | None
     policy: str
     reason: str
+    outlook: Outlook | None = None  # what the plan saw of each endpoint (the gateway's runtime fills it)
 
     def __post_init__(self) -> None:
         if not (self.start_cloud or self.start_device):
@@ -129,6 +167,26 @@ def unshared(plan: DispatchPlan, device_ttft: float, cloud_ttft: float | None) -
     return _cloud(
         plan.policy,
         f"{plan.reason}; co-located cloud: no race, the cloud first ({cloud_ttft:.3f}s < {device_ttft:.3f}s)",
+    )
+
+
+def beyond_reach(
+    plan: DispatchPlan, device_ttft: float, cloud_slowest: float | None, floor: float = BEYOND_REACH_SECONDS
+) -> DispatchPlan:
+    """`plan` without a device start that cannot win: its first token predicted (`device_ttft`, after the plan's
+    delay) later than the cloud's slowest (`cloud_slowest`, its window's largest TTFT; None while unmeasured: the plan
+    stands) and than `floor`. It would prefill what nothing uses (on a long prompt, minutes that a cancel cannot cut
+    short and every later device request waits behind), so the cloud runs alone. The budget holds."""
+    if not (plan.start_cloud and plan.start_device) or cloud_slowest is None:
+        return plan
+    wait = plan.device_delay or 0.0
+    if wait + device_ttft <= max(cloud_slowest, floor):
+        return plan
+    after = f" after its {wait:.3f}s wait" if wait else ""
+    return _cloud(
+        plan.policy,
+        f"{plan.reason}; the device cannot win: its first token predicted in {device_ttft:.3f}s{after}, the cloud's "
+        f"slowest {cloud_slowest:.3f}s",
     )
 
 

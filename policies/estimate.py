@@ -13,6 +13,14 @@ length. So the gateway keeps:
 * `OutputLengths`   — observed answer lengths: expected remaining tokens given how
                        many were already delivered (Eq. 4's l_remaining).
 * `MovingAverage` / `MigrationTimes` — t_m for the token buffer B = r_c·t_m (Eq. 6).
+* `CloudPromptCaches` — what each cloud's prompt cache is expected to hold of a conversation's next prompt: the
+                       context last sent there for that conversation, times how much of such a re-sent prefix the
+                       cloud's usage reports have shown as cached.
+
+Caches: a prefix an endpoint holds is not prefilled again, so the device's line is fitted on, and asked with, the
+tokens it *evaluates* after those it holds (its cache index says which, exactly). A cloud that computes on the
+device's own cores (co-located) is priced as a multiple of that line (`cloud_pace`: its TTFT over the line's for the
+same work), over the tokens its own prompt cache is expected not to hold.
 
 Every estimator has a prior, so the gateway can decide before the first sample:
 distribution estimators blend prior pseudo-samples with real samples until
@@ -26,6 +34,7 @@ Windows are numpy ring buffers so handing 100K samples to a policy costs no copy
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -43,6 +52,7 @@ PRIOR_DEVICE_C = 0.05  # s: one forward pass for the first token
 PRIOR_OUTPUT_MEDIAN = 100  # tokens
 PRIOR_OUTPUT_SIGMA = 0.7
 PRIOR_PSEUDO_SAMPLES = 64
+CO_LOCATED_MIN_SAMPLES = 3  # a co-located cloud's first tokens before its pace is trusted
 DEFAULT_HISTORY_WEIGHT = 0.8  # a moving average's weight of history (HAT's alpha)
 
 
@@ -244,14 +254,33 @@ class OutputLengths(_Distribution):
         return float(remaining)
 
 
+PAIRS_UNIT = 1e6  # attention pairs are counted in millions in the fit (keeps its normal equations well scaled)
+PAIRS_PRIOR_LENGTH = 4096  # the context term is held to its prior like one pseudo-point of a prompt this long
+
+
+def attention_pairs(tokens: float, held: float = 0.0) -> float:
+    """The (query, key) pairs the attention of `tokens` new positions computes after `held` positions already in the
+    KV cache: each new position attends to every one before it and to itself."""
+    return tokens * held + tokens * (tokens + 1) / 2
+
+
 class DeviceTTFTLine:
-    """T_d(l) = k·l + c, weighted least squares, refined online (§4.2).
+    """T_d(n | h) = c + k·n + q·a(n, h), weighted least squares, refined online (§4.2's line, with its context term).
+
+    n: the tokens the endpoint evaluates (its prompt less the prefix it holds in a cache), h: the tokens it holds,
+    a(n, h) = n·h + n(n+1)/2: the attention pairs those n positions compute. The paper's line is k·n + c; on long
+    prompts the attention term is what grows (a 0.5B model on 2 CPU cores: 4.4 ms a token plus 1.5 µs a pair, so a
+    token at position 15,000 costs 27 ms, six times one at the start), and a line fitted through a long prompt's
+    sample would miss both ends (a short prompt at a negative time, a warm turn's new tokens at the average price).
+    q's prior is 0 (the plain line) until samples long enough to show it arrive. Also the TTFT line of a cloud
+    co-located with the device.
 
     Sufficient statistics make each update O(1). `decay` < 1 forgets old samples
     exponentially (device speed drifts with thermal state and background load).
-    The prior enters as two pseudo-points on the prior line of `prior_weight` each;
-    they age like real samples but never below `prior_floor` of their weight, so
-    the fit stays defined when every real sample has the same length, without
+    The prior enters as two pseudo-points on the prior line of `prior_weight` each,
+    and q is held to its prior as strongly as one pseudo-point of PAIRS_PRIOR_LENGTH
+    tokens; they age like real samples but never below `prior_floor` of their weight,
+    so the fit stays defined when every real sample has the same length, without
     pulling a well-observed line.
     """
 
@@ -260,52 +289,80 @@ class DeviceTTFTLine:
         k: float = PRIOR_DEVICE_K,
         c: float = PRIOR_DEVICE_C,
         *,
+        q: float = 0.0,
         prior_weight: float = 0.5,
         prior_lengths: tuple[float, float] = (16.0, 512.0),
         decay: float = 0.995,
         prior_floor: float = 1e-4,
+        pairs_weight: float | None = None,
     ) -> None:
         if not 0 < decay <= 1:
             raise ValueError("decay must be in (0, 1]")
         self.decay = decay
-        self._prior = np.zeros(5)
+        self._prior_matrix = np.zeros((3, 3))
+        self._prior_vector = np.zeros(3)
         for x in prior_lengths:
-            self._prior += prior_weight * np.array([1.0, x, x * x, k * x + c, x * (k * x + c)])
+            f = self._features(x, 0.0)
+            self._prior_matrix += prior_weight * np.outer(f, f)
+            self._prior_vector += prior_weight * f * (c + k * x + q * attention_pairs(x))
+        scale = attention_pairs(PAIRS_PRIOR_LENGTH) / PAIRS_UNIT
+        held_to = (prior_weight if pairs_weight is None else pairs_weight) * scale * scale  # q's pull to its prior
+        self._prior_matrix[2, 2] += held_to
+        self._prior_vector[2] += held_to * q * PAIRS_UNIT
         self._prior_scale = 1.0
         self._prior_floor = prior_floor
-        self._data = np.zeros(5)  # Σw, Σw·l, Σw·l², Σw·t, Σw·l·t
+        self._matrix = np.zeros((3, 3))  # Σw·f·fᵀ over f = (1, n, a / PAIRS_UNIT)
+        self._vector = np.zeros(3)  # Σw·f·t
         self.count = 0
         self._refit()
 
+    @staticmethod
+    def _features(tokens: float, held: float) -> np.ndarray:
+        return np.array([1.0, tokens, attention_pairs(tokens, held) / PAIRS_UNIT])
+
     @classmethod
-    def fit(cls, lengths: Iterable[float], ttfts: Iterable[float], *, decay: float = 1.0) -> DeviceTTFTLine:
-        """Least-squares line through (l, ttft) samples; the prior gets a negligible weight."""
-        line = cls(prior_weight=1e-9, decay=decay)
-        for x, t in zip(lengths, ttfts, strict=True):
-            line.add(x, t)
+    def fit(
+        cls, lengths: Iterable[float], ttfts: Iterable[float], *, decay: float = 1.0, held: Iterable[float] = ()
+    ) -> DeviceTTFTLine:
+        """Least squares through (n, ttft) samples (n evaluated after `held` tokens, 0 each by default): no prior, but
+        the attention term held to 0 where the samples leave it open (too short, or all of one length)."""
+        line = cls(prior_weight=0.0, decay=decay, pairs_weight=1e-9)
+        lengths = list(lengths)
+        for x, t, h in zip(lengths, ttfts, list(held) or [0.0] * len(lengths), strict=True):
+            line.add(x, t, held=h)
         return line
 
-    def add(self, length: float, ttft: float) -> None:
-        if length < 0 or not math.isfinite(ttft) or ttft < 0:
-            raise ValueError(f"bad device TTFT sample length={length!r} ttft={ttft!r}")
-        self._data *= self.decay
-        self._data += np.array([1.0, length, length * length, ttft, length * ttft])
+    def add(self, length: float, ttft: float, held: float = 0.0) -> None:
+        """A first token `ttft` seconds after the start of a prefill of `length` tokens that followed `held` tokens
+        taken from a cache."""
+        if length < 0 or held < 0 or not math.isfinite(ttft) or ttft < 0:
+            raise ValueError(f"bad device TTFT sample length={length!r} held={held!r} ttft={ttft!r}")
+        f = self._features(length, held)
+        self._matrix *= self.decay
+        self._vector *= self.decay
+        self._matrix += np.outer(f, f)
+        self._vector += f * ttft
         self._prior_scale = max(self._prior_floor, self._prior_scale * self.decay)
         self.count += 1
         self._refit()
 
     def _refit(self) -> None:
-        sw, sl, sll, st, slt = self._data + self._prior_scale * self._prior
-        det = sw * sll - sl * sl
-        if det <= 1e-12 * max(1.0, sw * sll):
-            self.k, self.c = 0.0, st / sw if sw > 0 else 0.0
-        else:
-            self.k = (sw * slt - sl * st) / det
-            self.c = (st - self.k * sl) / sw
+        matrix = self._matrix + self._prior_scale * self._prior_matrix
+        vector = self._vector + self._prior_scale * self._prior_vector
+        # The normal equations, each column scaled to a unit diagonal first (n and a(n, h) are nearly collinear over
+        # short prompts, and differ by orders of magnitude); the least-norm solution where they are degenerate.
+        scale = 1.0 / np.sqrt(np.maximum(np.diag(matrix), 1e-300))
+        scaled = matrix * np.outer(scale, scale)
+        try:
+            solution = np.linalg.solve(scaled, vector * scale)
+        except np.linalg.LinAlgError:
+            solution = np.linalg.lstsq(scaled, vector * scale, rcond=None)[0]
+        c, k, q = solution * scale
+        self.c, self.k, self.q = float(c), float(k), float(q) / PAIRS_UNIT
 
-    def predict(self, length: float) -> float:
-        """Expected device TTFT (s) for a prompt of `length` tokens; never negative."""
-        return max(0.0, self.k * length + self.c)
+    def predict(self, length: float, held: float = 0.0) -> float:
+        """Expected TTFT (s) for a prefill of `length` tokens after `held` tokens taken from a cache; never negative."""
+        return max(0.0, self.c + self.k * length + self.q * attention_pairs(length, held))
 
     __call__ = predict
 
@@ -366,6 +423,77 @@ class MigrationTimes:
         return ma.get()
 
 
+class CloudPromptCaches:
+    """What each cloud's prompt cache is expected to hold of a conversation's next prompt.
+
+    A provider that caches prompts (OpenAI, Anthropic, DeepSeek, llama-server) keeps the prefix a request sent it for
+    a while, and a later request of the same conversation (the same `prompt_cache_key`) reads it back. So per cloud
+    and conversation this keeps the context last sent there (`held`, the device's tokens), and per cloud how much of
+    such a re-sent prefix its usage reports showed as cached (`reliability`: the share reported over the share
+    expected, learned from each report on a conversation that had sent the cloud a prefix before; 0 until one shows
+    any — a cloud that reports no cached tokens, llama-cpp-python's server, is planned as holding nothing).
+    A request without a conversation key falls back on the cloud's overall share of cached prompt tokens.
+    Conversations are kept least recently used first out, `conversations` per cloud."""
+
+    def __init__(self, conversations: int = 4096) -> None:
+        self.conversations = conversations
+        self._held: dict[str, OrderedDict[str, int]] = {}
+        self._reliability: dict[str, MovingAverage] = {}
+        self._share: dict[str, MovingAverage] = {}  # every report's cached share, whatever its conversation
+
+    def observe(
+        self,
+        cloud: str,
+        conversation: str | None,
+        context_tokens: int,
+        reported_prompt: int = 0,
+        reported_cached: int = 0,
+    ) -> None:
+        """A cloud attempt was sent `context_tokens` (ours) of `conversation` and, when it reported its usage, billed
+        `reported_prompt` prompt tokens (its own), `reported_cached` of them read from its prompt cache."""
+        if reported_prompt > 0:
+            share = min(reported_cached, reported_prompt) / reported_prompt
+            self._share.setdefault(cloud, MovingAverage()).update(share)
+            expected = self.held(cloud, conversation, context_tokens) / context_tokens if context_tokens > 0 else 0.0
+            if expected > 0:
+                self._reliability.setdefault(cloud, MovingAverage()).update(min(1.0, share / expected))
+        if conversation is not None and context_tokens > 0:
+            held = self._held.setdefault(cloud, OrderedDict())
+            held[conversation] = context_tokens
+            held.move_to_end(conversation)
+            while len(held) > self.conversations:
+                held.popitem(last=False)
+
+    def held(self, cloud: str, conversation: str | None, context_tokens: int) -> int:
+        """The leading tokens of a `context_tokens` context of `conversation` sent to `cloud` before (0: none)."""
+        sent = self._held.get(cloud, {}).get(conversation) if conversation is not None else None
+        return 0 if sent is None else min(sent, context_tokens)
+
+    def reliability(self, cloud: str) -> float:
+        average = self._reliability.get(cloud)
+        return 0.0 if average is None else average.get()
+
+    def share(self, cloud: str) -> float:
+        """The share of its prompts `cloud`'s usage reports showed as cached, over every conversation (0 until one)."""
+        average = self._share.get(cloud)
+        return 0.0 if average is None else average.get()
+
+    def expected(self, cloud: str, conversation: str | None, context_tokens: int) -> float:
+        """The tokens of a `context_tokens` context that `cloud` is expected to take from its prompt cache (and bill
+        at its cached price): the conversation's prefix it was sent before, as far as its reports show it keeps such
+        prefixes; without a conversation key, the cloud's overall share."""
+        if conversation is None:
+            return self.share(cloud) * context_tokens
+        return self.reliability(cloud) * self.held(cloud, conversation, context_tokens)
+
+    def describe(self, cloud: str) -> dict:
+        return {
+            "conversations": len(self._held.get(cloud, ())),
+            "reliability": self.reliability(cloud),
+            "cached_share": self.share(cloud),
+        }
+
+
 class Estimators:
     """Everything DiSCo's policies read, for one gateway: one place to feed and to query."""
 
@@ -373,22 +501,30 @@ class Estimators:
         self.window = window
         self.server_ttft: dict[str, EmpiricalTTFT] = {}
         self.device_ttft = DeviceTTFTLine()
+        # Per cloud co-located with the device: its TTFT over the device line's for the same prefill (it computes on
+        # the device's own cores, so its first token comes at a multiple of the device's time for the same work).
+        self.cloud_pace: dict[str, MovingAverage] = {}
         self.prompt_lengths = PromptLengths(window=window)
         self.output_lengths = OutputLengths(window=window)
         self.migration_times = MigrationTimes()
-        # Per cloud: the share of the prompt tokens it billed that its provider read from its prompt cache (the
-        # usage it reports), i.e. how much of a re-sent prefix is expected at the cached-input price.
-        self.prompt_cache: dict[str, MovingAverage] = {}
+        self.prompt_caches = CloudPromptCaches()
 
-    def observe_prompt_cache(self, backend: str, prompt_tokens: int, cached_tokens: int) -> None:
-        if prompt_tokens > 0:
-            share = min(cached_tokens, prompt_tokens) / prompt_tokens
-            self.prompt_cache.setdefault(backend, MovingAverage()).update(share)
+    def observe_prompt_cache(
+        self,
+        backend: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        conversation: str | None = None,
+        context_tokens: int | None = None,
+    ) -> None:
+        """A cloud's usage report: `prompt_tokens` billed, `cached_tokens` of them from its prompt cache; for a
+        request of `conversation` that was sent `context_tokens` of ours (None: its own count stands in)."""
+        context = prompt_tokens if context_tokens is None else context_tokens
+        self.prompt_caches.observe(backend, conversation, context, prompt_tokens, cached_tokens)
 
     def cached_share(self, backend: str) -> float:
-        """The share of a prompt `backend`'s provider is expected to bill as cached (0 until it reports one)."""
-        average = self.prompt_cache.get(backend)
-        return 0.0 if average is None else average.get()
+        """The share of a prompt `backend`'s provider billed as cached, over all its reports (0 until one)."""
+        return self.prompt_caches.share(backend)
 
     def server(self, backend: str) -> EmpiricalTTFT:
         """The TTFT distribution of one cloud backend (created with the prior on first use)."""
@@ -396,3 +532,17 @@ class Estimators:
         if est is None:
             est = self.server_ttft[backend] = EmpiricalTTFT(window=self.window)
         return est
+
+    def observe_co_located(self, backend: str, tokens: float, held: float, seconds: float) -> None:
+        """A co-located cloud's first token `seconds` after the start of its prefill of `tokens` after `held`."""
+        device = self.device_ttft.predict(tokens, held)
+        if device > 0:
+            self.cloud_pace.setdefault(backend, MovingAverage()).update(seconds / device)
+
+    def co_located_ttft(self, backend: str, tokens: float, held: float = 0.0) -> float | None:
+        """A co-located cloud's expected TTFT for `tokens` evaluated after `held`: the device line's times its pace;
+        None until it has been measured (CO_LOCATED_MIN_SAMPLES first tokens)."""
+        pace = self.cloud_pace.get(backend)
+        if pace is None or pace.count < CO_LOCATED_MIN_SAMPLES:
+            return None
+        return pace.get() * self.device_ttft.predict(tokens, held)

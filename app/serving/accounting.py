@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from app.serving.disco import conversation_key
 from app.serving.job import Attempt, Job
 from app.serving.limits import SETTLE_SECONDS, saturated
 from app.serving.metrics import Metrics
@@ -74,9 +75,12 @@ class Accounting:
         if finished:
             self.disco.observe_output(job.usage.completion_tokens)
         total = 0.0
+        # What each cloud was sent of the conversation (its prompt cache may keep it) and what it said it read from
+        # that cache: the reports first, each against what was held before this request (a race's loser sent it too).
+        sent = [a for a in job.attempts if a.role == "cloud" and a.outcome != "failed"]
+        for a in sorted(sent, key=lambda a: a.usage is None):
+            self.disco.observe_usage(a.name, a.usage, conversation_key(job.gen), a.context_tokens)
         for a in job.attempts:
-            if a.usage is not None and a.role == "cloud":
-                self.disco.observe_usage(a.name, a.usage)
             cost = self._book_attempt(job, a)
             total += cost
             prefilled, _, decoded, _ = a.billed()

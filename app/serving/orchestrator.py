@@ -46,6 +46,7 @@ from dataclasses import replace
 import anyio
 
 from app.serving.accounting import Accounting
+from app.serving.disco import conversation_key
 from app.serving.events import EventBus
 from app.serving.job import Attempt, Job
 from app.serving.metrics import Metrics
@@ -285,12 +286,18 @@ class Orchestrator:
         # tokens of the device's own.)
         attempt.cached_tokens = min(event.cached_tokens or 0, attempt.context_tokens)
         self._clamp(job, attempt.name)
+        # A cloud says what its prompt cache held only with its usage, at the end: its start is timed against what
+        # the plan expected it to hold.
+        held = attempt.cached_tokens
+        if attempt.role == "cloud" and not attempt.migration and job.plan is not None and job.plan.outlook is not None:
+            held = min(round(job.plan.outlook.cloud_cached), attempt.context_tokens)
         self.disco.observe_first_token(
             attempt.role,
             job.cloud,
-            attempt.context_tokens - attempt.cached_tokens,
+            attempt.context_tokens - held,
             event.t - attempt.started,
             attempt.migration,
+            held,
         )
         self._publish_attempt(
             "endpoint.won",
@@ -320,7 +327,13 @@ class Orchestrator:
             return DispatchPlan(role == "cloud", role == "device", None, "pinned", f"model names {job.pinned}")
         if self._looping(job):
             return DispatchPlan(True, False, None, job.declared.name, "an agent loop: a tool call answered twice")
-        plan = self.disco.plan(job.policy, job.prompt_tokens, job.cloud)
+        # DiSCo's plans count what each endpoint holds: the device's cached prefix (its cache index, exact), the
+        # cloud's for the conversation (its usage reports). The baselines' plans do not depend on it: not probed.
+        device_cached = self._cached_prefix(self.device, job, []) if job.declared.by_disco else 0
+        conversation = conversation_key(job.gen)
+        plan = self.disco.plan(
+            job.policy, job.prompt_tokens, job.cloud, device_cached=device_cached, conversation=conversation
+        )
         # DiSCo starts nothing on a cloud that cools: the device answers. A baseline keeps its plan (an operator who
         # chose server-only chose where answers go; its client still retries and fails fast).
         cooling = self._cooling(job.cloud) if plan.start_cloud and job.declared.by_disco else None
@@ -359,6 +372,7 @@ class Orchestrator:
             privacy=job.privacy,
             cloud=job.cloud,
             pinned=job.pinned,
+            **(plan.outlook.describe() if plan.outlook is not None else {}),
         )
         keeps = [
             n
@@ -627,6 +641,7 @@ class Orchestrator:
             job.gen.max_tokens,
             relay.lead(time.monotonic()),
             self._cached_prefix(target, job, relay.ids),
+            conversation_key(job.gen),
         )
         return (target, "cost") if decision.start_now else None
 
@@ -676,11 +691,15 @@ class Orchestrator:
         )
 
     def _cached_prefix(self, name: str | None, job: Job, ids: list[int] | None) -> int:
-        """Context tokens a migration target would take from its own KV cache (e.g. the device that lost the
-        first-token race has the prompt cached): Eq. 5's overhead and the buffer's t_m leave them out."""
+        """Context tokens endpoint `name` would take from its own KV cache (the device's prompt cache included) for the
+        prompt followed by `ids` (the delivered answer): the plan's device length, and for a migration target (e.g.
+        the device that lost the first-token race has the prompt cached) what Eq. 5's overhead and the buffer's t_m
+        leave out. A migration target's probe is kept until the endpoint has run something since."""
         if name is None or ids is None or job.gen.prompt_ids is None or not self._takes_ids(name):
             return 0
         backend = self.backends[name]
+        if not ids:
+            return backend.cached_prefix(job.gen.prompt_ids)
         if job.cache_probe is not None and job.cache_probe[0] == backend.evaluations:
             return job.cache_probe[1]
         cached = backend.cached_prefix([*job.gen.prompt_ids, *ids])

@@ -93,13 +93,31 @@ def test_device_line_least_squares_recovers_k_and_c():
     assert line.k == pytest.approx(0.0125, rel=1e-6)
     assert line.c == pytest.approx(0.05, rel=1e-5)
     assert line.predict(80) == pytest.approx(1.05, rel=1e-6)
-    # Noisy points: the closed form equals numpy's least squares.
+    assert line.q == pytest.approx(0.0, abs=1e-12)  # a straight line's samples: no attention term
+    # Noisy points: the running fit equals numpy's least squares over (1, n, n(n+1)/2).
     rng = np.random.default_rng(3)
-    ls = rng.integers(5, 500, 200)
+    ls = rng.integers(5, 500, 200).astype(float)
     ts = 0.02 * ls + 0.1 + rng.normal(0, 0.05, 200)
-    k, c = np.polyfit(ls, ts, 1)
+    c, k, q = np.linalg.lstsq(np.stack([np.ones_like(ls), ls, ls * (ls + 1) / 2], 1), ts, rcond=None)[0]
     fit = DeviceTTFTLine.fit(ls, ts)
-    assert fit.k == pytest.approx(k, rel=1e-6) and fit.c == pytest.approx(c, rel=1e-5)
+    assert fit.k == pytest.approx(k, rel=1e-5) and fit.c == pytest.approx(c, rel=1e-4)
+    assert fit.q == pytest.approx(q, rel=1e-4)
+
+
+def test_device_line_prices_a_warm_prefills_tokens_at_their_position():
+    """Prefill time grows with the context each new token attends to: the 0.5B device on 2 cores (its measured
+    prefills of 1k, 4k and 12k tokens, docs/bench/context-windows.md) costs ~4.4 ms a token plus ~1.5 µs an attention
+    pair. Fitted on cold prompts alone, the line predicts a warm turn's 200 new tokens after 14,800 held ones at
+    their position's price (~5.3 s), not at the start's (~0.8 s), nor at a cold prompt's average."""
+    line = DeviceTTFTLine.fit([1024, 4096, 12288], [5.17, 30.39, 167.0])
+    assert line.k == pytest.approx(4.36e-3, rel=0.01) and line.q == pytest.approx(1.50e-6, rel=0.01)
+    assert line.predict(15_000) == pytest.approx(234.5, rel=0.01)  # cold: about four minutes
+    warm = line.predict(200, held=14_800)
+    assert warm == pytest.approx(0.79 + 1.5e-6 * (200 * 14_800 + 200 * 201 / 2), rel=0.02)
+    assert 4.5 < warm < 6.0 and line.predict(200) < 1.0
+    # Samples that say where they started are fitted as such: a warm sample and a cold one of the same new tokens.
+    both = DeviceTTFTLine.fit([200, 200, 4096, 1024], [warm, line.predict(200), 30.39, 5.17], held=[14_800, 0, 0, 0])
+    assert both.predict(200, held=14_800) == pytest.approx(warm, rel=0.01)
 
 
 def test_device_line_starts_at_prior_and_refines_online():
@@ -133,8 +151,11 @@ def test_device_line_single_length_stays_defined():
         line.add(100, 2.0)
     assert line.predict(100) == pytest.approx(2.0, rel=0.05)
     assert line.predict(0) >= 0.0
+    assert line.predict(500) > line.predict(100)  # the prior's slope holds where no sample was
     with pytest.raises(ValueError):
         line.add(-1, 1.0)
+    with pytest.raises(ValueError):
+        line.add(10, 1.0, held=-1)
 
 
 def test_prompt_lengths_prior_is_integer_and_positive():
