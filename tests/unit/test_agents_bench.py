@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import tomllib
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -19,8 +20,8 @@ import httpx
 import pytest
 
 from app.config import embedded_default
-from app.tools.bench import agents_bench, humaneval
-from app.tools.bench.agent_runs import DRIVERS, AgentRun
+from app.tools.bench import agent_runs, agents_bench, humaneval
+from app.tools.bench.agent_runs import BRIEF_SCHEMA, BRIEF_STOP, DRIVERS, LEAN_PROMPT, AgentRun, run_agent
 from app.tools.bench.agents_bench import (
     Task,
     choose_tasks,
@@ -144,6 +145,49 @@ def test_each_cli_is_pointed_at_the_base_url_in_its_own_way(tmp_path):
     assert not (run.workdir / "opencode.json").exists()  # settings go to the scratch HOME, never the task's repo
 
 
+def test_lean_and_brief_runs_keep_each_clis_fields_and_bound_its_answers_through_its_own_settings(tmp_path):
+    """`lean` cuts the prompt and tools through each CLI's settings; `brief` makes the answers of the CLIs that fail a
+    cut turn end early: Claude Code's stop_sequences (its documented CLAUDE_CODE_EXTRA_BODY), Codex's --output-schema
+    (a one-field JSON answer). As shipped, neither is set."""
+    plain = AgentRun(tmp_path / "repo", tmp_path / "home", "http://127.0.0.1:9", "tandem", "do it")
+    run = replace(plain, lean=True, brief=True)
+    claude = DRIVERS["claude"]
+    assert json.loads(claude.environment(run)["CLAUDE_CODE_EXTRA_BODY"]) == {"stop_sequences": BRIEF_STOP}
+    assert "CLAUDE_CODE_EXTRA_BODY" not in claude.environment(plain) and "--system-prompt" not in claude.command(plain)
+    command = claude.command(run)
+    assert command[command.index("--system-prompt") + 1] == LEAN_PROMPT and command[command.index("--tools") + 1]
+    codex = DRIVERS["codex"]
+    codex.configure(run)
+    command = codex.command(run)
+    schema = Path(command[command.index("--output-schema") + 1])
+    assert json.loads(schema.read_text()) == BRIEF_SCHEMA and schema.is_relative_to(run.home)
+    assert command[-1] == "do it"  # the task stays the last argument
+    settings = tomllib.loads((run.home / ".codex" / "config.toml").read_text())
+    assert settings["features"] == {"goals": False} and settings["model_instructions_file"].endswith(".md")
+    codex.configure(plain)
+    assert "--output-schema" not in codex.command(plain)
+    assert "features" not in tomllib.loads((plain.home / ".codex" / "config.toml").read_text())
+    DRIVERS["opencode"].configure(run)
+    opencode = json.loads((run.home / ".config" / "opencode" / "opencode.json").read_text())
+    assert opencode["permission"]["bash"] == opencode["permission"]["read"] == "deny"
+    assert opencode["permission"]["edit"] == "allow" and opencode["agent"]["build"]["prompt"] == LEAN_PROMPT
+
+
+def test_a_cli_runs_in_its_tasks_folder_as_its_shell_would_say(tmp_path, monkeypatch):
+    """opencode takes $PWD for its working directory: a run's PWD is the task's folder, not the bench's."""
+    monkeypatch.setattr(agent_runs.agent_clis, "missing_message", lambda: "")
+    monkeypatch.setattr(agent_runs.agent_clis, "seed_home", lambda home: None)
+    monkeypatch.setitem(DRIVERS, "aider", _PrintWorkingFolder("aider", "test", "/"))
+    run = AgentRun(tmp_path / "repo", tmp_path / "home", "http://127.0.0.1:9", "tandem", "do it")
+    result = run_agent("aider", run, 30)
+    assert result.ok and result.stdout.split() == [str(run.workdir)] * 2, result.tail()
+
+
+class _PrintWorkingFolder(agent_runs.AgentDriver):
+    def command(self, run: AgentRun) -> list[str]:
+        return [sys.executable, "-c", "import os; print(os.environ['PWD'], os.getcwd())"]
+
+
 def test_the_run_environment_is_the_scratch_home_without_the_users_keys(tmp_path, monkeypatch):
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-user")
     monkeypatch.setenv("OPENAI_BASE_URL", "https://example.invalid")
@@ -208,6 +252,7 @@ class _Upstream(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("content-type", "text/event-stream")
             self.send_header("x-request-id", "req-1")
+            self.send_header("x-tandem-max-tokens-clamped", "32000->48")
             self.send_header("transfer-encoding", "chunked")
             self.end_headers()
             for piece in (b"data: {}\n\n", b"data: [DONE]\n\n"):
@@ -236,6 +281,7 @@ def test_the_recorder_forwards_the_wire_and_records_each_exchange(upstream, tmp_
     first, second = wire.exchanges
     assert first.generation and first.answered and first.request_id == "req-1" and first.first_byte_s is not None
     assert first.route == "/v1/messages" and first.shape["tools"] == 0
+    assert first.tandem_headers == {"x-tandem-max-tokens-clamped": "32000->48"} and not second.tandem_headers
     assert second.refused and not second.answered and second.message == "Invalid value for 'thinking'"
     assert sorted(p.name for p in tmp_path.iterdir())[:2] == ["001-request-v1-messages.json", "001-response.txt"]
 

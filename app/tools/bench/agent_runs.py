@@ -43,9 +43,23 @@ class AgentRun:
     # Its own long system prompt replaced by LEAN_PROMPT and its tools cut to a few, through its documented settings
     # (the suite's runs: the wire's fields and tool kinds are the same, the prompt a few thousand tokens, not 10-20k).
     lean: bool = False
+    # Its answers made to end early, through its own documented settings, where the CLI fails a turn whose answer was
+    # cut at a token limit (the suite's runs on a small model that need not stop on its own within the gateway's
+    # max_answer_tokens): Claude Code (stop_reason max_tokens: it resumes 3 times, then exits 1) is given
+    # stop_sequences (CLAUDE_CODE_EXTRA_BODY), Codex CLI (an `incomplete` response fails the turn) a one-field JSON
+    # answer (--output-schema: `text.format`, which the gateway enforces with a grammar). opencode and aider take a
+    # cut answer for the end of their turn. Every field each CLI sends is still sent.
+    brief: bool = False
 
 
 LEAN_PROMPT = "You are a coding agent. Use your tools to create and edit files in the current folder."
+BRIEF_STOP = ["\n", " "]  # Claude Code's answers end at their first line break or blank (stop_reason stop_sequence)
+BRIEF_SCHEMA = {  # Codex's final answer: {"done": true} or {"done": false}, nothing else
+    "type": "object",
+    "properties": {"done": {"type": "boolean"}},
+    "required": ["done"],
+    "additionalProperties": False,
+}
 
 
 @dataclass
@@ -90,7 +104,8 @@ class ClaudeCode(AgentDriver):
     tools: str = "Bash,Read,Write,Edit,Glob,Grep"
 
     def command(self, run: AgentRun) -> list[str]:
-        lean = ["--system-prompt", LEAN_PROMPT, "--tools", "Write,Bash"] if run.lean else []
+        # Lean: the Write tool alone (with the deferred-tool placeholder Claude Code always sends).
+        lean = ["--system-prompt", LEAN_PROMPT, "--tools", "Write"] if run.lean else []
         return [str(agent_clis.executable(self.name)), "-p", run.task, "--model", run.model, "--output-format",
                 "stream-json", "--verbose", "--allowedTools", self.tools, *lean]  # fmt: skip
 
@@ -100,7 +115,8 @@ class ClaudeCode(AgentDriver):
         names = ("ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL",
                  "ANTHROPIC_SMALL_FAST_MODEL")  # fmt: skip
         same = dict.fromkeys(names, run.model)
-        return {"ANTHROPIC_BASE_URL": run.base_url, "ANTHROPIC_API_KEY": API_KEY, **same}
+        brief = {"CLAUDE_CODE_EXTRA_BODY": json.dumps({"stop_sequences": BRIEF_STOP})} if run.brief else {}
+        return {"ANTHROPIC_BASE_URL": run.base_url, "ANTHROPIC_API_KEY": API_KEY, **same, **brief}
 
 
 @dataclass(frozen=True)
@@ -108,20 +124,25 @@ class CodexCli(AgentDriver):
     def configure(self, run: AgentRun) -> None:
         codex_home = run.home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)
-        lean = ""
-        if run.lean:
+        lean = features = ""
+        if run.lean:  # its instructions one line, its goal tools off (the namespace and web_search stay)
             (codex_home / "instructions.md").write_text(LEAN_PROMPT + "\n")
             lean = f'model_instructions_file = "{codex_home / "instructions.md"}"\n'
+            features = "[features]\ngoals = false\n\n"
+        if run.brief:
+            (codex_home / "brief-schema.json").write_text(json.dumps(BRIEF_SCHEMA))
         (codex_home / "config.toml").write_text(
             f'model = "{run.model}"\nmodel_provider = "tandem"\ncheck_for_update_on_startup = false\n{lean}\n'
-            f'[model_providers.tandem]\nname = "Tandem"\nbase_url = "{run.base_url}/v1"\nwire_api = "responses"\n'
-            f'env_key = "TANDEM_API_KEY"\n'
+            f'{features}[model_providers.tandem]\nname = "Tandem"\nbase_url = "{run.base_url}/v1"\n'
+            f'wire_api = "responses"\nenv_key = "TANDEM_API_KEY"\n'
         )
 
     def command(self, run: AgentRun) -> list[str]:
         # Its own sandbox cannot start as root in a container: the task's folder is the bench's scratch already.
+        brief = ["--output-schema", str(run.home / ".codex" / "brief-schema.json")] if run.brief else []
         return [str(agent_clis.executable(self.name)), "exec", "--skip-git-repo-check",
-                "--dangerously-bypass-approvals-and-sandbox", "--json", "-C", str(run.workdir), run.task]  # fmt: skip
+                "--dangerously-bypass-approvals-and-sandbox", "--json", "-C", str(run.workdir), *brief,
+                run.task]  # fmt: skip
 
     def environment(self, run: AgentRun) -> dict[str, str]:
         return {"TANDEM_API_KEY": API_KEY}
@@ -148,9 +169,10 @@ class OpenCode(AgentDriver):
             "share": "disabled",
             "permission": {"edit": "allow", "bash": "allow", "webfetch": "deny"},
         }
-        if run.lean:
+        if run.lean:  # its prompt one line; its tools write and edit (bash and read off through their permissions)
             config["agent"] = {"build": {"prompt": LEAN_PROMPT}}
             config["tools"] = dict.fromkeys(("bash", "glob", "grep", "webfetch", "todowrite", "task", "skill"), False)
+            config["permission"] = {**config["permission"], "bash": "deny", "read": "deny"}
         (folder / "opencode.json").write_text(json.dumps(config, indent=1))
 
     def command(self, run: AgentRun) -> list[str]:
@@ -198,6 +220,9 @@ def run_agent(name: str, run: AgentRun, time_cap: float) -> RunResult:
     env = agent_clis.run_env(run.home)
     agent_clis.seed_home(run.home)  # what they would fetch at their start, from the cache
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    # Its working folder as a shell would say it: opencode takes $PWD for its working directory, and with ours it
+    # worked in the folder the bench was started from (the repository), not the task's.
+    env["PWD"] = str(run.workdir)
     driver.configure(run)
     env.update(driver.environment(run))
     started = time.monotonic()

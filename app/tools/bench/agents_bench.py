@@ -284,17 +284,22 @@ def _turn(e: Exchange, gateway: Gateway) -> dict:
         tally["prompt"] += billed.get("prompt_tokens", 0)
         tally["cached"] += billed.get("cached_tokens", 0)
         tally["answer"] += billed.get("completion_tokens", 0)
+    trace = trace or {}
     return {
         **_brief(e),
+        "route": e.route,
         "request_id": e.request_id,
+        "tandem_headers": e.tandem_headers,
         "first_byte_s": e.first_byte_s,
         "seconds": e.seconds,
-        "ttft_s": None if not trace or trace.get("ttft_ms") is None else trace["ttft_ms"] / 1e3,
-        "plan": (trace or {}).get("plan"),
-        "migrations": len((trace or {}).get("migrations") or []),
-        "prompt_tokens": (trace or {}).get("prompt_tokens"),
-        "finish_reason": (trace or {}).get("finish_reason"),
-        "ignored_fields": (trace or {}).get("ignored_fields"),
+        "ttft_s": None if trace.get("ttft_ms") is None else trace["ttft_ms"] / 1e3,
+        "plan": trace.get("plan"),
+        "migrations": len(trace.get("migrations") or []),
+        "prompt_tokens": trace.get("prompt_tokens"),
+        "answer_tokens": trace.get("completion_tokens"),
+        "finish_reason": trace.get("finish_reason"),
+        "max_tokens_clamped": trace.get("max_tokens_clamped"),
+        "ignored_fields": trace.get("ignored_fields"),
         "endpoints": endpoints,
     }
 

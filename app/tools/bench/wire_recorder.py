@@ -3,9 +3,9 @@
 Every request the CLI sends is forwarded to the gateway as it came (method, path and query, headers, body) and its
 answer streamed back as the gateway sends it, chunk by chunk; beside the wire each exchange is recorded: what the
 request asked (its route, its JSON body's fields, tools and their kinds, sizes: `shape`), the status, the gateway's
-`x-request-id` (its trace: GET /v1/requests/{id}), the time to the first byte of the answer (the gateway holds the
-status until the first token), the refusal's message, and an error event inside a stream. With `transcripts`, each
-request body and answer is also written to that folder (the bench's transcript of a task).
+`x-request-id` (its trace: GET /v1/requests/{id}) and `x-tandem-*` headers, the time to the first byte of the answer
+(the gateway holds the status until the first token), the refusal's message, and an error event inside a stream.
+With `transcripts`, each request body and answer is also written to that folder (the bench's transcript of a task).
 
 Standard library only; one thread per connection (the CLIs keep few open).
 """
@@ -18,6 +18,7 @@ import itertools
 import json
 import select
 import socket
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +46,9 @@ class Exchange:
     shape: dict = field(default_factory=dict)
     status: int | None = None
     request_id: str | None = None
+    # The gateway's own headers on the answer (`x-tandem-*`: the endpoint that answered, a clamped max_tokens, the
+    # fields it ignored), lower-cased names.
+    tandem_headers: dict[str, str] = field(default_factory=dict)
     first_byte_s: float | None = None  # from the request's end to the answer's first byte
     seconds: float | None = None
     response_bytes: int = 0
@@ -138,8 +142,7 @@ class WireRecorder:
         class Handler(_Handler):
             owner = recorder
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, name="wire-recorder", daemon=True)
 
     @property
@@ -181,6 +184,15 @@ class WireRecorder:
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / f"{exchange.index:03d}-{suffix}").write_bytes(data)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):  # a CLI closed a kept-alive connection: its own business
+            return
+        super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -227,6 +239,9 @@ class _Handler(BaseHTTPRequestHandler):
             response = upstream.getresponse()
             exchange.status = response.status
             exchange.request_id = response.getheader("x-request-id")
+            exchange.tandem_headers = {
+                name.lower(): value for name, value in response.getheaders() if name.lower().startswith("x-tandem-")
+            }
             self.send_response_only(response.status, response.reason)
             for name, value in response.getheaders():
                 if name.lower() not in _HOP_BY_HOP:
