@@ -56,13 +56,16 @@ class Request:
 
 
 class ScriptedUpstream:
-    def __init__(self) -> None:
+    def __init__(self, sock: socket.socket | None = None) -> None:
+        """`sock`: a loopback socket bound already and not listening, whose connections are refused until this
+        upstream starts on it (a test of a retry after a refused connection); None: a fresh port."""
         self.script: deque[Answer] = deque()
         self.requests: list[Request] = []
         self._loop = asyncio.new_event_loop()
         self._writers: set[asyncio.StreamWriter] = set()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        if sock is None:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(sock,), daemon=True)
