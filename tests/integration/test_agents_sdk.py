@@ -10,19 +10,29 @@ the tool's result, the 0.5B model calls `add` again rather than answering (with 
 instructions say), so a loop that asks it again ends only at its turn limit. That is the model, not the wire; what
 these tests hold is that the loop's call is well-formed, reaches the tool and completes the run.
 
+A call written in a code fence (```` ```json ... ``` ````, as small models write them in agent loops) is read as a
+call too: a scripted upstream writes exactly that answer, so the fence is certain, and the SDK's tool must run. The
+real model asked to fence its calls is a separate check of the loop only: whether it did fence is not visible from
+outside (a call reaches the client parsed either way), so that check does not claim it.
+
 Real parts: the embedded default's shape (session fixture: the 0.5B device in reproducible mode, the 0.5B again as
-the stand-in cloud, llama-cpp-python's server), the real `openai-agents` SDK over the real `openai` client on loopback.
+the stand-in cloud, llama-cpp-python's server); a gateway of this module with a scripted OpenAI-compatible cloud on
+loopback (tests/integration/scripted_upstream.py) that answers through the gateway's rendered prompt, as a completions
+upstream does; the real `openai-agents` SDK over the real `openai` client on loopback.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import pytest
 from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
+from app.launcher import GatewayProcess, start_gateway, stop_gateway
 from tests.integration.disco_helpers import trace
+from tests.integration.scripted_upstream import Answer, ScriptedUpstream
 
 set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
 
@@ -84,8 +94,51 @@ def test_the_agent_loop_calls_add_on_the_device(gateway, streamed):
     assert (device["backend"], device["outcome"]) == ("device", "finished")
 
 
+# The answer a small model writes when asked for fenced calls, piece by piece as a stream brings it.
+FENCED_CALL = ("```", "json", "\n", '{"name": "add", ', '"arguments": {"a": 17, "b": 25}}', "\n", "```")
+
+
+@pytest.fixture(scope="module")
+def fence_gw(upstream: ScriptedUpstream) -> Iterator[GatewayProcess]:
+    """A gateway whose cloud "scripted" is the scripted upstream as a completions upstream: the gateway renders the
+    tools into the prompt and reads calls out of the text that comes back, as it does the device's."""
+    process = start_gateway(f"""
+[gateway]
+policy = "cloud"
+cloud = "scripted"
+[device]
+model = "smollm2-135m-instruct"   # never asked here: the model names the cloud
+n_ctx = 2048
+n_threads = 1
+[disco]
+profile_device = false
+[clouds.scripted]
+base_url = "{upstream.base_url}"
+model = "scripted"
+tokenizer = "device"
+continuation = "completions"
+""")
+    yield process
+    stop_gateway(process)
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["collected", "streamed"])
-def test_a_call_written_in_a_code_fence_runs_the_agents_tool_on_the_device(gateway, streamed):
+def test_a_call_written_in_a_code_fence_runs_the_agents_tool(fence_gw, upstream, streamed):
+    upstream.reset()
+    upstream.push(Answer(pieces=FENCED_CALL))
+    output, calls, ids = run_agent(fence_gw, "scripted", streamed, instructions=FENCED)
+    assert calls == [(17, 25)] and str(output) == "42"
+    (sent,) = upstream.completions()  # the fenced answer was the one the agent's turn got
+    assert '"name": "add"' in sent.body["prompt"]  # the tools travelled in the rendered prompt
+    (request_id,) = ids
+    (cloud,) = trace(fence_gw, request_id)["endpoints"]
+    assert (cloud["backend"], cloud["outcome"]) == ("scripted", "finished")
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["collected", "streamed"])
+def test_the_agent_loop_asked_for_fenced_calls_runs_add_on_the_device(gateway, streamed):
+    """The real model under the fence-asking instructions: the loop's call reaches the tool and the run completes.
+    Fenced or bare, its call reaches the client parsed, so the fence itself is the scripted test's to show."""
     output, calls, ids = run_agent(gateway, "device", streamed, instructions=FENCED)
     assert calls == [(17, 25)] and str(output) == "42"
     (request_id,) = ids
