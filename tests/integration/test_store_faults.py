@@ -44,6 +44,16 @@ PROMPT = [{"role": "user", "content": "What is the answer?"}]
 TRACE_QUEUE = 3  # replica A's bound on the traces that wait for the store
 T = TypeVar("T")
 PATIENCE = 60.0  # seconds to wait for what must happen (a loaded 2-core machine); never a bound on how fast
+# The store client's deadline for one call. A stopped store refuses connections at once, so no loss here waits for
+# it; a store that answers never reaches it, so the tests that count losses exactly cannot see a spurious one when a
+# loaded machine delays a reply (at 0.5 s one could: a PING that took longer was a loss).
+STORE_TIMEOUT = 5.0
+
+
+def with_store_timeout(config: str) -> str:
+    """A replica's config (store_helpers.replica_config) with the store client's deadline at STORE_TIMEOUT."""
+    assert config.count("\ntimeout = 0.5\n") == 1, config
+    return config.replace("\ntimeout = 0.5\n", f"\ntimeout = {STORE_TIMEOUT}\n")
 
 
 def wait_for(what: Callable[[], object], message: str, timeout: float = PATIENCE) -> object:
@@ -74,6 +84,7 @@ def replicas(upstream: ScriptedUpstream, store: StoreServer, prefix: str) -> Ite
         replica_config(upstream.base_url, store, prefix, "local", ADMIN, state=f"trace_queue = {TRACE_QUEUE}"),
         replica_config(upstream.base_url, store, prefix, "closed", ADMIN),
     ]
+    configs = [with_store_timeout(text) for text in configs]
     started: list[GatewayProcess] = []
     try:
         for text in configs:
@@ -166,7 +177,7 @@ def test_after_a_restart_concurrent_calls_on_the_store_client_all_find_it(notice
     async def scenario() -> None:
         ledger = Ledger(None, BudgetSettings(prices={"cloud": Price(1.0, 2.0)}))
         poll = 0.2 if noticed else 3600.0
-        store = ValkeyStore(ledger, server.url, "r:", "closed", poll_seconds=poll, timeout=0.5)
+        store = ValkeyStore(ledger, server.url, "r:", "closed", poll_seconds=poll, timeout=STORE_TIMEOUT)
         await store.start()
         try:
             assert await bounded(*(store.may_spend() for _ in range(8))) == [True] * 8
@@ -202,7 +213,7 @@ def test_a_running_requests_progress_waits_as_one_op_through_an_outage_and_adds_
 
     async def scenario() -> None:
         ledger = Ledger(None, BudgetSettings(prices={"cloud": Price(1.0, 2.0)}))
-        store = ValkeyStore(ledger, server.url, "p:", "local", poll_seconds=0.2, timeout=0.5)
+        store = ValkeyStore(ledger, server.url, "p:", "local", poll_seconds=0.2, timeout=STORE_TIMEOUT)
         await store.start()
         try:
             now = time.time()
@@ -342,7 +353,7 @@ def test_the_store_loop_survives_a_failure_it_did_not_expect_says_so_and_recover
 
     async def scenario() -> None:
         ledger = Ledger(blocker / "budget.json", BudgetSettings(prices={"cloud": Price(1.0, 2.0)}))
-        store = ValkeyStore(ledger, server.url, "s:", poll_seconds=0.2, timeout=0.5)
+        store = ValkeyStore(ledger, server.url, "s:", poll_seconds=0.2, timeout=STORE_TIMEOUT)
         await store.start()
         try:
             changed = {**ledger.settings.to_dict(), "budget": 0.7}
