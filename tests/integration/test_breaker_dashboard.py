@@ -86,10 +86,16 @@ def breaker_line(driver) -> tuple[str, str] | None:
 def test_the_endpoint_card_shows_the_cloud_cooling_and_then_closed(gw, upstream, browser):
     wait = WebDriverWait(browser, 60, poll_frequency=0.2)
     wait.until(lambda d: (breaker_line(d) or ("", ""))[0] == "closed")  # a cloud's card has its breaker
-    upstream.push(Answer(status=429, retry_after="12"))  # longer than the 1 s retry budget: the cloud cools 12 s
+    # Longer than the 1 s retry budget, and than any wait for the page's refresh (every 5 s) on a loaded machine: the
+    # cloud cools for an hour, so the card cannot miss it.
+    upstream.push(Answer(status=429, retry_after="3600"))
+    auth = {"authorization": f"Bearer {API_KEY}"}
     body = {"model": "tandem", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
-    r = httpx.post(gw.v1 + "/chat/completions", json=body, headers={"authorization": f"Bearer {API_KEY}"}, timeout=120)
+    r = httpx.post(gw.v1 + "/chat/completions", json=body, headers=auth, timeout=120)
     assert r.status_code == 200 and r.headers["x-tandem-backend"] == "device", r.text
-    _, text = wait.until(lambda d: (line := breaker_line(d)) and line[0] == "open" and line)  # refreshes every 5 s
+    _, text = wait.until(lambda d: (line := breaker_line(d)) and line[0] == "open" and line)
     assert text.startswith("breaker open: cooling until ") and "answered 429" in text
-    wait.until(lambda d: (breaker_line(d) or ("", ""))[0] == "closed")  # the cool-down ends on its own
+    # A success closes the breaker (a pinned answer goes to the cloud whatever its state), and the card follows.
+    r = httpx.post(gw.v1 + "/chat/completions", json={**body, "model": "cloud"}, headers=auth, timeout=120)
+    assert r.status_code == 200 and r.headers["x-tandem-backend"] == "cloud", r.text
+    wait.until(lambda d: (breaker_line(d) or ("", ""))[0] == "closed")
