@@ -1,6 +1,6 @@
 """The prompt cache's own logic (clients/prompt_cache.py): lookup by longest common prefix, the RAM and disk bounds,
-the file format and what it refuses. Payloads are plain bytes here; tests/integration/test_prompt_cache_gateway.py restores
-real llama.cpp states."""
+the file format and what it refuses. Payloads are plain bytes here; tests/integration/test_prompt_cache_gateway.py
+restores real llama.cpp states."""
 
 from __future__ import annotations
 
