@@ -160,10 +160,24 @@ def test_a_budget_put_on_one_replica_is_seen_by_the_other(replicas):
     assert seen["version"] == r.json()["version"] and seen["settings_source"] == "the shared store"
 
 
-SHORT = [{"role": "user", "content": "Hi"}]
-# A dozen tokens more, after the same start: the device's prompt cache keeps their common prefix, so its prefill of
-# either (a race's loser too) is a few tokens on a busy machine.
-LONG = [{"role": "user", "content": "Hi! Do the replicas that answer me share one budget?"}]
+SHORT = "Hi"
+# Sixty tokens more. Every prompt begins with a number of its own (four digits, one token each: every prompt of a
+# length has the same token count), so the device's prompt cache holds no prompt beyond the chat template's ~24
+# tokens and a digit or two (DiSCo decides on the tokens the device would evaluate, docs/disco.md "Planning with
+# caches": a prompt it had raced on and held whole would count as a short one). The long prompt's tokens past those
+# stay well above the short one's whole length, the threshold Eq. 3 sets between the two.
+LONG = (
+    "Hi! Two gateway replicas answer my requests, one after the other, and both book what they spend on one shared "
+    "store. Do they play the same budget, so that the share of my prompts' tokens that goes to the cloud is the share "
+    "I set on either of them, and not twice it?"
+)
+_numbers = iter(range(10**9))
+
+
+def numbered(text: str) -> list[dict]:
+    """A prompt no earlier one begins like: its own number first (scrambled, so the next one differs at its first
+    digit)."""
+    return [{"role": "user", "content": f"{next(_numbers) * 7919 % 10_000:04d} {text}"}]
 
 
 async def batches_on_both(gws: list[GatewayProcess], batches: int, policy: str = "disco-s") -> tuple[int, int]:
@@ -173,15 +187,19 @@ async def batches_on_both(gws: list[GatewayProcess], batches: int, policy: str =
     ones."""
     clients = [openai.AsyncOpenAI(base_url=gw.v1, api_key=PLAIN, max_retries=0) for gw in gws]
 
-    async def one(client: openai.AsyncOpenAI, messages: list) -> int:
+    async def one(client: openai.AsyncOpenAI, text: str) -> int:
         answer = await client.chat.completions.create(
-            model="tandem", messages=messages, max_tokens=1, temperature=0, extra_body={"tandem": {"policy": policy}}
+            model="tandem",
+            messages=numbered(text),
+            max_tokens=1,
+            temperature=0,
+            extra_body={"tandem": {"policy": policy}},
         )
         return answer.usage.prompt_tokens
 
     try:
         for _ in range(batches):
-            lengths = await asyncio.gather(*(one(c, m) for c in clients for m in [SHORT, LONG] * 5))
+            lengths = await asyncio.gather(*(one(c, t) for c in clients for t in [SHORT, LONG] * 5))
         assert set(lengths[0::2]) == {lengths[0]} and set(lengths[1::2]) == {lengths[1]}
         return lengths[0], lengths[1]
     finally:
