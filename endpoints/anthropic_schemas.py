@@ -6,8 +6,10 @@ defines (its beta surface's too: Claude Code sends `/v1/messages?beta=true`) is 
 chat request (`thinking` and `output_config.effort` as `reasoning_effort`, `metadata.user_id` as `user`,
 `service_tier`, `output_config.format` as a json_schema format), or ignored visibly (`ignored_extras`: the
 `x-tandem-ignored-fields` header and the trace). Earlier thinking blocks and server tools' blocks in the history are
-dropped, and server tools are not offered, visibly so. Content Tandem cannot read (images, documents) is a 400
-naming the field, never dropped: an agent that sent a screenshot must not get an answer that silently never saw it.
+dropped, and server tools are not offered, visibly so; so is Claude Code's attribution block in `system`
+(`x-anthropic-billing-header: …`, a per-request fingerprint that would end every prefix cache's match). Content
+Tandem cannot read (images, documents) is a 400 naming the field, never dropped: an agent that sent a screenshot must
+not get an answer that silently never saw it.
 The conversation's shape is checked as the API checks it: the first message is the user's, each tool_result answers
 a tool_use of the assistant message just before it, and a trailing assistant message (a prefill, which the answer
 continues) is text.
@@ -180,6 +182,7 @@ class ToolDefinition(_Request):
     allowed_callers: list[str] | None = None
 
 
+_ATTRIBUTION = "x-anthropic-billing-header:"  # Claude Code's attribution block in `system` (Conversation._attribution)
 _TOOL_EXTRAS = ("defer_loading", "eager_input_streaming", "input_examples", "allowed_callers")
 # Server tools (web search, web fetch, code execution, tool search, ...) and Anthropic-defined client tools (bash,
 # text_editor, computer, memory) are versioned types; MCP toolsets name the servers Anthropic would call.
@@ -371,6 +374,8 @@ class Conversation(_Request):
                 inner = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else ()
                 for dropped in (b for b in (block, *inner) if isinstance(b, DroppedBlock)):
                     out[f"messages.{dropped.type}"] = out.get(f"messages.{dropped.type}", 0) + 1
+        if self._attribution():
+            out["system.x-anthropic-billing-header"] = True
         if beta:
             out["anthropic-beta"] = beta
         return out
@@ -388,10 +393,20 @@ class Conversation(_Request):
         hint = next((h for m in marked if isinstance(h := getattr(m, "cache_control", None), CacheControl)), None)
         return None if hint is None else hint.model_dump(exclude_none=True)
 
+    def _attribution(self) -> list[TextBlock]:
+        """Claude Code's attribution blocks in `system` (`x-anthropic-billing-header: cc_version=…; cch=…;`): the
+        Anthropic API reads them for billing, not as prompt, and their fingerprint changes with every request, so as
+        prompt text they would be the first thing to differ between two turns of one conversation and no prefix cache
+        (the device's, an upstream's) would ever match past them. Dropped, and reported ignored."""
+        if not isinstance(self.system, list):
+            return []
+        return [block for block in self.system if block.text.startswith(_ATTRIBUTION)]
+
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
             return self.system
-        return "\n\n".join(block.text for block in self.system)
+        kept = [block.text for block in self.system if not block.text.startswith(_ATTRIBUTION)]
+        return "\n\n".join(kept) if kept or not self.system else None
 
 
 class MessagesRequest(Conversation):

@@ -95,6 +95,13 @@ def _shipped_opencode(turn: Exchange) -> list[str]:
 # Per CLI: what its first request for an answer must carry on the wire (the fields the CLI ships with, which the lean
 # settings keep), read from the recorded shape; each returns what is missing.
 SHIPPED = {"claude": _shipped_claude, "codex": _shipped_codex, "opencode": _shipped_opencode}
+# ... and what of it the gateway must report ignored (x-tandem-ignored-fields) on the device that answers it; Claude
+# Code's attribution block in `system` among them (its per-request fingerprint is no prompt).
+REPORTED = {
+    "claude": {"context_management", "tools.defer_loading", "anthropic-beta", "system.x-anthropic-billing-header"},
+    "codex": {"include", "reasoning.summary", "tools.web_search", "client_metadata"},
+    "opencode": set(),
+}
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +171,8 @@ def test_an_agent_cli_runs_against_the_gateway_with_every_request_answered(agent
     assert refusals(agent_gateway) == refused_before  # the gateway's own count agrees
     assert result.ok, result.tail()
     assert not SHIPPED[agent](turns[-1]), f"{agent}'s wire lacks {SHIPPED[agent](turns[-1])}: {turns[-1].shape}"
+    reported = turns[-1].tandem_headers.get("x-tandem-ignored-fields", "").split(", ")
+    assert REPORTED[agent] <= set(reported), reported
     assert_bounded(agent_gateway, turns)
     assert set(os.listdir(Path.home())) == home_before  # its folders went to its scratch HOME, not ours
     assert (tmp_path / "home").is_dir() and any((tmp_path / "home").iterdir())

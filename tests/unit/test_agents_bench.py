@@ -321,8 +321,8 @@ def test_a_row_sums_tasks_tokens_per_endpoint_and_splits_first_turn_ttft():
     records = [_record(True, [(4.0, device), (1.0, cloud)], 0.002), _record(False, [(6.0, device)], refused=1)]
     row = summarize("claude", "disco", records)
     assert row["solved"] == 1 and row["tasks"] == 2 and row["turns"] == 3 and row["refused"] == 1
-    assert row["ttft_first_s"] == 5.0 and row["ttft_later_s"] == 1.0
+    assert row["ttft_cold_s"] == 4.0 and row["ttft_first_s"] == 5.0 and row["ttft_later_s"] == 1.0
     assert row["tokens"] == {"device": {"prompt": 2000, "cached": 0, "answer": 20}, **cloud}
     [head, rule, line] = table([row])
     assert head.count("|") == rule.count("|") == line.count("|")
-    assert "| claude | disco | 1/2 | 1.5 |" in line and "0.00200" in line
+    assert "| claude | disco | 1/2 | 1.5 | 10 | 4.0 / 5.0 | 1.0 |" in line and "0.00200" in line
